@@ -1,0 +1,124 @@
+"""The KV connector API: one class, two roles (as vLLM's KVConnectorBase_V1).
+
+The scheduler creates the connector with role SCHEDULER and calls the
+scheduler-side hooks from its single thread; each worker creates it with role
+WORKER and calls the worker-side hooks around the forward pass. The two
+halves talk only through the ``KVConnectorMetadata`` the scheduler builds each
+step and the ``KVConnectorOutput`` the worker returns.
+
+Contract for every hook: it must not block on network or disk I/O (the step
+loop waits on it); a failure to load is reported as invalid block ids, never
+raised into the step; a failure to save is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.kv_cache.events import KVCacheEvent
+    from engine.kv_cache.manager import KVCacheBlocks
+    from engine.outputs import KVConnectorOutput
+    from engine.request import Request
+    from engine.sched.output import SchedulerOutput
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+class KVConnectorMetadata:
+    """Opaque per-step instructions from the scheduler half to the workers."""
+
+
+class KVConnectorBase(ABC):
+    """Base class of every KV connector."""
+
+    def __init__(self, role: KVConnectorRole) -> None:
+        self.role = role
+        self._metadata: KVConnectorMetadata | None = None
+
+    # ---- scheduler role -------------------------------------------------
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` (the local prefix hit) that
+        the connector can supply.
+
+        Returns ``(count, load_async)``. ``count`` None means "not known yet,
+        ask again next step" (the request is skipped this step). With
+        ``load_async`` the request waits in WAITING_FOR_REMOTE_KVS while the
+        load runs. The count must leave at least one prompt token to compute.
+        Must not block.
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Called once blocks are allocated for a request it matched; the
+        last ``num_external_tokens`` worth of those blocks are to be loaded."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Package this step's loads and saves for the workers and reset the
+        per-step state. Called once per schedule()."""
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027
+        """See what the workers reported this step (optional)."""
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A request finished. Return ``(delay_free, kv_transfer_params)``:
+        with ``delay_free`` the scheduler keeps the blocks until the worker
+        reports the request in ``finished_sending``. The params travel back
+        to the client (P/D: where the decode side finds the KV)."""
+        return False, None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events from the connector's own tiers (optional)."""
+        return []
+
+    # ---- worker role ----------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:  # noqa: B027
+        """Called once with the layer name -> KV tensor map."""
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    @abstractmethod
+    def start_load_kv(self, **kwargs: Any) -> None:
+        """Start loading this step's KV (before the forward pass)."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until ``layer_name``'s KV is loaded (called inside forward)."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
+        """Start saving one layer's KV (called inside forward)."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until this step's saves no longer need the KV buffers."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous (sending, receiving) transfers are done."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call."""
+        return set()
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Release resources; called once."""

@@ -1,0 +1,1 @@
+"""Tandem's inference engine: scheduler, KV cache, model runner. No networking."""

@@ -1,0 +1,135 @@
+"""Every engine knob, as frozen, validated dataclasses.
+
+A config object is checked once when it is built; the rest of the engine
+trusts it. Errors are ``ConfigError`` (a ``ValueError``) naming the field,
+the value given and what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SchedulingPolicyName = Literal["fcfs", "priority"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _require(ok: bool, field: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}={value!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler shares one step among requests.
+
+    With the defaults, decisions are exactly those of vLLM's v1 scheduler.
+    ``max_num_partial_prefills`` > 1 turns on the v0 knob that lets at most
+    that many requests be mid-prefill at once (at most
+    ``max_long_partial_prefills`` of them long), so short prompts can jump
+    ahead of long ones.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: SchedulingPolicyName = "fcfs"
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    # Slots reserved beyond the scheduled tokens for a draft model's KV
+    # (vLLM's num_lookahead_tokens for EAGLE-style proposers).
+    num_lookahead_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "> 0")
+        _require(
+            self.max_num_batched_tokens > 0,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "> 0",
+        )
+        _require(self.max_model_len > 1, "max_model_len", self.max_model_len, "> 1")
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            self.long_prefill_token_threshold,
+            ">= 0 (0 disables it)",
+        )
+        _require(self.policy in ("fcfs", "priority"), "policy", self.policy, "'fcfs' or 'priority'")
+        _require(
+            self.max_num_partial_prefills >= 1,
+            "max_num_partial_prefills",
+            self.max_num_partial_prefills,
+            ">= 1",
+        )
+        _require(
+            1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills,
+            "max_long_partial_prefills",
+            self.max_long_partial_prefills,
+            f"between 1 and max_num_partial_prefills ({self.max_num_partial_prefills})",
+        )
+        _require(
+            self.num_lookahead_tokens >= 0,
+            "num_lookahead_tokens",
+            self.num_lookahead_tokens,
+            ">= 0",
+        )
+        if self.partial_prefills_enabled:
+            _require(
+                self.enable_chunked_prefill,
+                "max_num_partial_prefills",
+                self.max_num_partial_prefills,
+                "1 when enable_chunked_prefill is False",
+            )
+        if not self.enable_chunked_prefill:
+            # Without chunking a prompt must fit in one step's budget.
+            _require(
+                self.max_num_batched_tokens >= self.max_model_len,
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f">= max_model_len ({self.max_model_len}) when chunked prefill is off",
+            )
+
+    @property
+    def partial_prefills_enabled(self) -> bool:
+        return self.max_num_partial_prefills > 1
+
+    @property
+    def effective_long_prefill_threshold(self) -> int:
+        """The threshold in force: as v0 does, partial prefills without an
+        explicit threshold call a prompt long above 4% of max_model_len."""
+        if self.partial_prefills_enabled and self.long_prefill_token_threshold == 0:
+            return max(1, int(self.max_model_len * 0.04))
+        return self.long_prefill_token_threshold
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Block 0 is reserved as the null block, as in vLLM, so ``num_blocks - 1``
+    blocks hold request data.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size > 0 and self.block_size % 8 == 0,
+            "block_size",
+            self.block_size,
+            "a positive multiple of 8",
+        )
+        _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, ">= 2 (one is reserved)")
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1

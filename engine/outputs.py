@@ -1,0 +1,111 @@
+"""What the model runner returns and what the engine core emits per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.kv_cache.events import KVCacheEvent
+from engine.request import FinishReason
+from engine.stats import SchedulerStats
+
+
+@dataclass
+class LogprobsLists:
+    """Logprobs of sampled tokens, one row per sampled token.
+
+    Row ``i`` holds ``[sampled, top_1, ..., top_n]`` token ids and their
+    logprobs, and the rank of the sampled token. Rows are in request-index
+    order; ``cu_num_generated_tokens`` (prefix sums, length num_reqs + 1)
+    maps a request to its rows when requests sample more than one token
+    (speculative decoding); None means one row per request.
+    """
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+    cu_num_generated_tokens: list[int] | None = None
+
+    def slice_request(self, req_index: int, num_tokens: int) -> LogprobsLists:
+        start = (
+            req_index
+            if self.cu_num_generated_tokens is None
+            else self.cu_num_generated_tokens[req_index]
+        )
+        end = start + num_tokens
+        return LogprobsLists(
+            self.logprob_token_ids[start:end],
+            self.logprobs[start:end],
+            self.sampled_token_ranks[start:end],
+        )
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker-side connector reports after a step.
+
+    ``finished_sending``: requests whose KV has been read by the consumer
+    (their delayed-free blocks can go). ``finished_recving``: requests whose
+    asynchronous load completed (they may leave WAITING_FOR_REMOTE_KVS).
+    ``invalid_block_ids``: blocks whose load failed; the scheduler rewinds
+    the affected requests so those tokens are recomputed.
+    """
+
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results, indexed by position in ``req_ids``.
+
+    ``sampled_token_ids[i]`` is empty for a request still mid-prefill, one
+    token for a decode, several when drafts were accepted.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: LogprobsLists | None = None
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+@dataclass
+class DraftTokenIds:
+    """Draft (speculative) tokens proposed for the next step."""
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """New tokens (and the end, if it ended) of one request in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    new_logprobs: LogprobsLists | None = None
+    stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one step produced for one client."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    kv_events: list[KVCacheEvent] | None = None

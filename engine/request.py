@@ -1,0 +1,149 @@
+"""Request: one generation request and the state the scheduler moves.
+
+The request owns its state (tokens, progress, status); the scheduler only
+moves integers and block ids. Field names follow vLLM's v1 ``Request``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.kv_cache.hashing import BlockHash, BlockHasher
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle states. Every state after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # kept for parity with vLLM; unused here
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """A request as the engine sees it.
+
+    ``all_token_ids`` is prompt + outputs; ``num_computed_tokens`` is how many
+    of them (plus scheduled drafts) have KV in the cache. The lists are owned
+    by the request: read them, never mutate them from outside.
+    Identity semantics (eq=False): requests live in sets and dicts.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    client_index: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    block_hasher: BlockHasher | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # -1 until the request is first scheduled; then the tokens that came
+    # from the local prefix cache or a connector (not recomputed).
+    num_cached_tokens: int = -1
+    num_external_computed_tokens: int = 0
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_prompt_tokens: int = field(init=False)
+    max_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if len(self.prompt_token_ids) == 0:
+            raise ValueError(f"prompt_token_ids: request {self.request_id} has an empty prompt")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_tokens = self.sampling_params.max_tokens
+        if self.block_hasher is not None:
+            self.block_hashes = self.block_hasher(self)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """Append one sampled token (runs for every request every step)."""
+        self.output_token_ids.append(token_id)
+        all_token_ids = self.all_token_ids
+        all_token_ids.append(token_id)
+        hasher = self.block_hasher
+        # Hash only when a block boundary is crossed.
+        if hasher is not None and len(all_token_ids) >= (
+            (len(self.block_hashes) + 1) * hasher.block_size
+        ):
+            self.block_hashes.extend(hasher(self))
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        for token_id in token_ids:
+            self.append_output_token_id(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def __lt__(self, other: Request) -> bool:
+        """Priority order: lower priority value, then earlier arrival."""
+        if self.priority != other.priority:
+            return self.priority < other.priority
+        if self.arrival_time != other.arrival_time:
+            return self.arrival_time < other.arrival_time
+        if self.request_id != other.request_id:
+            return self.request_id < other.request_id
+        return id(self) < id(other)

@@ -1,0 +1,745 @@
+"""The scheduler: vLLM v1's algorithm (seed 001), split into small parts.
+
+There is no prefill or decode phase. Each request has ``num_computed_tokens``
+that catches up with its tokens, within a per-step token budget: running
+requests first (preempting the lowest-priority one when blocks run out), then
+waiting ones, unless this step preempted. Chunked prefill, prefix caching,
+P/D (WAITING_FOR_REMOTE_KVS) and speculative decoding all fall out of that
+one mechanism.
+
+Step by step the decisions equal vLLM 0.12.0's scheduler with the same
+config (asynchronous scheduling, pipeline parallelism, LoRA, multimodal
+encoders and structured output aside).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.config import CacheConfig, ConfigError, SchedulerConfig
+from engine.kv_cache.hashing import BlockHasher
+from engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from engine.outputs import (
+    DraftTokenIds,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+)
+from engine.request import Request, RequestStatus
+from engine.sched.interface import SchedulerInterface
+from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.sched.partial_prefill import Admission, PartialPrefillLimiter
+from engine.sched.request_queue import SchedulingPolicy, create_request_queue
+from engine.sched.stop import check_stop, remove_all
+from engine.stats import PrefixCacheStats, SchedulerStats
+
+if TYPE_CHECKING:
+    from connectors.base import KVConnectorBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepPlan:
+    """The schedule under construction during one schedule() call."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    resumed_reqs: list[Request] = field(default_factory=list)
+    running_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+
+class Scheduler(SchedulerInterface):
+    """Owns the waiting queue, the running list and the KV cache manager.
+
+    Single-threaded: the engine core calls every method from one thread.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        connector: KVConnectorBase | None = None,
+        log_stats: bool = True,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.long_prefill_threshold = scheduler_config.effective_long_prefill_threshold
+        self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self._check_cache_fits_one_request()
+        self.connector = connector
+        self.log_stats = log_stats
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cache_config.num_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=self.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+            enable_kv_events=cache_config.enable_kv_events,
+            log_stats=log_stats,
+        )
+        self.block_hasher = BlockHasher(cache_config.block_size)
+        self.partial_prefills = (
+            PartialPrefillLimiter(scheduler_config)
+            if scheduler_config.partial_prefills_enabled
+            else None
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the runner must drop them.
+        self.finished_req_ids: set[str] = set()
+        # P/D: async loads that completed / that had failed blocks.
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        # The previous step's num_scheduled_tokens (only membership is used).
+        self._prev_step_scheduled: dict[str, int] = {}
+        self.num_preemptions = 0
+        self.connector_prefix_cache_stats: PrefixCacheStats | None = (
+            PrefixCacheStats() if connector is not None and log_stats else None
+        )
+
+    def _check_cache_fits_one_request(self) -> None:
+        # A request that cannot fit even alone would block the queue forever.
+        needed = -(-self.max_model_len // self.block_size)
+        if needed > self.cache_config.num_usable_blocks:
+            raise ConfigError(
+                f"num_blocks={self.cache_config.num_blocks} is invalid: one request of "
+                f"max_model_len={self.max_model_len} tokens needs {needed} blocks of "
+                f"{self.block_size} plus the reserved null block"
+            )
+
+    # ------------------------------------------------------------------
+    # Requests in and out
+    # ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: {request.num_prompt_tokens} tokens exceed "
+                f"max_model_len={self.max_model_len}"
+            )
+        if request.block_hasher is None and self.cache_config.enable_prefix_caching:
+            request.block_hasher = self.block_hasher
+            request.block_hashes = self.block_hasher(request)
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status={finished_status} is not a finished status")
+        ids = (request_ids,) if isinstance(request_ids, str) else dict.fromkeys(request_ids)
+        to_finish = [
+            r for rid in ids if (r := self.requests.get(rid)) is not None and not r.is_finished()
+        ]
+        running = {r for r in to_finish if r.status == RequestStatus.RUNNING}
+        if running:
+            self.running = remove_all(self.running, running)
+        waiting = [r for r in to_finish if r.status != RequestStatus.RUNNING]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        for request in to_finish:
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Retire a finished request; its blocks wait if a connector is
+        still sending them. Returns the connector's kv_transfer_params."""
+        delay_free, kv_transfer_params = self._connector_finished(request)
+        self.finished_req_ids.add(request.request_id)
+        if not delay_free:
+            self._free_blocks(request)
+        return kv_transfer_params
+
+    def _free_blocks(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    # ------------------------------------------------------------------
+    # schedule()
+    # ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(token_budget=self.max_num_scheduled_tokens)
+        if self.partial_prefills is not None:
+            self.partial_prefills.begin_step(self.running, self.waiting)
+        self._schedule_running(plan)
+        # A step that had to preempt admits nobody: blocks are short.
+        if not plan.preempted_reqs:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        # The hot loop of the scheduler (every running request, every step):
+        # attributes are bound to locals and min() is spelled out.
+        running = self.running  # preemption mutates this same list
+        threshold = self.long_prefill_threshold
+        max_position = self.max_model_len - 1
+        chunk_cap = self.partial_prefills.chunk_cap if self.partial_prefills else 0
+        allocate = self.kv_cache_manager.allocate_slots
+        lookahead = self.num_lookahead_tokens
+        scheduled_reqs = plan.running_reqs
+        req_to_new_blocks = plan.req_to_new_blocks
+        num_scheduled = plan.num_scheduled_tokens
+        req_index = 0
+        while req_index < len(running) and plan.token_budget > 0:
+            request = running[req_index]
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) + len(request.spec_token_ids) - computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > plan.token_budget:
+                num_new = plan.token_budget
+            if num_new > max_position - computed:
+                # Positions stop at max_model_len - 1 (drafts may reach it).
+                num_new = max_position - computed
+            if chunk_cap and num_new > chunk_cap:
+                num_new = chunk_cap
+            if num_new <= 0:
+                # Nothing to do this step; the requests behind it may run.
+                req_index += 1
+                continue
+            new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead)
+            if new_blocks is None:
+                new_blocks, req_index = self._preempt_until_fits(request, num_new, plan, req_index)
+                if new_blocks is None:
+                    break
+            scheduled_reqs.append(request)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled[request.request_id] = num_new
+            plan.token_budget -= num_new
+            req_index += 1
+            if request.spec_token_ids:
+                self._schedule_spec_tokens(request, num_new, plan)
+
+    def _preempt_until_fits(
+        self, request: Request, num_new: int, plan: _StepPlan, req_index: int
+    ) -> tuple[KVCacheBlocks | None, int]:
+        """``request`` did not fit: preempt lowest-priority requests until it
+        does. Returns (blocks, adjusted req_index), or (None, ...) once
+        ``request`` itself was the one preempted."""
+        allocate = self.kv_cache_manager.allocate_slots
+        while True:
+            victim = self._pop_preemption_victim()
+            if victim.request_id in plan.num_scheduled_tokens:
+                # Already scheduled earlier in this step: undo it.
+                self._unschedule(victim, plan)
+                req_index -= 1
+            self._preempt_request(victim)
+            plan.preempted_reqs.append(victim)
+            if victim is request:
+                return None, req_index
+            new_blocks = allocate(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is not None:
+                return new_blocks, req_index
+
+    def _pop_preemption_victim(self) -> Request:
+        if self.policy is SchedulingPolicy.PRIORITY:
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+            return victim
+        return self.running.pop()
+
+    def _unschedule(self, request: Request, plan: _StepPlan) -> None:
+        request_id = request.request_id
+        plan.running_reqs.remove(request)
+        plan.token_budget += plan.num_scheduled_tokens.pop(request_id)
+        del plan.req_to_new_blocks[request_id]
+        plan.spec_decode_tokens.pop(request_id, None)
+
+    def _preempt_request(self, request: Request) -> None:
+        """Recompute-style preemption: drop the KV, back to the queue head.
+        The caller has already taken it out of ``running``."""
+        if request.status != RequestStatus.RUNNING:
+            raise RuntimeError(f"cannot preempt {request.request_id} in state {request.status}")
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _schedule_spec_tokens(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        num_spec = num_new + request.num_computed_tokens - request.num_tokens
+        if num_spec > 0:
+            del request.spec_token_ids[num_spec:]
+            plan.spec_decode_tokens[request.request_id] = request.spec_token_ids
+        # Fresh drafts arrive through update_draft_token_ids before next step.
+        request.spec_token_ids = []
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped = create_request_queue(self.policy)
+        waiting = self.waiting
+        limiter = self.partial_prefills
+        while waiting and plan.token_budget > 0:
+            if len(self.running) == self.max_num_running_reqs:
+                break
+            request = waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._update_waiting_for_remote_kv(request):
+                    skipped.prepend_request(waiting.pop_request())
+                    continue
+                request.status = RequestStatus.WAITING
+            if limiter is not None:
+                verdict = limiter.admit(request)
+                if verdict is Admission.STOP:
+                    break
+                if verdict is Admission.SKIP:
+                    skipped.prepend_request(waiting.pop_request())
+                    continue
+            if not self._try_admit(request, plan, skipped):
+                break
+        if skipped:
+            waiting.prepend_requests(skipped)
+
+    def _try_admit(self, request: Request, plan: _StepPlan, skipped: Any) -> bool:
+        """Try to start (or resume) the request at the head of the queue.
+        Returns False when nothing more can be admitted this step."""
+        kvm = self.kv_cache_manager
+        num_external = 0
+        load_async = False
+        if request.num_computed_tokens == 0:
+            computed_blocks, num_local = kvm.get_computed_blocks(request)
+            if self.connector is not None:
+                ext, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                if ext is None:
+                    # The connector does not know yet; ask again next step.
+                    skipped.prepend_request(self.waiting.pop_request())
+                    return True
+                request.num_external_computed_tokens = num_external = ext
+            num_computed = num_local + num_external
+        else:
+            # Back from an async KV load with some tokens already in place.
+            computed_blocks, num_local = kvm.empty_kv_cache_blocks, 0
+            num_computed = request.num_computed_tokens
+        num_new = 0 if load_async else self._num_new_waiting_tokens(request, num_computed, plan)
+        if num_new < 0:
+            return False
+        new_blocks = kvm.allocate_slots(
+            request,
+            num_new + num_external,
+            num_local,
+            computed_blocks,
+            num_lookahead_tokens=0
+            if request.num_computed_tokens == 0
+            else self.num_lookahead_tokens,
+            delay_cache_blocks=load_async,
+        )
+        if new_blocks is None:
+            return False
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(
+                request, computed_blocks + new_blocks, num_external
+            )
+        self.waiting.pop_request()
+        if load_async:
+            skipped.prepend_request(request)
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return True
+        self._start_running(request, num_new, num_computed, plan)
+        return True
+
+    def _num_new_waiting_tokens(self, request: Request, num_computed: int, plan: _StepPlan) -> int:
+        """Tokens to compute for an admitted request, or -1 to stop admitting
+        (it does not fit and chunked prefill is off)."""
+        num_new = request.num_tokens - num_computed
+        if num_new <= 0:
+            raise RuntimeError(
+                f"request {request.request_id}: {num_computed} tokens already computed of "
+                f"{request.num_tokens}; a connector must leave at least one to compute"
+            )
+        if 0 < self.long_prefill_threshold < num_new:
+            num_new = self.long_prefill_threshold
+        if not self.config.enable_chunked_prefill and num_new > plan.token_budget:
+            return -1
+        num_new = min(num_new, plan.token_budget)
+        if self.partial_prefills is not None:
+            num_new = min(num_new, self.partial_prefills.chunk_cap)
+        return num_new
+
+    def _start_running(
+        self, request: Request, num_new: int, num_computed: int, plan: _StepPlan
+    ) -> None:
+        if self.partial_prefills is not None:
+            self.partial_prefills.on_admitted(request)
+        if self.connector_prefix_cache_stats is not None:
+            self.connector_prefix_cache_stats.record(
+                request.num_tokens,
+                request.num_external_computed_tokens,
+                request.num_preemptions > 0,
+            )
+        self.running.append(request)
+        if request.status == RequestStatus.WAITING:
+            plan.new_reqs.append(request)
+        elif request.status == RequestStatus.PREEMPTED:
+            plan.resumed_reqs.append(request)
+        else:
+            raise RuntimeError(f"request {request.request_id} admitted in state {request.status}")
+        plan.req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
+            request.request_id
+        )
+        plan.num_scheduled_tokens[request.request_id] = num_new
+        plan.token_budget -= num_new
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        num_scheduled = plan.num_scheduled_tokens
+        num_common_prefix_blocks = (
+            self.kv_cache_manager.get_num_common_prefix_blocks(self.running[0].request_id)
+            if self.running
+            else 0
+        )
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData.from_request(r, plan.req_to_new_blocks[r.request_id].get_block_ids())
+                for r in plan.new_reqs
+            ],
+            scheduled_cached_reqs=self._make_cached_request_data(plan),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=plan.spec_decode_tokens,
+            num_common_prefix_blocks=num_common_prefix_blocks,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in plan.preempted_reqs},
+        )
+        self._prev_step_scheduled = num_scheduled
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        # Only now advance progress: the output (and the connector) saw where
+        # each request starts this step. Rejected drafts are rewound later.
+        requests = self.requests
+        for req_id, num_tokens in num_scheduled.items():
+            requests[req_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        return output
+
+    def _make_cached_request_data(self, plan: _StepPlan) -> CachedRequestData:
+        """Deltas for the running (then resumed) requests scheduled."""
+        data = CachedRequestData()
+        prev = self._prev_step_scheduled
+        new_blocks = plan.req_to_new_blocks
+        req_ids = data.req_ids
+        new_block_ids = data.new_block_ids
+        num_computed = data.num_computed_tokens
+        num_output = data.num_output_tokens
+        for req in plan.running_reqs:
+            req_id = req.request_id
+            req_ids.append(req_id)
+            if req_id not in prev:
+                # Skipped last step: the runner may lack its newest token.
+                data.all_token_ids[req_id] = req.all_token_ids.copy()
+            blocks = new_blocks[req_id].blocks
+            new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            num_computed.append(req.num_computed_tokens)
+            num_output.append(len(req.output_token_ids))
+        for req in plan.resumed_reqs:
+            req_id = req.request_id
+            data.req_ids.append(req_id)
+            data.resumed_req_ids.add(req_id)
+            data.all_token_ids[req_id] = req.all_token_ids.copy()
+            data.new_block_ids.append(new_blocks[req_id].get_block_ids(allow_none=True))
+            data.num_computed_tokens.append(req.num_computed_tokens)
+            data.num_output_tokens.append(len(req.output_token_ids))
+        return data
+
+    # ------------------------------------------------------------------
+    # update_from_output()
+    # ------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        req_id_to_index = model_runner_output.req_id_to_index
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        kv_output = model_runner_output.kv_connector_output
+        recovered: set[str] = set()
+        if kv_output is not None and kv_output.invalid_block_ids:
+            recovered = self._handle_invalid_blocks(kv_output.invalid_block_ids)
+
+        outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
+        stopped_running: set[Request] = set()
+        stopped_preempted: set[Request] = set()
+        requests = self.requests
+        max_model_len = self.max_model_len
+        preempted = RequestStatus.PREEMPTED
+        # The other hot loop: one pass per scheduled request per step.
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if req_id in recovered:
+                continue  # rewound for recomputation; its tokens are void
+            request = requests.get(req_id)
+            if request is None or request.status > preempted:
+                continue  # finished (aborted) while the step ran
+            req_index = req_id_to_index[req_id]
+            new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
+            if spec_tokens:
+                drafts = spec_tokens.get(req_id)
+                if drafts:
+                    self._rewind_rejected_drafts(request, len(drafts), len(new_token_ids))
+            if not new_token_ids:
+                continue  # mid-prefill: nothing to report yet
+            status_before = request.status
+            if len(new_token_ids) == 1:
+                request.append_output_token_id(new_token_ids[0])
+                stopped = check_stop(request, max_model_len)
+            else:
+                new_token_ids, stopped = self._append_tokens(request, new_token_ids, max_model_len)
+            finish_reason = kv_transfer_params = None
+            if stopped:
+                finish_reason = request.get_finished_reason()
+                kv_transfer_params = self._free_request(request)
+                if status_before == RequestStatus.RUNNING:
+                    stopped_running.add(request)
+                else:
+                    stopped_preempted.add(request)
+            new_logprobs = (
+                logprobs.slice_request(req_index, len(new_token_ids))
+                if logprobs is not None and request.sampling_params.logprobs is not None
+                else None
+            )
+            outputs[request.client_index].append(
+                EngineCoreOutput(
+                    req_id,
+                    new_token_ids,
+                    finish_reason,
+                    new_logprobs,
+                    request.stop_reason,
+                    kv_transfer_params,
+                    request.num_cached_tokens,
+                )
+            )
+        if stopped_running:
+            self.running = remove_all(self.running, stopped_running)
+        if stopped_preempted:
+            self.waiting.remove_requests(stopped_preempted)
+        if kv_output is not None:
+            self._update_from_kv_xfer_finished(kv_output)
+        return self._package_outputs(outputs)
+
+    @staticmethod
+    def _rewind_rejected_drafts(request: Request, num_drafts: int, num_generated: int) -> None:
+        # One sampled token per accepted draft, plus one bonus token.
+        num_rejected = num_drafts - (num_generated - 1)
+        if request.num_computed_tokens > 0:
+            request.num_computed_tokens -= num_rejected
+
+    @staticmethod
+    def _append_tokens(
+        request: Request, new_token_ids: list[int], max_model_len: int
+    ) -> tuple[list[int], bool]:
+        """Append sampled tokens one by one, stopping at the first stop."""
+        for num_new, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_id(token_id)
+            if check_stop(request, max_model_len):
+                del new_token_ids[num_new:]
+                return new_token_ids, True
+        return new_token_ids, False
+
+    def _package_outputs(
+        self, outputs: dict[int, list[EngineCoreOutput]]
+    ) -> dict[int, EngineCoreOutputs]:
+        engine_outputs = {client: EngineCoreOutputs(outs) for client, outs in outputs.items()}
+        events = self.kv_cache_manager.take_events()
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        stats = self.make_stats()
+        if stats is not None or events:
+            # Stats and events go to one client; client 0 if none had output.
+            first = next(iter(engine_outputs.values()), None)
+            if first is None:
+                first = engine_outputs[0] = EngineCoreOutputs()
+            first.scheduler_stats = stats
+            first.kv_events = events or None
+        return engine_outputs
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        for req_id, drafts in zip(
+            draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            request.spec_token_ids = list(drafts)
+
+    # ------------------------------------------------------------------
+    # KV connector paths
+    # ------------------------------------------------------------------
+
+    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        if self.connector is None:
+            return False, None
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        return self.connector.request_finished(request, block_ids)
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
+        """True once the request's async load finished; its loaded blocks are
+        then cached and num_computed_tokens set to what arrived."""
+        request_id = request.request_id
+        if request_id not in self.finished_recving_kv_req_ids:
+            return False
+        kvm = self.kv_cache_manager
+        if request_id in self.failed_recving_kv_req_ids:
+            # num_computed_tokens was already cut back to the valid prefix.
+            if request.num_computed_tokens:
+                kvm.cache_blocks(request, request.num_computed_tokens)
+            else:
+                kvm.free(request)  # nothing valid; a local hit may do better
+            self.failed_recving_kv_req_ids.remove(request_id)
+        else:
+            num_computed = min(
+                len(kvm.req_to_blocks[request_id]) * self.block_size, request.num_tokens
+            )
+            if num_computed == request.num_tokens:
+                num_computed -= 1  # the last token is always computed
+            kvm.cache_blocks(request, num_computed)
+            request.num_computed_tokens = num_computed
+        self.finished_recving_kv_req_ids.remove(request_id)
+        return True
+
+    def _update_from_kv_xfer_finished(self, kv_output: KVConnectorOutput) -> None:
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+        for req_id in kv_output.finished_recving or ():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                logger.warning("ignoring KV load completion for unknown request %s", req_id)
+                continue
+            self.finished_recving_kv_req_ids.add(req_id)
+        for req_id in kv_output.finished_sending or ():
+            request = self.requests.get(req_id)
+            if request is None or not request.is_finished():
+                logger.warning("ignoring KV send completion for unknown request %s", req_id)
+                continue
+            self._free_blocks(request)
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
+        """Rewind requests whose loaded KV is invalid so it is recomputed.
+        Returns the running requests whose output this step is void."""
+        async_reqs = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        async_affected, async_tokens = self._rewind_invalid(async_reqs, invalid_block_ids)
+        # They are rescheduled once their (partly failed) load completes.
+        self.failed_recving_kv_req_ids |= async_affected
+        sync_affected, sync_tokens = self._rewind_invalid(self.running, invalid_block_ids)
+        if async_affected or sync_affected:
+            logger.warning(
+                "recovered from KV load failure: %d request(s) rescheduled, %d tokens to recompute",
+                len(async_affected) + len(sync_affected),
+                async_tokens + sync_tokens,
+            )
+        return sync_affected
+
+    def _rewind_invalid(
+        self, requests: Iterable[Request], invalid_block_ids: set[int]
+    ) -> tuple[set[str], int]:
+        """Cut each request's computed tokens back to before its first
+        invalid block. A block shared by several requests is recomputed by
+        the first; the others only wait for it. Returns (affected request
+        ids, tokens to recompute)."""
+        affected: set[str] = set()
+        total_tokens = 0
+        claimed: set[int] = set()  # invalid blocks some request recomputes
+        for request in requests:
+            req_id = request.request_id
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                valid_tokens = (
+                    request.num_computed_tokens
+                    if req_id in self.failed_recving_kv_req_ids
+                    else len(block_ids) * self.block_size
+                )
+            else:
+                valid_tokens = request.num_cached_tokens  # sync load: loaded = cached
+            num_blocks = -(-valid_tokens // self.block_size)
+            is_affected = claimed_one = False
+            for idx, block_id in enumerate(block_ids[:num_blocks]):
+                if block_id not in invalid_block_ids:
+                    continue
+                is_affected = True
+                if block_id in claimed:
+                    continue
+                claimed.add(block_id)
+                if claimed_one:
+                    continue
+                claimed_one = True
+                request.num_computed_tokens = idx * self.block_size
+                lost = valid_tokens - request.num_computed_tokens
+                total_tokens += lost
+                request.num_external_computed_tokens -= lost
+            if is_affected:
+                if not claimed_one:
+                    # Every bad block is recomputed by an earlier request.
+                    total_tokens += request.num_computed_tokens - request.num_cached_tokens
+                    request.num_computed_tokens = request.num_cached_tokens
+                affected.add(req_id)
+        return affected, total_tokens
+
+    # ------------------------------------------------------------------
+    # Maintenance and stats
+    # ------------------------------------------------------------------
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget cached prefixes. Without ``reset_running_requests`` this
+        only succeeds when no request holds blocks; with it, every running
+        request is preempted first (and resumes by recomputation)."""
+        if reset_running_requests:
+            # Last first, so they return to the queue in their running order.
+            while self.running:
+                self._preempt_request(self.running.pop())
+            self._prev_step_scheduled = {}
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise RuntimeError(
+                "prefix cache not reset although every running request was preempted: "
+                "requests waiting for remote KV still hold blocks"
+            )
+        return ok
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        connector_stats = self.connector_prefix_cache_stats
+        if connector_stats is not None:
+            self.connector_prefix_cache_stats = PrefixCacheStats()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            connector_prefix_cache_stats=connector_stats,
+        )
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
