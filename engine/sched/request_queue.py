@@ -59,6 +59,9 @@ class FCFSRequestQueue(deque[Request]):
     def remove_request(self, request: Request) -> None:
         self.remove(request)
 
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = set(requests)
         kept = [r for r in self if r not in drop]

@@ -108,6 +108,7 @@ class Scheduler(SchedulerInterface):
         # The previous step's num_scheduled_tokens (only membership is used).
         self._prev_step_scheduled: dict[str, int] = {}
         self.num_preemptions = 0
+        self._head_lacks_blocks = False
         self.connector_prefix_cache_stats: PrefixCacheStats | None = (
             PrefixCacheStats() if connector is not None and log_stats else None
         )
@@ -200,7 +201,7 @@ class Scheduler(SchedulerInterface):
         # attributes are bound to locals and min() is spelled out.
         running = self.running  # preemption mutates this same list
         threshold = self.long_prefill_threshold
-        max_position = self.max_model_len - 1
+        max_model_len = self.max_model_len
         chunk_cap = self.partial_prefills.chunk_cap if self.partial_prefills else 0
         allocate = self.kv_cache_manager.allocate_slots
         lookahead = self.num_lookahead_tokens
@@ -211,14 +212,18 @@ class Scheduler(SchedulerInterface):
         while req_index < len(running) and plan.token_budget > 0:
             request = running[req_index]
             computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) + len(request.spec_token_ids) - computed
+            num_spec = len(request.spec_token_ids)
+            num_new = len(request.all_token_ids) + num_spec - computed
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > plan.token_budget:
                 num_new = plan.token_budget
-            if num_new > max_position - computed:
-                # Positions stop at max_model_len - 1 (drafts may reach it).
-                num_new = max_position - computed
+            # Drafts must leave room for the bonus token below max_model_len.
+            # (vLLM applies the -1 to every request, which leaves a prompt of
+            # exactly max_model_len tokens, chunked, unfinishable.)
+            room = max_model_len - computed - (1 if num_spec else 0)
+            if num_new > room:
+                num_new = room
             if chunk_cap and num_new > chunk_cap:
                 num_new = chunk_cap
             if num_new <= 0:
@@ -246,6 +251,14 @@ class Scheduler(SchedulerInterface):
         ``request`` itself was the one preempted."""
         allocate = self.kv_cache_manager.allocate_slots
         while True:
+            if self._next_victim_is(request) and self._release_parked_blocks(keep=None):
+                # Blocks parked in the waiting queue went back to the pool
+                # rather than this request stalling behind them.
+                new_blocks = allocate(
+                    request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+                )
+                if new_blocks is not None:
+                    return new_blocks, req_index
             victim = self._pop_preemption_victim()
             if victim.request_id in plan.num_scheduled_tokens:
                 # Already scheduled earlier in this step: undo it.
@@ -258,6 +271,11 @@ class Scheduler(SchedulerInterface):
             new_blocks = allocate(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is not None:
                 return new_blocks, req_index
+
+    def _next_victim_is(self, request: Request) -> bool:
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time)) is request
+        return self.running[-1] is request
 
     def _pop_preemption_victim(self) -> Request:
         if self.policy is SchedulingPolicy.PRIORITY:
@@ -294,6 +312,7 @@ class Scheduler(SchedulerInterface):
         request.spec_token_ids = []
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        self._head_lacks_blocks = False
         skipped = create_request_queue(self.policy)
         waiting = self.waiting
         limiter = self.partial_prefills
@@ -317,6 +336,36 @@ class Scheduler(SchedulerInterface):
                 break
         if skipped:
             waiting.prepend_requests(skipped)
+        if self._head_lacks_blocks and not self.running:
+            self._release_parked_blocks(keep=self.waiting.peek_request())
+
+    def _release_parked_blocks(self, keep: Request | None) -> bool:
+        """Break deadlocks (and livelocks) that vLLM would stay in: waiting
+        requests holding blocks from completed KV loads, while the head of
+        the queue (``keep``) cannot start with nothing running, or while the
+        last running request would preempt itself. The parked requests give
+        their blocks back and start over (what they loaded stays in the
+        prefix cache). Only with a connector do waiting requests hold blocks.
+        Returns whether any block was released."""
+        released = False
+        for request in list(self.waiting):
+            request_id = request.request_id
+            if request is keep or not self.kv_cache_manager.req_to_blocks.get(request_id):
+                continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Only once its transfer stopped writing into the blocks;
+                # this also offers what arrived to the prefix cache.
+                if not self._update_waiting_for_remote_kv(request):
+                    continue
+                request.status = RequestStatus.WAITING
+            logger.warning(
+                "releasing the blocks of waiting request %s to avoid a deadlock", request_id
+            )
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.num_external_computed_tokens = 0
+            released = True
+        return released
 
     def _try_admit(self, request: Request, plan: _StepPlan, skipped: Any) -> bool:
         """Try to start (or resume) the request at the head of the queue.
@@ -352,6 +401,7 @@ class Scheduler(SchedulerInterface):
             delay_cache_blocks=load_async,
         )
         if new_blocks is None:
+            self._head_lacks_blocks = True
             return False
         if self.connector is not None:
             self.connector.update_state_after_alloc(

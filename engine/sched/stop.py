@@ -15,11 +15,16 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     Order matters and follows vLLM: nothing stops before ``min_tokens``;
     then EOS (unless ignore_eos), then stop_token_ids (recorded as the stop
     reason), then the length limits (max_tokens, max_model_len).
+    One departure: a request whose ``min_tokens`` cannot fit before
+    max_model_len ends there (vLLM would leave it unschedulable forever).
     Stop *strings* are the detokenizer's job (finish_requests).
     """
     params = request.sampling_params
     num_output = len(request.output_token_ids)
     if num_output < params.min_tokens:
+        if len(request.all_token_ids) >= max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
         return False
     last = request.output_token_ids[-1]
     if last == request.eos_token_id and not params.ignore_eos:

@@ -352,3 +352,10 @@ def test_skipped_running_request_sends_its_tokens_again():
     s3 = step(sched)
     assert s3.scheduled == {"r0": 1, "r1": 1}
     assert s3.sched_out.scheduled_cached_reqs.all_token_ids == {}
+
+
+def test_min_tokens_beyond_max_model_len_ends_at_the_limit():
+    sched = make_scheduler(max_model_len=32)
+    sched.add_request(make_request("r0", 30, max_tokens=10, min_tokens=5))
+    tokens, reasons, _ = run_to_completion(sched, sample=lambda r: EOS)
+    assert tokens == {"r0": [EOS, EOS]} and reasons == {"r0": "length"}

@@ -1,0 +1,272 @@
+"""The scheduler's KV connector paths, driven by a connector test double."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from engine.kv_cache.manager import KVCacheBlocks
+from engine.outputs import KVConnectorOutput
+from engine.request import Request, RequestStatus
+from engine.sched.output import SchedulerOutput
+from tests.unit.engine.sched.harness import (
+    free_blocks,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
+)
+
+
+class FakeConnector(KVConnectorBase):
+    """Offers ``external[req_id]`` tokens per request, sync or async, and
+    records every hook call."""
+
+    def __init__(
+        self,
+        external: dict[str, int] | None = None,
+        load_async: bool = False,
+        delay_free: bool = False,
+    ) -> None:
+        super().__init__(KVConnectorRole.SCHEDULER)
+        self.external = external or {}
+        self.load_async = load_async
+        self.delay_free = delay_free
+        self.allocs: list[tuple[str, list[int], int]] = []
+        self.finished: list[tuple[str, list[int]]] = []
+        self.metas = 0
+        self.unknown: set[str] = set()
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if request.request_id in self.unknown:
+            return None, False
+        ext = self.external.get(request.request_id, 0)
+        ext = max(0, ext - num_computed_tokens)
+        return ext, self.load_async and ext > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.allocs.append((request.request_id, blocks.get_block_ids(), num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self.metas += 1
+        return KVConnectorMetadata()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.finished.append((request.request_id, block_ids))
+        if self.delay_free:
+            return True, {"remote_block_ids": block_ids}
+        return False, None
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+
+def reference_tokens(
+    prompts: dict[str, int | list[int]], max_tokens: int = 4
+) -> dict[str, list[int]]:
+    """What the requests produce with no connector at all."""
+    sched = make_scheduler(max_num_batched_tokens=256)
+    for rid, prompt in prompts.items():
+        sched.add_request(make_request(rid, prompt, max_tokens=max_tokens))
+    tokens, _, _ = run_to_completion(sched)
+    return tokens
+
+
+def test_sync_external_tokens_are_not_recomputed():
+    conn = FakeConnector({"r0": 32})
+    sched = make_scheduler(max_num_batched_tokens=256, connector=conn)
+    sched.add_request(make_request("r0", 50))
+    s1 = step(sched)
+    assert s1.scheduled == {"r0": 18}
+    assert conn.allocs == [("r0", [1, 2, 3, 4], 32)]
+    assert s1.sched_out.scheduled_new_reqs[0].num_computed_tokens == 32
+    assert sched.requests["r0"].num_cached_tokens == 32
+    assert conn.metas == 1
+    assert s1.stats is not None and s1.stats.connector_prefix_cache_stats is not None
+    assert s1.stats.connector_prefix_cache_stats.hits == 32
+
+
+def test_connector_that_does_not_know_yet_defers_the_request():
+    conn = FakeConnector()
+    conn.unknown.add("r0")
+    sched = make_scheduler(connector=conn)
+    sched.add_request(make_request("r0", 10))
+    sched.add_request(make_request("r1", 10))
+    assert step(sched).scheduled == {"r1": 10}
+    conn.unknown.clear()
+    assert step(sched).scheduled == {"r0": 10, "r1": 1}
+
+
+def test_async_load_parks_the_request_until_finished_recving():
+    conn = FakeConnector({"r0": 32}, load_async=True)
+    sched = make_scheduler(max_num_batched_tokens=256, connector=conn)
+    sched.add_request(make_request("r0", 50))
+    sched.add_request(make_request("r1", 10))
+    s1 = step(sched)
+    assert s1.scheduled == {"r1": 10}
+    r0 = sched.requests["r0"]
+    assert r0.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert conn.allocs[0] == ("r0", [1, 2], 32)
+    # Blocks under load are not offered to the prefix cache yet.
+    assert len(sched.kv_cache_manager.block_pool.cached_blocks) == 0
+    assert step(sched).scheduled == {"r1": 1}  # load still running
+    s3 = step(sched, kv_connector_output=KVConnectorOutput(finished_recving={"r0"}))
+    assert s3.scheduled == {"r1": 1}
+    s4 = step(sched)
+    assert s4.scheduled == {"r1": 1, "r0": 18}
+    assert r0.num_cached_tokens == 32
+    _tokens, _, _ = run_to_completion(sched)
+    assert r0.output_token_ids == reference_tokens({"r0": 50})["r0"]
+
+
+def test_async_load_of_a_whole_prompt_computes_its_last_token():
+    conn = FakeConnector({"r0": 31}, load_async=True)
+    sched = make_scheduler(connector=conn)
+    sched.add_request(make_request("r0", 32))
+    step(sched, kv_connector_output=KVConnectorOutput(finished_recving={"r0"}))
+    assert step(sched).scheduled == {"r0": 1}
+
+
+def test_delayed_free_keeps_blocks_until_finished_sending():
+    conn = FakeConnector(delay_free=True)
+    sched = make_scheduler(connector=conn)
+    sched.add_request(make_request("r0", 20, max_tokens=1))
+    s1 = step(sched)
+    assert s1.finished() == {"r0": "length"}
+    assert s1.outputs[0].kv_transfer_params == {"remote_block_ids": [1, 2]}
+    assert conn.finished == [("r0", [1, 2])]
+    assert free_blocks(sched) == 97  # held for the consumer
+    assert "r0" in sched.requests and not sched.has_unfinished_requests()
+    step(sched, kv_connector_output=KVConnectorOutput(finished_sending={"r0"}))
+    assert free_blocks(sched) == 99
+    assert "r0" not in sched.requests
+
+
+def test_late_duplicate_or_unknown_completions_are_ignored(caplog):
+    conn = FakeConnector(delay_free=True)
+    sched = make_scheduler(connector=conn)
+    sched.add_request(make_request("r0", 20, max_tokens=1))
+    step(sched)
+    done = KVConnectorOutput(finished_sending={"r0"}, finished_recving={"nobody"})
+    step(sched, kv_connector_output=done)
+    step(sched, kv_connector_output=KVConnectorOutput(finished_sending={"r0", "ghost"}))
+    assert free_blocks(sched) == 99
+    assert "ignoring KV send completion for unknown request" in caplog.text
+    assert "ignoring KV load completion for unknown request nobody" in caplog.text
+
+
+def test_abort_while_loading_frees_the_blocks():
+    conn = FakeConnector({"r0": 32}, load_async=True)
+    sched = make_scheduler(connector=conn)
+    sched.add_request(make_request("r0", 50))
+    step(sched)
+    assert free_blocks(sched) == 97
+    sched.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(sched) == 99 and len(sched.waiting) == 0
+
+
+def test_invalid_block_in_a_sync_load_is_recomputed():
+    conn = FakeConnector({"r0": 32})
+    sched = make_scheduler(max_num_batched_tokens=256, connector=conn)
+    sched.add_request(make_request("r0", 50))
+    r0 = sched.requests["r0"]
+    bad_block = 2  # r0's second block, loaded from outside
+    s1 = step(sched, kv_connector_output=KVConnectorOutput(invalid_block_ids={bad_block}))
+    assert s1.outputs == []  # the step's token is void
+    assert r0.num_computed_tokens == 16
+    assert r0.num_external_computed_tokens == 16
+    assert step(sched).scheduled == {"r0": 34}
+    run_to_completion(sched)
+    assert r0.output_token_ids == reference_tokens({"r0": 50})["r0"]
+
+
+def test_invalid_block_in_an_async_load_is_recomputed():
+    conn = FakeConnector({"r0": 32}, load_async=True)
+    sched = make_scheduler(max_num_batched_tokens=256, connector=conn)
+    sched.add_request(make_request("r0", 50))
+    r0 = sched.requests["r0"]
+    step(sched)
+    failed = KVConnectorOutput(finished_recving={"r0"}, invalid_block_ids={2})
+    step(sched, kv_connector_output=failed)
+    assert r0.num_computed_tokens == 16
+    s3 = step(sched)
+    assert s3.scheduled == {"r0": 34}
+    # Only the valid block was offered to the prefix cache.
+    assert len(sched.kv_cache_manager.block_pool.cached_blocks) == 3
+    run_to_completion(sched)
+    assert r0.output_token_ids == reference_tokens({"r0": 50})["r0"]
+
+
+def test_async_load_that_failed_entirely_starts_over():
+    conn = FakeConnector({"r0": 32}, load_async=True)
+    sched = make_scheduler(max_num_batched_tokens=256, connector=conn)
+    sched.add_request(make_request("r0", 50))
+    step(sched)
+    step(
+        sched, kv_connector_output=KVConnectorOutput(finished_recving={"r0"}, invalid_block_ids={1})
+    )
+    r0 = sched.requests["r0"]
+    assert r0.num_computed_tokens == 0
+    conn.external.clear()  # the store lost it: the retry finds nothing
+    s3 = step(sched)
+    # The failed blocks were released and the prompt is computed afresh.
+    assert s3.scheduled == {"r0": 50}
+    assert s3.sched_out.scheduled_new_reqs[0].block_ids == [3, 4, 5, 6]
+    assert free_blocks(sched) == 99 - 4
+
+
+def test_invalid_block_shared_by_two_requests_is_recomputed_once():
+    shared = list(range(700, 748))
+    conn = FakeConnector({"r0": 32})
+    sched = make_scheduler(max_num_batched_tokens=256, connector=conn)
+    sched.add_request(make_request("r0", [*shared, 1, 2]))
+    sched.add_request(make_request("r1", [*shared, 5, 6, 7, 8]))
+    r0, r1 = sched.requests["r0"], sched.requests["r1"]
+    s1 = step(sched, kv_connector_output=KVConnectorOutput(invalid_block_ids={1}))
+    # r1 hit r0's (externally loaded) blocks locally.
+    assert s1.scheduled == {"r0": 18, "r1": 4}
+    assert s1.outputs == []
+    assert r0.num_computed_tokens == 0  # recomputes the bad block
+    assert r1.num_computed_tokens == r1.num_cached_tokens == 48  # waits for r0's redo
+    s2 = step(sched)
+    assert s2.scheduled == {"r0": 50, "r1": 4}
+    run_to_completion(sched)
+    ref = reference_tokens({"r0": [*shared, 1, 2], "r1": [*shared, 5, 6, 7, 8]})
+    assert r0.output_token_ids == ref["r0"]
+    assert r1.output_token_ids == ref["r1"]
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_invalid_blocks_never_lose_a_request(load_async):
+    conn = FakeConnector({f"r{i}": 32 for i in range(6)}, load_async=load_async)
+    sched = make_scheduler(max_num_batched_tokens=64, connector=conn)
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", 40 + i, max_tokens=3))
+    every_block = set(range(1, 100))
+    step(sched)
+    recv = KVConnectorOutput(
+        finished_recving={r.request_id for r in sched.waiting} if load_async else None,
+        invalid_block_ids=every_block,
+    )
+    step(sched, kv_connector_output=recv)
+    conn.external.clear()  # whatever is asked again is not there any more
+    _tokens, reasons, _ = run_to_completion(sched)
+    assert reasons == {f"r{i}": "length" for i in range(6)}
+    assert free_blocks(sched) == 99
