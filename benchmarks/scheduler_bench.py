@@ -21,46 +21,30 @@ import argparse
 import gc
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.outputs import ModelRunnerOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.sched.scheduler import Scheduler
+from workload import BLOCK_SIZE, limits, make_prompts  # noqa: E402
 
-BLOCK_SIZE = 16
-PROMPT_BASE = 128
-
-
-def make_workload(n: int, seed: int = 0) -> list[list[int]]:
-    """N distinct prompts of 128..143 tokens (no shared prefixes)."""
-    rng = random.Random(seed)
-    return [
-        [rng.randrange(1, 32000) for _ in range(PROMPT_BASE + i % BLOCK_SIZE)] for i in range(n)
-    ]
+from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
+from engine.outputs import ModelRunnerOutput  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sched.scheduler import Scheduler  # noqa: E402
 
 
 def build_scheduler(prompts: list[list[int]], steps: int) -> Scheduler:
     n = len(prompts)
-    # Room for the decode steps taken while later prompts prefill, too.
-    warm_steps = 2 * n * (PROMPT_BASE + BLOCK_SIZE) // max(8192, n) + 8
-    max_len = PROMPT_BASE + BLOCK_SIZE + warm_steps + steps + 16
-    blocks_per_req = -(-max_len // BLOCK_SIZE)
+    max_len, num_blocks, budget = limits(n, steps)
     sched = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=n,
-            max_num_batched_tokens=max(8192, n),
-            max_model_len=max_len,
-        ),
-        CacheConfig(block_size=BLOCK_SIZE, num_blocks=n * blocks_per_req + 1),
+        SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=budget, max_model_len=max_len),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
     )
     params = SamplingParams(max_tokens=max_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -94,7 +78,7 @@ def warm_to_decode(sched: Scheduler) -> ModelRunnerOutput:
 
 def time_tandem(n: int, steps: int) -> list[float]:
     """Microseconds per step for ``steps`` steps."""
-    sched = build_scheduler(make_workload(n), steps)
+    sched = build_scheduler(make_prompts(n), steps)
     output = warm_to_decode(sched)
     gc.collect()
     gc.freeze()
