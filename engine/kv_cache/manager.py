@@ -204,6 +204,8 @@ class KVCacheManager:
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks of the request shared by every request that holds
         blocks (a hint for cascade attention)."""
+        if not self.enable_caching:
+            return 0  # as vLLM: only prefix-cached blocks can be common
         num_holders = len(self.req_to_blocks)
         count = 0
         for block in self.req_to_blocks[running_request_id]:

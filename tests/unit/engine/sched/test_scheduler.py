@@ -359,3 +359,27 @@ def test_min_tokens_beyond_max_model_len_ends_at_the_limit():
     sched.add_request(make_request("r0", 30, max_tokens=10, min_tokens=5))
     tokens, reasons, _ = run_to_completion(sched, sample=lambda r: EOS)
     assert tokens == {"r0": [EOS, EOS]} and reasons == {"r0": "length"}
+
+
+def test_kv_events_reach_the_step_outputs_when_enabled():
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.kv_cache.events import BlockRemoved, BlockStored
+    from engine.outputs import ModelRunnerOutput
+    from engine.sched.scheduler import Scheduler
+
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=32),
+        CacheConfig(block_size=16, num_blocks=3, enable_kv_events=True),
+    )
+    sched.add_request(make_request("r0", 20, max_tokens=1))
+    so = sched.schedule()
+    outs = sched.update_from_output(so, ModelRunnerOutput(["r0"], {"r0": 0}, [[5]]))
+    events = outs[0].kv_events
+    assert events is not None and len(events) == 1
+    assert isinstance(events[0], BlockStored)
+    assert events[0].token_ids == list(range(10_000, 10_016))  # r0's one full block
+    sched.add_request(make_request("r1", 30, max_tokens=1))
+    so = sched.schedule()  # needs both blocks: evicts r0's cached block
+    outs = sched.update_from_output(so, ModelRunnerOutput(["r1"], {"r1": 0}, [[5]]))
+    kinds = [type(e) for e in outs[0].kv_events or []]
+    assert kinds == [BlockRemoved, BlockStored]
