@@ -1,0 +1,1 @@
+"""KV connectors: the API in ``base`` and its implementations."""

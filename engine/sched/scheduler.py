@@ -34,7 +34,7 @@ from engine.request import Request, RequestStatus
 from engine.sched.interface import SchedulerInterface
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.partial_prefill import Admission, PartialPrefillLimiter
-from engine.sched.request_queue import SchedulingPolicy, create_request_queue
+from engine.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from engine.sched.stop import check_stop, remove_all
 from engine.stats import PrefixCacheStats, SchedulerStats
 
@@ -367,7 +367,7 @@ class Scheduler(SchedulerInterface):
             released = True
         return released
 
-    def _try_admit(self, request: Request, plan: _StepPlan, skipped: Any) -> bool:
+    def _try_admit(self, request: Request, plan: _StepPlan, skipped: RequestQueue) -> bool:
         """Try to start (or resume) the request at the head of the queue.
         Returns False when nothing more can be admitted this step."""
         kvm = self.kv_cache_manager
@@ -390,14 +390,15 @@ class Scheduler(SchedulerInterface):
         num_new = 0 if load_async else self._num_new_waiting_tokens(request, num_computed, plan)
         if num_new < 0:
             return False
+        # No lookahead slots for a fresh request: a P/D consumer must hold
+        # exactly as many blocks as the producer sends.
+        lookahead = self.num_lookahead_tokens if request.num_computed_tokens else 0
         new_blocks = kvm.allocate_slots(
             request,
             num_new + num_external,
             num_local,
             computed_blocks,
-            num_lookahead_tokens=0
-            if request.num_computed_tokens == 0
-            else self.num_lookahead_tokens,
+            num_lookahead_tokens=lookahead,
             delay_cache_blocks=load_async,
         )
         if new_blocks is None:
