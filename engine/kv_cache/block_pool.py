@@ -141,9 +141,9 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
         assert block_hash is not None
-        block.block_hash = None
         if self.cached_blocks.pop(block_hash, block.block_id) is None:
             return
+        block.block_hash = None
         if self.enable_kv_events:
             self._events.append(BlockRemoved(block_hashes=[block_hash]))
 

@@ -146,7 +146,10 @@ class Scheduler(SchedulerInterface):
     ) -> None:
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"finished_status={finished_status} is not a finished status")
-        ids = (request_ids,) if isinstance(request_ids, str) else dict.fromkeys(request_ids)
+        # A set, as vLLM: the order in which several requests are freed decides
+        # which blocks are reused first, and this keeps it equal to vLLM's
+        # under the same PYTHONHASHSEED.
+        ids = (request_ids,) if isinstance(request_ids, str) else set(request_ids)
         to_finish = [
             r for rid in ids if (r := self.requests.get(rid)) is not None and not r.is_finished()
         ]
