@@ -383,3 +383,19 @@ def test_kv_events_reach_the_step_outputs_when_enabled():
     outs = sched.update_from_output(so, ModelRunnerOutput(["r1"], {"r1": 0}, [[5]]))
     kinds = [type(e) for e in outs[0].kv_events or []]
     assert kinds == [BlockRemoved, BlockStored]
+
+
+def test_logprobs_are_sliced_per_request_only_when_asked_for():
+    from engine.outputs import LogprobsLists, ModelRunnerOutput
+
+    sched = make_scheduler()
+    sched.add_request(make_request("r0", 5, logprobs=1))
+    sched.add_request(make_request("r1", 5))
+    so = sched.schedule()
+    lp = LogprobsLists([[7, 8], [9, 10]], [[-0.1, -2.0], [-0.3, -1.5]], [1, 1])
+    outs = sched.update_from_output(
+        so, ModelRunnerOutput(["r0", "r1"], {"r0": 0, "r1": 1}, [[7], [9]], logprobs=lp)
+    )
+    by_id = {o.request_id: o for o in outs[0].outputs}
+    assert by_id["r0"].new_logprobs == LogprobsLists([[7, 8]], [[-0.1, -2.0]], [1])
+    assert by_id["r1"].new_logprobs is None
