@@ -122,10 +122,8 @@ class Request:
         all_token_ids = self.all_token_ids
         all_token_ids.append(token_id)
         hasher = self.block_hasher
-        # Hash only when a block boundary is crossed.
-        if hasher is not None and len(all_token_ids) >= (
-            (len(self.block_hashes) + 1) * hasher.block_size
-        ):
+        # Hash only when this token completes a block.
+        if hasher is not None and len(all_token_ids) % hasher.block_size == 0:
             self.block_hashes.extend(hasher(self))
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:

@@ -233,7 +233,7 @@ class Scheduler(SchedulerInterface):
                 # Nothing to do this step; the requests behind it may run.
                 req_index += 1
                 continue
-            new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead)
+            new_blocks = allocate(request, num_new, 0, None, lookahead)
             if new_blocks is None:
                 new_blocks, req_index = self._preempt_until_fits(request, num_new, plan, req_index)
                 if new_blocks is None:
