@@ -135,7 +135,10 @@ class Scheduler(SchedulerInterface):
                 f"prompt_token_ids: {request.num_prompt_tokens} tokens exceed "
                 f"max_model_len={self.max_model_len}"
             )
-        if request.block_hasher is None and self.cache_config.enable_prefix_caching:
+        # Connectors key stored KV by block hash, so they need hashes even
+        # without local prefix caching (as vLLM's engine decides).
+        needs_hashes = self.cache_config.enable_prefix_caching or self.connector is not None
+        if request.block_hasher is None and needs_hashes:
             request.block_hasher = self.block_hasher
             request.block_hashes = self.block_hasher(request)
         self.waiting.add_request(request)

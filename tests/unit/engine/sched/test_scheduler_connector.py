@@ -270,3 +270,12 @@ def test_invalid_blocks_never_lose_a_request(load_async):
     _tokens, reasons, _ = run_to_completion(sched)
     assert reasons == {f"r{i}": "length" for i in range(6)}
     assert free_blocks(sched) == 99
+
+
+def test_requests_are_hashed_for_a_connector_even_without_prefix_caching():
+    sched = make_scheduler(prefix_caching=False, connector=FakeConnector())
+    sched.add_request(make_request("r0", 40))
+    assert len(sched.requests["r0"].block_hashes) == 2
+    plain = make_scheduler(prefix_caching=False)
+    plain.add_request(make_request("r0", 40))
+    assert plain.requests["r0"].block_hashes == []
