@@ -257,7 +257,7 @@ class Scheduler(SchedulerInterface):
         ``request`` itself was the one preempted."""
         allocate = self.kv_cache_manager.allocate_slots
         while True:
-            if self._next_victim_is(request) and self._release_parked_blocks(keep=None):
+            if self._preemption_victim() is request and self._release_parked_blocks(keep=None):
                 # Blocks parked in the waiting queue went back to the pool
                 # rather than this request stalling behind them.
                 new_blocks = allocate(
@@ -278,17 +278,19 @@ class Scheduler(SchedulerInterface):
             if new_blocks is not None:
                 return new_blocks, req_index
 
-    def _next_victim_is(self, request: Request) -> bool:
+    def _preemption_victim(self) -> Request:
+        """FCFS: the last running request; priority: the worst
+        (priority, arrival_time)."""
         if self.policy is SchedulingPolicy.PRIORITY:
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time)) is request
-        return self.running[-1] is request
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
 
     def _pop_preemption_victim(self) -> Request:
-        if self.policy is SchedulingPolicy.PRIORITY:
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-            self.running.remove(victim)
-            return victim
-        return self.running.pop()
+        if self.policy is SchedulingPolicy.FCFS:
+            return self.running.pop()  # O(1) for the common policy
+        victim = self._preemption_victim()
+        self.running.remove(victim)
+        return victim
 
     def _unschedule(self, request: Request, plan: _StepPlan) -> None:
         request_id = request.request_id
