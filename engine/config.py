@@ -113,13 +113,16 @@ class CacheConfig:
     """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens.
 
     Block 0 is reserved as the null block, as in vLLM, so ``num_blocks - 1``
-    blocks hold request data.
+    blocks hold request data. With a model, the engine core sets
+    ``num_blocks`` from the KV memory budget unless ``num_blocks_override``
+    asks for an exact count (tests use it to force preemption).
     """
 
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False
+    num_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -129,7 +132,84 @@ class CacheConfig:
             "a positive multiple of 8",
         )
         _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, ">= 2 (one is reserved)")
+        _require(
+            self.num_blocks_override is None or self.num_blocks_override >= 2,
+            "num_blocks_override",
+            self.num_blocks_override,
+            ">= 2 (one is reserved)",
+        )
 
     @property
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
+
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+
+# Without a budget, the CPU cache takes this much host memory.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model runs where, and how much memory its KV cache gets.
+
+    ``model`` is a local HF directory, a ``.gguf`` file, or None for the
+    default model. ``kv_cache_memory`` (bytes) sizes the cache directly;
+    without it, CUDA takes ``gpu_memory_utilization`` of the memory free
+    after loading the weights and the CPU takes
+    ``DEFAULT_CPU_KV_CACHE_BYTES``. ``max_model_len`` None means the
+    model's own limit.
+    """
+
+    model: str | None = None
+    dtype: DTypeName = "float32"
+    device: DeviceName = "auto"
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    attention_backend: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.dtype in ("float32", "bfloat16", "float16"),
+            "dtype",
+            self.dtype,
+            "'float32', 'bfloat16' or 'float16'",
+        )
+        _require(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto|cpu|cuda")
+        _require(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            "kv_cache_memory",
+            self.kv_cache_memory,
+            "a positive number of bytes",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "a fraction in (0, 1]",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len > 1,
+            "max_model_len",
+            self.max_model_len,
+            "> 1",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core needs, in one object.
+
+    ``scheduler.max_model_len`` and ``cache.num_blocks`` are placeholders
+    until the worker has loaded the model: the engine core replaces them
+    with the model's context limit (capped by ``model.max_model_len``) and
+    the number of blocks the memory budget holds.
+    """
+
+    model: ModelConfig = ModelConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()

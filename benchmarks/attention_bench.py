@@ -1,0 +1,219 @@
+"""Decode paged attention: time per call and achieved memory bandwidth.
+
+Decode attention does almost no arithmetic per byte, so the figure of merit
+is bandwidth: bytes it must read (each sequence's K/V, plus the queries) and
+write (the output), divided by the time, and that as a fraction of the
+device's peak.
+
+    python benchmarks/attention_bench.py                  # CUDA: triton, bf16
+    python benchmarks/attention_bench.py --quick
+    python benchmarks/attention_bench.py --backend torch  # CPU: small, float32
+
+On CUDA: Llama-8B-like heads (32 query, 8 KV, head_dim 128), block size 16,
+bfloat16, batches 1..256 and contexts 512..8192; CUDA events around each
+call with L2 flushed in between (else small batches would be timed out of
+L2, not HBM), median of `--iters`. It also prints the chosen backend's max
+abs difference from the reference on one ragged batch.
+
+On CPU: the default model's heads (9 query, 3 KV, head_dim 64), float32,
+small shapes, `time.perf_counter`; the reference backend is timed alongside
+for scale. Nothing here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from kernels import reference
+from kernels.backend import AttentionBackend, select_backend
+from kernels.metadata import AttentionMetadata
+
+# Peak HBM bandwidth by device name (GB/s); others need --peak-gbps.
+PEAK_GBPS = (("H200", 4800.0), ("H100 80GB HBM3", 3350.0), ("H100 SXM", 3350.0))
+
+
+@dataclass(frozen=True)
+class Setup:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+
+
+def cuda_setup(quick: bool) -> Setup:
+    return Setup(
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        batches=(1, 64) if quick else (1, 8, 32, 64, 128, 256),
+        contexts=(512, 4096) if quick else (512, 1024, 2048, 4096, 8192),
+    )
+
+
+def cpu_setup(quick: bool) -> Setup:
+    return Setup(
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        batches=(1, 64) if quick else (1, 8, 64),
+        contexts=(256,) if quick else (128, 300, 1024),
+    )
+
+
+@dataclass
+class DecodeBatch:
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    meta: AttentionMetadata
+    bytes_moved: int
+
+
+def make_decode_batch(setup: Setup, batch: int, context: int, device: torch.device) -> DecodeBatch:
+    """`batch` decodes with lengths spread over [context/2, context], blocks shuffled."""
+    gen = torch.Generator().manual_seed(batch * 100_003 + context)
+    lens = torch.randint(max(1, context // 2), context + 1, (batch,), generator=gen)
+    lens[0] = context  # max_seq_len is exactly `context`
+    bs = setup.block_size
+    per_seq = (lens + bs - 1) // bs
+    num_blocks = int(per_seq.sum())
+    pool = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(batch, -(-context // bs), dtype=torch.int32)
+    taken = 0
+    for i, n in enumerate(per_seq.tolist()):
+        block_table[i, :n] = pool[taken : taken + n]
+        taken += n
+    shape = (2, num_blocks, bs, setup.num_kv_heads, setup.head_dim)
+    kv_cache = torch.randn(shape, dtype=setup.dtype, device=device)
+    query = torch.randn(batch, setup.num_heads, setup.head_dim, dtype=setup.dtype, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=lens.to(torch.int32).to(device),
+        block_table=block_table.to(device),
+        max_query_len=1,
+        max_seq_len=context,
+        decode_only=True,
+    )
+    elem = kv_cache.element_size()
+    kv_bytes = 2 * int(lens.sum()) * setup.num_kv_heads * setup.head_dim * elem
+    return DecodeBatch(query, kv_cache, meta, kv_bytes + 2 * query.numel() * elem)
+
+
+Attention = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+def time_cuda(fn: Attention, b: DecodeBatch, scale: float, iters: int) -> float:
+    """Median seconds per call, L2 flushed before each."""
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=b.query.device)
+    for _ in range(3):
+        fn(b.query, b.kv_cache, b.meta, scale)
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        fn(b.query, b.kv_cache, b.meta, scale)
+        end.record()
+        end.synchronize()
+        times.append(float(start.elapsed_time(end)) / 1e3)
+    return statistics.median(times)
+
+
+def time_cpu(fn: Attention, b: DecodeBatch, scale: float, iters: int) -> float:
+    fn(b.query, b.kv_cache, b.meta, scale)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn(b.query, b.kv_cache, b.meta, scale)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_gbps(device: torch.device, flag: float | None) -> float | None:
+    if flag is not None or device.type != "cuda":
+        return flag
+    name = torch.cuda.get_device_name(device)
+    for key, gbps in PEAK_GBPS:
+        if key in name:
+            return gbps
+    sys.exit(f"unknown peak bandwidth for {name!r}: pass --peak-gbps")
+
+
+def correctness_check(backend: AttentionBackend, setup: Setup, device: torch.device) -> None:
+    b = make_decode_batch(setup, 4, 1000, device)
+    scale = setup.head_dim**-0.5
+    got = backend.paged_attention(b.query, b.kv_cache, b.meta, scale)
+    want = reference.paged_attention(b.query, b.kv_cache, b.meta, scale)
+    diff = (got.float() - want.float()).abs().max().item()
+    print(f"{backend.name} vs reference, 4 decodes up to 1000 tokens: max abs diff {diff:.3e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", help="torch, triton or reference (default: device's)")
+    parser.add_argument("--quick", action="store_true", help="two batches, two contexts")
+    parser.add_argument("--peak-gbps", type=float, help="device peak bandwidth, GB/s")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads on CPU (1 is steadier on a busy machine)",
+    )
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = select_backend(device, args.backend)
+    on_cuda = device.type == "cuda"
+    setup = cuda_setup(args.quick) if on_cuda else cpu_setup(args.quick)
+    peak = peak_gbps(device, args.peak_gbps)
+    scale = setup.head_dim**-0.5
+    print(
+        f"{backend.name} on {torch.cuda.get_device_name(device) if on_cuda else 'cpu'}: "
+        f"heads {setup.num_heads}/{setup.num_kv_heads}, head_dim {setup.head_dim}, "
+        f"block {setup.block_size}, {setup.dtype}, peak {peak or '?'} GB/s, "
+        f"{torch.get_num_threads()} threads"
+    )
+    if on_cuda:
+        correctness_check(backend, setup, device)
+
+    header = f"{'batch':>5} {'context':>7} {'us':>10} {'GB/s':>8} {'of peak':>7}"
+    print(header + ("" if on_cuda else f" {'reference us':>12} {'speed-up':>8}"))
+    for context in setup.contexts:
+        for batch in setup.batches:
+            b = make_decode_batch(setup, batch, context, device)
+            timer = time_cuda if on_cuda else time_cpu
+            seconds = timer(backend.paged_attention, b, scale, args.iters)
+            gbps = b.bytes_moved / seconds / 1e9
+            share = f"{gbps / peak:7.1%}" if peak else f"{'-':>7}"
+            line = f"{batch:>5} {context:>7} {seconds * 1e6:>10.1f} {gbps:>8.1f} {share}"
+            if not on_cuda:
+                ref_s = time_cpu(reference.paged_attention, b, scale, max(1, args.iters // 10))
+                line += f" {ref_s * 1e6:>12.1f} {ref_s / seconds:>7.1f}x"
+            print(line, flush=True)
+            del b
+            if on_cuda:
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Offline throughput of Tandem's LLM API against transformers' generate().
+
+Workload: 64 requests with prompts of 32-512 random tokens and 128 output
+tokens each (EOS ignored), on the default model. Tandem gets all 64 at once;
+transformers runs static batches of ``--hf-batch-size`` with left padding on
+the same prompts (``--hf-batches`` of them: one batch of 16 already takes
+~45 s here). Runs are interleaved (HF, Tandem, HF, Tandem, ...) and the
+script prints medians with min/max, so outside load hits both alike.
+
+It also times a single-stream decode step against the time it takes to read
+the weights once from memory (read bandwidth measured here, in this run).
+
+    .venv/bin/python benchmarks/offline_throughput.py            # 2 rounds
+    .venv/bin/python benchmarks/offline_throughput.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.llm import LLM
+from engine.models.loader import resolve_model
+from engine.sampling_params import SamplingParams
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the low ids, where the special tokens live.
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_tandem(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def run_hf(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, pad: int) -> float:
+    generated = 0
+    start = time.perf_counter()
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    generated += (out.shape[1] - longest) * len(prompts)
+    return float(generated / (time.perf_counter() - start))
+
+
+def read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s for streaming reads (a sum over a tensor larger than caches)."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return num_bytes / min(times)
+
+
+def decode_step_time(llm: LLM, steps: int = 32) -> float:
+    """Median seconds of one decode step with a single running request."""
+    core = llm.core
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    request = llm.inputs.make_request("bench-decode", llm.inputs.process_prompt([100] * 64), params)
+    core.add_request(request)
+    core.step()  # prefill
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+    while core.has_work():
+        core.step()
+    return statistics.median(times)
+
+
+def summary(values: list[float]) -> str:
+    return (
+        f"median {statistics.median(values):7.1f}  (min {min(values):.1f}, max {max(values):.1f})"
+    )
+
+
+def interleave(rounds: int, runs: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name, fn in runs.items():
+            value = fn()
+            results[name].append(value)
+            print(f"  round {r + 1}: {name:<28} {value:7.1f} output tok/s", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-batches", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.max_tokens, args.hf_batch_size, args.rounds = 8, 16, 4, 1
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(None)
+    llm = LLM(max_model_len=1024)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.eval()  # type: ignore[no-untyped-call]
+    prompts = make_prompts(args.num_requests, 32, 512, llm.core.info.vocab_size)
+    hf_prompts = prompts[: args.hf_batch_size * args.hf_batches]
+    pad = int(llm.core.info.eos_token_id or 0)
+
+    def hf_run() -> float:
+        rates = []
+        for i in range(0, len(hf_prompts), args.hf_batch_size):
+            batch = hf_prompts[i : i + args.hf_batch_size]
+            rates.append(run_hf(hf, batch, args.max_tokens, pad))
+        return statistics.mean(rates)
+
+    print(
+        f"workload: {args.num_requests} prompts of 32-512 tokens, {args.max_tokens} output "
+        f"tokens each; transformers on {len(hf_prompts)} of them in static batches of "
+        f"{args.hf_batch_size}; torch threads {args.threads}"
+    )
+    results = interleave(
+        args.rounds,
+        {
+            f"transformers generate (bs {args.hf_batch_size})": hf_run,
+            "tandem LLM.generate": lambda: run_tandem(llm, prompts, args.max_tokens),
+        },
+    )
+    names = list(results)
+    for name in names:
+        print(f"{name:<30} {summary(results[name])} output tok/s")
+    ratios = [b / a for a, b in zip(results[names[0]], results[names[1]], strict=True)]
+    print(f"tandem / transformers (per round): {[f'{r:.2f}' for r in ratios]}")
+
+    bandwidth = read_bandwidth()
+    weight_bytes = sum(
+        p.numel() * p.element_size() for p in llm.core.worker.loaded.model.parameters()
+    )
+    step = decode_step_time(llm)
+    read_time = weight_bytes / bandwidth
+    print(
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB "
+        f"-> one read {read_time * 1e3:.1f} ms; single-stream decode step "
+        f"{step * 1e3:.1f} ms = {step / read_time:.2f}x the weight read"
+    )
+
+
+if __name__ == "__main__":
+    main()

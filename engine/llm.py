@@ -1,0 +1,187 @@
+"""LLM: the offline batch API.
+
+    llm = LLM()                      # the default model, on CPU or CUDA
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    print(outs[0].text, outs[0].finish_reason, outs[0].num_cached_tokens)
+
+All prompts are queued at once and the engine steps until every one is done,
+so the scheduler batches them (continuous batching, chunked prefill, prefix
+caching) exactly as it would for a server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
+from transformers import PreTrainedTokenizerBase
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.core import EngineCore
+from engine.input_processor import ChatMessage, InputProcessor
+from engine.models.loader import load_tokenizer
+from engine.output_processor import OutputProcessor, RequestOutput
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.stats import SchedulerStats
+
+Prompt = str | list[int]
+
+
+@dataclass
+class EngineTotals:
+    """Counters summed over every step since the LLM was built."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+    def add(self, stats: SchedulerStats) -> None:
+        pcs = stats.prefix_cache_stats
+        self.prefix_cache_queries += pcs.queries
+        self.prefix_cache_hits += pcs.hits
+        self.num_preemptions = stats.num_preemptions  # already cumulative
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        **overrides: object,
+    ) -> None:
+        """``config`` sets every knob; ``overrides`` are field names of
+        ModelConfig, SchedulerConfig or CacheConfig, e.g. ``dtype="bfloat16"``,
+        ``max_num_batched_tokens=64``, ``kv_cache_memory=2**27``."""
+        config = _apply_overrides(config or EngineConfig(), model, overrides)
+        self.core = EngineCore(config)
+        info = self.core.info
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(info.model_path)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            eos_token_id=info.eos_token_id,
+        )
+        self.totals = EngineTotals()
+        self._ids = itertools.count()
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> str:
+        return self.inputs.render_chat(messages)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (text or token ids); results are in
+        prompt order. Invalid input raises before anything is queued."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        requests = [
+            self.inputs.make_request(
+                f"offline-{next(self._ids)}", self.inputs.process_prompt(p), sp, priority=prio
+            )
+            for p, sp, prio in zip(prompt_list, params, priorities, strict=True)
+        ]
+        processor = OutputProcessor(self.tokenizer)
+        for req, p in zip(requests, prompt_list, strict=True):
+            processor.add_request(req, p if isinstance(p, str) else None)
+            self.core.add_request(req)
+        finished = self._run(processor, len(requests), use_tqdm)
+        return [finished[r.request_id] for r in requests]
+
+    def _run(
+        self, processor: OutputProcessor, total: int, use_tqdm: bool
+    ) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm)
+        with bar:
+            while processor.has_unfinished():
+                for engine_outputs in self.core.step().values():
+                    if engine_outputs.scheduler_stats is not None:
+                        self.totals.add(engine_outputs.scheduler_stats)
+                    results, stop_matched = processor.process(engine_outputs.outputs)
+                    self.core.abort_requests(stop_matched, RequestStatus.FINISHED_STOPPED)
+                    for out in results:
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+                self.totals.num_steps += 1
+        return finished
+
+
+def _apply_overrides(
+    config: EngineConfig, model: str | None, overrides: dict[str, object]
+) -> EngineConfig:
+    parts: dict[str, dict[str, object]] = {"model": {}, "scheduler": {}, "cache": {}}
+    if model is not None:
+        parts["model"]["model"] = model
+    owners = {
+        "model": ModelConfig.__dataclass_fields__,
+        "scheduler": SchedulerConfig.__dataclass_fields__,
+        "cache": CacheConfig.__dataclass_fields__,
+    }
+    for name, value in overrides.items():
+        owner = next((part for part, fields in owners.items() if name in fields), None)
+        if owner is None:
+            raise TypeError(f"LLM() got an unknown option {name!r}")
+        parts[owner][name] = value
+    return EngineConfig(
+        model=replace(config.model, **parts["model"]),  # type: ignore[arg-type]
+        scheduler=replace(config.scheduler, **parts["scheduler"]),  # type: ignore[arg-type]
+        cache=replace(config.cache, **parts["cache"]),  # type: ignore[arg-type]
+    )
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # type: ignore[list-item]  # one prompt of token ids
+    return items  # type: ignore[return-value]
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams], count: int
+) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(
+            f"sampling_params: got {len(params)} for {count} prompts; expected one or one each"
+        )
+    return params
+
+
+def _demo() -> None:
+    """``python -m engine.llm``: a few chat prompts on the default model."""
+    llm = LLM()
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Give me three tips for learning to cook.",
+    ]
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=96))
+    elapsed = time.perf_counter() - start
+    for q, out in zip(questions, outs, strict=True):
+        print(f"\n>>> {q}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, {out.finish_reason}]")
+    total = sum(len(o.token_ids) for o in outs)
+    print(f"\n{total} tokens in {elapsed:.1f} s ({total / elapsed:.1f} tok/s)")
+
+
+if __name__ == "__main__":
+    _demo()

@@ -1,0 +1,1 @@
+"""Model definitions (Llama family) and weight loading."""

@@ -1,0 +1,445 @@
+"""One decoder for the Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
+
+The forward pass takes a flat batch: the new tokens of every sequence laid end
+to end (`AttentionMetadata` says which rows belong to which sequence), their
+positions, and one paged cache tensor per layer. Attention itself is two
+callables from an attention backend (`AttentionOps`), so the same module runs
+on the pure-torch reference kernels, a fast CPU path or Triton.
+
+Written for a memory-bound decode step on a few CPU cores: q/k/v and
+gate/up are each one fused matmul, RoPE rotates q and k together in place on
+the matmul's output, and the residual stream is one tensor updated in place,
+so a layer allocates little beyond the matmul outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.spec import ModelSpec, RopeScaling
+from kernels.metadata import AttentionMetadata
+
+
+class ReshapeAndCache(Protocol):
+    def __call__(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        /,
+    ) -> None: ...
+
+
+class PagedAttention(Protocol):
+    def __call__(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        /,
+    ) -> torch.Tensor: ...
+
+
+class AttentionOps(Protocol):
+    """The two attention kernels a backend provides (see kernels/reference.py).
+
+    Properties rather than plain attributes so a frozen dataclass satisfies it.
+    The model passes q, k and v as strided views into one [T, heads, head_dim]
+    buffer: kernels must honour strides (or copy) rather than assume contiguity.
+    """
+
+    @property
+    def reshape_and_cache(self) -> ReshapeAndCache: ...
+
+    @property
+    def paged_attention(self) -> PagedAttention: ...
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint's tensors do not match the model built from its config."""
+
+
+def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Left uninitialised: load_weights overwrites every element and refuses a
+    # checkpoint that misses any, so random init would be wasted work.
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight: nn.Parameter | None = None,
+    ) -> None:
+        """`weight`, when given, is shared rather than allocated (tied embeddings)."""
+        super().__init__()
+        self.weight = (
+            _empty_param(out_features, in_features, dtype=dtype, device=device)
+            if weight is None
+            else weight
+        )
+        self.bias: nn.Parameter | None = (
+            _empty_param(out_features, dtype=dtype, device=device) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty_param(num, dim, dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty_param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Spelled out rather than torch.rms_norm: on CPU that op was up to 8x
+        # slower for prefill-sized fp32 inputs, and this is HF's exact recipe
+        # (normalise in float32, round to the model dtype, then scale), so bf16
+        # models match transformers' rounding too.
+        xf = x.float()
+        inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(self.eps))
+        return (xf * inv_rms).to(x.dtype).mul_(self.weight)
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim / 2], float32, as HF computes them."""
+    exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta**exponents)
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 scaling: stretch long wavelengths by `factor`, keep short ones,
+    and blend linearly in between (by where the wavelength falls in the band)."""
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_tables(
+    cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin), each [T, 1, head_dim], for apply_rope_ at `positions`.
+
+    Built once per forward from the [max_pos, head_dim / 2] caches and shared
+    by every layer; the sign of rotate-half is folded into the sin table.
+    """
+    cos = cos_cache[positions]
+    sin = sin_cache[positions]
+    return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Rotate `x` [T, heads, head_dim] in place, rotate-half (GPT-NeoX) style as
+    HF Llama: pair i is (x[i], x[i + head_dim/2]).
+
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] written as
+    roll(x) = [x2, x1] times signed_sin = [-sin, sin]: three kernels per layer.
+    """
+    rotated = x.roll(x.shape[-1] // 2, -1)
+    x.mul_(cos).addcmul_(rotated, signed_sin)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, spec: ModelSpec, ops: AttentionOps, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.ops = ops
+        self.qkv_proj = Linear(
+            spec.hidden_size,
+            spec.q_size + 2 * spec.kv_size,
+            bias=spec.attention_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = Linear(
+            spec.q_size, spec.hidden_size, bias=spec.o_proj_bias, dtype=dtype, device=device
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        h, hkv = self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).view(num_tokens, h + 2 * hkv, self.head_dim)
+        # q and k are adjacent heads of the fused output: one rotation covers both.
+        apply_rope_(heads[:, : h + hkv], cos, sin)
+        q, k, v = heads[:, :h], heads[:, h : h + hkv], heads[:, h + hkv :]
+        self.ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, kv_cache, meta, self.scale)
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, h * self.head_dim))
+        return projected
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = Linear(
+            spec.hidden_size,
+            2 * spec.intermediate_size,
+            bias=spec.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.down_proj = Linear(
+            spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype, device=device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        # SiLU(gate) * up computed into gate's half of the matmul output: no new buffer.
+        act = F.silu(gate, inplace=True).mul_(up)
+        down: torch.Tensor = self.down_proj(act)
+        return down
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, spec: ModelSpec, ops: AttentionOps, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        eps = spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(spec, ops, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(spec, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Add this layer's attention and MLP outputs to `residual` in place."""
+        attn = self.self_attn(self.input_layernorm(residual), cos, sin, kv_cache, meta)
+        residual.add_(attn)
+        residual.add_(self.mlp(self.post_attention_layernorm(residual)))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, spec: ModelSpec, ops: AttentionOps, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, ops, dtype=dtype, device=device) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama/Mistral/Qwen2 decoder; parameter names mirror HF's, with q/k/v fused
+    into `qkv_proj` and gate/up into `gate_up_proj`."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ops: AttentionOps,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.spec = spec
+        self.model = LlamaModel(spec, ops, dtype=dtype, device=device)
+        self.lm_head = Linear(
+            spec.hidden_size,
+            spec.vocab_size,
+            bias=False,
+            dtype=dtype,
+            device=device,
+            weight=self.model.embed_tokens.weight if spec.tie_word_embeddings else None,
+        )
+        # float32 whatever the model dtype: bf16 angles lose the low bits of
+        # large positions. Indexed by position each step, never recomputed.
+        angles = torch.outer(
+            torch.arange(spec.max_position_embeddings, dtype=torch.float32),
+            rope_inv_freq(spec),
+        )
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", angles.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", angles.sin().to(device), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm for the T new tokens.
+
+        input_ids and positions are int64 [T]; kv_caches[i] is layer i's paged
+        cache, into which this pass writes the new tokens' K/V at meta.slot_mapping.
+        """
+        layers = self.model.layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(
+                f"got {len(kv_caches)} KV cache tensors: expected one per layer ({len(layers)})"
+            )
+        cos, sin = rope_tables(self.cos_cache, self.sin_cache, positions)
+        # The embedding lookup returns a fresh tensor, so the layers may
+        # accumulate into it in place.
+        residual = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            layer(residual, cos, sin, kv_cache, meta)
+        out: torch.Tensor = self.model.norm(residual)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the N rows the caller samples from."""
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up into their shards.
+
+        Raises WeightLoadError naming every missing or unexpected tensor, or
+        the first tensor whose shape does not match.
+        """
+        params = dict(self.named_parameters())
+        expected = set(hf_parameter_names(self.spec))
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                if _ignored(name, self.spec):
+                    continue
+                dest = _destination(name, params, self.spec)
+                if dest is None or name not in expected:
+                    unexpected.append(name)
+                    continue
+                if dest.shape != tensor.shape:
+                    raise WeightLoadError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}: "
+                        f"expected {tuple(dest.shape)}"
+                    )
+                dest.copy_(tensor)
+                loaded.add(name)
+        _check_complete(expected - loaded, unexpected)
+
+
+# HF projection name -> (fused parameter name, which shard of it).
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", "gate"),
+    ".up_proj.": (".gate_up_proj.", "up"),
+}
+
+
+def _shard_rows(shard: str, spec: ModelSpec) -> tuple[int, int]:
+    """(first row, row count) of a shard inside its fused weight."""
+    q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
+    return {
+        "q": (0, q),
+        "k": (q, kv),
+        "v": (q + kv, kv),
+        "gate": (0, inter),
+        "up": (inter, inter),
+    }[shard]
+
+
+def _destination(
+    name: str, params: dict[str, nn.Parameter], spec: ModelSpec
+) -> torch.Tensor | None:
+    """The parameter (or the rows of a fused one) that HF tensor `name` fills."""
+    for piece, (fused, shard) in _FUSED.items():
+        if piece in name:
+            param = params.get(name.replace(piece, fused))
+            if param is None:
+                return None
+            start, length = _shard_rows(shard, spec)
+            return param.narrow(0, start, length)
+    return params.get(name)
+
+
+def _ignored(name: str, spec: ModelSpec) -> bool:
+    # inv_freq is recomputed from the config; a tied checkpoint that still
+    # stores lm_head holds a copy of the embedding we already load.
+    return name.endswith("rotary_emb.inv_freq") or (
+        spec.tie_word_embeddings and name == "lm_head.weight"
+    )
+
+
+def _check_complete(missing: set[str], unexpected: list[str]) -> None:
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {sorted(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors {sorted(unexpected)}")
+    if problems:
+        raise WeightLoadError("checkpoint does not match the model config: " + "; ".join(problems))
+
+
+def hf_parameter_names(spec: ModelSpec) -> list[str]:
+    """The HF checkpoint tensor names a model of this spec needs (lm_head only if untied)."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(spec.num_layers):
+        prefix = f"model.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            names += _linear_names(f"{prefix}self_attn.{proj}", spec.attention_bias)
+        names += _linear_names(f"{prefix}self_attn.o_proj", spec.o_proj_bias)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names += _linear_names(f"{prefix}mlp.{proj}", spec.mlp_bias)
+        names += [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
+    names.append("model.norm.weight")
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def _linear_names(prefix: str, bias: bool) -> list[str]:
+    return [f"{prefix}.weight", f"{prefix}.bias"] if bias else [f"{prefix}.weight"]

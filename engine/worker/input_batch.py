@@ -1,0 +1,112 @@
+"""The persistent batch: per-request rows the model runner keeps across steps.
+
+The scheduler sends a request in full once (NewRequestData) and then only
+deltas (new blocks, progress). The runner keeps what it needs in
+``CachedRequestState`` for every live request, and in dense numpy rows for
+the requests scheduled this step, so building a step's inputs is a handful
+of vectorized gathers rather than per-token Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner knows about one live request, scheduled or not."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs, as far as the runner knows
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class InputBatch:
+    """Dense rows for the requests in this step; row order is output order.
+
+    Removing a row moves the last row into the hole, so rows ``0..n-1`` are
+    always the live ones.
+    """
+
+    max_num_reqs: int
+    max_model_len: int
+    max_blocks_per_req: int
+    req_ids: list[str] = field(default_factory=list)
+    req_id_to_index: dict[str, int] = field(default_factory=dict)
+    states: list[CachedRequestState] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = self.max_num_reqs
+        self.token_ids: npt.NDArray[np.int64] = np.zeros((n, self.max_model_len), np.int64)
+        self.num_tokens: npt.NDArray[np.int64] = np.zeros(n, np.int64)
+        self.num_computed_tokens: npt.NDArray[np.int64] = np.zeros(n, np.int64)
+        self.block_table: npt.NDArray[np.int32] = np.zeros((n, self.max_blocks_per_req), np.int32)
+        self.num_blocks: npt.NDArray[np.int64] = np.zeros(n, np.int64)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.req_id_to_index
+
+    def add(self, state: CachedRequestState) -> None:
+        row = len(self.req_ids)
+        self.req_ids.append(state.req_id)
+        self.req_id_to_index[state.req_id] = row
+        self.states.append(state)
+        self.set_tokens(row, state.token_ids)
+        self.set_blocks(row, state.block_ids)
+        self.num_computed_tokens[row] = state.num_computed_tokens
+
+    def remove(self, req_id: str) -> None:
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return
+        last = len(self.req_ids) - 1
+        if row != last:
+            self._move_row(last, row)
+        self.req_ids.pop()
+        self.states.pop()
+
+    def _move_row(self, src: int, dst: int) -> None:
+        moved = self.req_ids[src]
+        self.req_ids[dst] = moved
+        self.states[dst] = self.states[src]
+        self.req_id_to_index[moved] = dst
+        n_tok = int(self.num_tokens[src])
+        self.token_ids[dst, :n_tok] = self.token_ids[src, :n_tok]
+        self.num_tokens[dst] = n_tok
+        self.num_computed_tokens[dst] = self.num_computed_tokens[src]
+        n_blk = int(self.num_blocks[src])
+        self.block_table[dst, :n_blk] = self.block_table[src, :n_blk]
+        self.num_blocks[dst] = n_blk
+
+    def set_tokens(self, row: int, token_ids: list[int]) -> None:
+        self.token_ids[row, : len(token_ids)] = token_ids
+        self.num_tokens[row] = len(token_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = int(self.num_tokens[row])
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+
+    def set_blocks(self, row: int, block_ids: list[int]) -> None:
+        self.block_table[row, : len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)

@@ -1,0 +1,66 @@
+"""KV-cache tensors: how many blocks a memory budget holds, and allocating them.
+
+One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(K at index 0, V at 1), so a block id names the same slot in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return per_layer * self.num_layers
+
+
+def kv_cache_budget(
+    device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float
+) -> int:
+    """Bytes the KV cache may take. Call after the weights are loaded, so a
+    CUDA budget counts only what they left free."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    # Leave (1 - utilization) of the whole card for activations and others.
+    return int(free - (1.0 - gpu_memory_utilization) * total)
+
+
+def num_blocks_for_budget(shape: KVCacheShape, budget_bytes: int) -> int:
+    num_blocks = budget_bytes // shape.bytes_per_block
+    if num_blocks < 2:
+        raise ConfigError(
+            f"kv_cache_memory={budget_bytes!r} is invalid: expected at least two blocks' worth "
+            f"({2 * shape.bytes_per_block} bytes for this model and block_size)"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_caches(
+    shape: KVCacheShape, num_blocks: int, device: torch.device
+) -> list[torch.Tensor]:
+    # Zeroed, not empty: the null block and padded reads must be finite.
+    return [
+        torch.zeros(
+            (2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
+            dtype=shape.dtype,
+            device=device,
+        )
+        for _ in range(shape.num_layers)
+    ]

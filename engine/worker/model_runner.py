@@ -1,0 +1,261 @@
+"""ModelRunner: turns one SchedulerOutput into one forward pass and samples.
+
+Per step: apply the scheduler's deltas to the persistent batch, build
+positions / slot mapping / block table with numpy gathers, run the model
+with paged attention, compute logits only for the rows that sample, and
+sample. Requests still mid-prefill sample nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.sampler import Sampler, SamplingTensors
+from kernels.metadata import AttentionMetadata
+
+
+class CausalLM(Protocol):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Host-side arrays for one forward pass, before the copy to the device."""
+
+    input_ids: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    slot_mapping: npt.NDArray[np.int64]
+    query_start_loc: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+    # Rows (batch indices) that sample this step and the token row of each.
+    sample_rows: npt.NDArray[np.int64]
+    logits_indices: npt.NDArray[np.int64]
+    max_query_len: int
+    max_seq_len: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        *,
+        block_size: int,
+        max_num_reqs: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[str, CachedRequestState] = {}
+        max_blocks = -(-max_model_len // block_size)
+        self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
+        self.sampler = Sampler()
+
+    # ------------------------------------------------------------------
+    # Applying the scheduler's deltas
+    # ------------------------------------------------------------------
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove(req_id)
+        # Rows are only for this step's requests; the others keep their
+        # state in self.requests (preempted, or skipped this step).
+        for req_id in [r for r in batch.req_ids if r not in so.num_scheduled_tokens]:
+            batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            self._add_new_request(new)
+        self._apply_cached(so.scheduled_cached_reqs)
+
+    def _add_new_request(self, new: NewRequestData) -> None:
+        params = new.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        state = CachedRequestState(
+            req_id=new.req_id,
+            token_ids=list(new.prompt_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=params,
+            generator=generator,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+        self.requests[new.req_id] = state
+        self.batch.remove(new.req_id)  # a re-sent request replaces its old row
+        self.batch.add(state)
+
+    def _apply_cached(self, data: CachedRequestData) -> None:
+        batch = self.batch
+        for i, req_id in enumerate(data.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = data.num_computed_tokens[i]
+            new_blocks = data.new_block_ids[i]
+            if req_id in data.resumed_req_ids:
+                state.block_ids = list(new_blocks or [])
+            elif new_blocks:
+                state.block_ids.extend(new_blocks)
+            all_tokens = data.all_token_ids.get(req_id)
+            if all_tokens is not None:
+                state.token_ids = list(all_tokens)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                batch.add(state)
+                continue
+            batch.num_computed_tokens[row] = state.num_computed_tokens
+            if req_id in data.resumed_req_ids or all_tokens is not None:
+                batch.set_blocks(row, state.block_ids)
+                batch.set_tokens(row, state.token_ids)
+            elif new_blocks:
+                batch.append_blocks(row, new_blocks)
+
+    # ------------------------------------------------------------------
+    # Building inputs
+    # ------------------------------------------------------------------
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch = self.batch
+        n = batch.num_reqs
+        scheduled = so.num_scheduled_tokens
+        num_sched = np.fromiter((scheduled[r] for r in batch.req_ids), np.int64, n)
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1])
+        req_idx = np.repeat(np.arange(n), num_sched)
+        # Offset of each token within its request's chunk.
+        offsets = np.arange(total) - np.repeat(cu - num_sched, num_sched)
+        computed = batch.num_computed_tokens[:n]
+        positions = computed[req_idx] + offsets
+        input_ids = batch.token_ids[req_idx, positions]
+        block_ids = batch.block_table[req_idx, positions // self.block_size]
+        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        seq_lens = computed + num_sched
+        # A row samples once its chunk reaches the last token it knows.
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:n])
+        query_start_loc = np.zeros(n + 1, np.int32)
+        query_start_loc[1:] = cu
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens.astype(np.int32),
+            sample_rows=sample_rows,
+            logits_indices=cu[sample_rows] - 1,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+
+    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        n = self.batch.num_reqs
+        max_blocks = -(-inputs.max_seq_len // self.block_size)
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(inputs.query_start_loc).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(inputs.seq_lens).to(dev, non_blocking=True),
+            block_table=torch.from_numpy(self.batch.block_table[:n, :max_blocks]).to(
+                dev, non_blocking=True
+            ),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+            decode_only=inputs.max_query_len == 1,
+        )
+
+    # ------------------------------------------------------------------
+    # The step
+    # ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(so)
+        if so.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        inputs = self.prepare_inputs(so)
+        meta = self._attention_metadata(inputs)
+        dev = self.device
+        input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
+        positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampled: list[list[int]] = [[] for _ in range(self.batch.num_reqs)]
+        logprobs = None
+        if inputs.sample_rows.size:
+            logits_idx = torch.from_numpy(inputs.logits_indices).to(dev, non_blocking=True)
+            logits = self.model.compute_logits(hidden[logits_idx])
+            sampled, logprobs = self._sample(logits, inputs.sample_rows, sampled)
+        batch = self.batch
+        return ModelRunnerOutput(
+            req_ids=list(batch.req_ids),
+            req_id_to_index=dict(batch.req_id_to_index),
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+        )
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        sample_rows: npt.NDArray[np.int64],
+        sampled: list[list[int]],
+    ) -> tuple[list[list[int]], LogprobsLists | None]:
+        batch = self.batch
+        rows = sample_rows.tolist()
+        states = [batch.states[r] for r in rows]
+        tensors = SamplingTensors.from_params(
+            [s.sampling_params for s in states], [s.generator for s in states], self.device
+        )
+        result = self.sampler(logits, tensors)
+        token_ids = result.sampled.tolist()
+        for row, state, token_id in zip(rows, states, token_ids, strict=True):
+            sampled[row] = [token_id]
+            state.token_ids.append(token_id)
+            batch.append_token(row, token_id)
+        logprobs = None
+        if result.logprobs is not None:
+            per_row = [s.sampling_params.logprobs or 0 for s in states]
+            logprobs = result.logprobs.to_lists(per_row)
+            # Rows without a sample (mid-prefill) own no logprob row.
+            cu = np.zeros(batch.num_reqs + 1, np.int64)
+            cu[sample_rows + 1] = 1
+            logprobs.cu_num_generated_tokens = np.cumsum(cu).tolist()
+        return sampled, logprobs
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One throwaway prefill of a block's worth of tokens, so first-use
+        costs (kernel compilation, allocator growth) are not paid by the first
+        request. It writes only into the null block, which no request reads."""
+        n = self.block_size
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_table=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+            max_query_len=n,
+            max_seq_len=n,
+        )
+        ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, torch.arange(n, device=dev), self.kv_caches, meta)
+        self.model.compute_logits(hidden[-1:])
+        for cache in self.kv_caches:
+            cache[:, 0].zero_()

@@ -1,0 +1,307 @@
+"""Batched sampler: one call per step over the logits of the rows that sample.
+
+Greedy rows take the argmax. Random rows are scaled by temperature,
+optionally filtered by top-k and top-p, and sampled with the exponential
+race: ``argmax(probs / q)`` with ``q ~ Exponential(1)`` picks token ``i``
+with probability ``probs[i]``. Drawing ``q`` row by row lets a seeded request
+draw from its own generator while every row is still sampled by one argmax,
+so a seeded request's tokens do not depend on its batch companions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import LogprobsLists
+from engine.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing by them would
+# overflow float32 logits to inf, and the result is the argmax anyway.
+_GREEDY_EPS = 1e-5
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _GREEDY_EPS
+
+
+@dataclass
+class SamplingTensors:
+    """One step's sampling parameters, one row per sampling request.
+
+    Built by ``from_params``; the tensors that a step does not need (all
+    greedy, no top-k, no top-p) are None so the sampler can skip that work.
+    Tensors are column vectors ``[N, 1]`` so they broadcast over the vocab.
+    """
+
+    num_rows: int
+    all_greedy: bool
+    all_random: bool
+    # [N] bool, True for greedy rows; None unless the batch mixes both kinds.
+    greedy_mask: torch.Tensor | None
+    # [N, 1] float32; greedy rows hold 1.0 (their sample is discarded).
+    temperature: torch.Tensor | None
+    # [N, 1] int64; 0 means "no top-k" for that row. None when no row uses it.
+    top_k: torch.Tensor | None
+    # Largest top-k of any row (bounds the torch.topk call); 0 when unused.
+    max_top_k: int
+    # [N, 1] float32; rows without top-p hold inf so float error in the
+    # cumulative sum can never cut their tail. None when no row uses it.
+    top_p: torch.Tensor | None
+    # Row index -> that request's own generator, for seeded random rows.
+    generators: dict[int, torch.Generator]
+    # Most top logprobs any row asked for; None when no row asked at all.
+    max_num_logprobs: int | None
+
+    @property
+    def any_top_k(self) -> bool:
+        return self.top_k is not None
+
+    @property
+    def any_top_p(self) -> bool:
+        return self.top_p is not None
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """Build from the sampling rows' params and generators (same order).
+
+        ``generators[i]`` is the request's own generator (created once by the
+        runner from its seed and kept across steps), or None to draw from
+        the default generator. Generators of greedy rows are not touched.
+        """
+        if len(params) != len(generators):
+            raise ValueError(
+                f"generators: expected one per row ({len(params)}), got {len(generators)}"
+            )
+        greedy = [_is_greedy(p) for p in params]
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        max_num_logprobs = max(requested) if requested else None
+        if all(greedy):
+            return cls(
+                num_rows=len(params),
+                all_greedy=True,
+                all_random=False,
+                greedy_mask=None,
+                temperature=None,
+                top_k=None,
+                max_top_k=0,
+                top_p=None,
+                generators={},
+                max_num_logprobs=max_num_logprobs,
+            )
+        return cls._build_random(params, generators, greedy, device, max_num_logprobs)
+
+    @classmethod
+    def _build_random(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        greedy: list[bool],
+        device: torch.device | str,
+        max_num_logprobs: int | None,
+    ) -> SamplingTensors:
+        all_random = not any(greedy)
+        greedy_mask = None
+        if not all_random:
+            greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)]
+        temperature = torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1)
+        ks = [0 if g else p.top_k for p, g in zip(params, greedy, strict=True)]
+        max_top_k = max(ks)
+        top_k = None
+        if max_top_k > 0:
+            top_k = torch.tensor(ks, dtype=torch.int64, device=device).unsqueeze(1)
+        ps = [
+            math.inf if g or p.top_p >= 1.0 else p.top_p
+            for p, g in zip(params, greedy, strict=True)
+        ]
+        top_p = None
+        if any(p < 1.0 for p in ps):
+            top_p = torch.tensor(ps, dtype=torch.float32, device=device).unsqueeze(1)
+        gens = {
+            i: gen
+            for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
+            if gen is not None and not g
+        }
+        return cls(
+            num_rows=len(params),
+            all_greedy=False,
+            all_random=all_random,
+            greedy_mask=greedy_mask,
+            temperature=temperature,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            generators=gens,
+            max_num_logprobs=max_num_logprobs,
+        )
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one step's sampled tokens, on the device.
+
+    Column 0 is the sampled token, columns ``1..k`` the top-k tokens (k =
+    the batch's ``max_num_logprobs``) in descending order.
+    """
+
+    logprob_token_ids: torch.Tensor  # [N, 1 + k] int64
+    logprobs: torch.Tensor  # [N, 1 + k] float32
+    sampled_token_ranks: torch.Tensor  # [N] int64, 1 = most likely
+
+    def to_lists(self, num_logprobs_per_row: Sequence[int] | None = None) -> LogprobsLists:
+        """Host lists, one row per sampled token, ``[sampled] + top[:n]``.
+
+        ``num_logprobs_per_row[i]`` trims row ``i`` to the number of top
+        logprobs its request asked for (0 keeps only the sampled token);
+        None keeps every row at the batch maximum.
+        """
+        ids = self.logprob_token_ids.tolist()
+        lps = self.logprobs.tolist()
+        ranks = self.sampled_token_ranks.tolist()
+        if num_logprobs_per_row is not None:
+            ids, lps = _trim_rows(ids, lps, num_logprobs_per_row)
+        return LogprobsLists(ids, lps, ranks)
+
+
+def _trim_rows(
+    ids: list[list[int]], lps: list[list[float]], num_per_row: Sequence[int]
+) -> tuple[list[list[int]], list[list[float]]]:
+    if len(num_per_row) != len(ids):
+        raise ValueError(
+            f"num_logprobs_per_row: expected one per row ({len(ids)}), got {len(num_per_row)}"
+        )
+    max_n = len(ids[0]) - 1 if ids else 0
+    for n in num_per_row:
+        if not 0 <= n <= max_n:
+            raise ValueError(f"num_logprobs_per_row: {n} is outside [0, {max_n}]")
+    return (
+        [row[: 1 + n] for row, n in zip(ids, num_per_row, strict=True)],
+        [row[: 1 + n] for row, n in zip(lps, num_per_row, strict=True)],
+    )
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    """Stateless; per-request state (generators) lives in ``SamplingTensors``."""
+
+    def __call__(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
+        """Sample one token per row of ``logits`` ([N, vocab], float32).
+
+        Logprobs, when any row asks, are the log-softmax of the *raw* logits
+        (before temperature, top-k and top-p): they describe the model's
+        distribution, not the sampling transform, and ranks are unaffected
+        by the transform anyway.
+        """
+        if logits.dim() != 2 or logits.shape[0] != tensors.num_rows:
+            raise ValueError(
+                f"logits: expected shape [{tensors.num_rows}, vocab], got {list(logits.shape)}"
+            )
+        sampled = self._sample(logits, tensors)
+        logprobs = None
+        if tensors.max_num_logprobs is not None:
+            logprobs = compute_logprobs(logits, sampled, tensors.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs)
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        if t.all_greedy:
+            return logits.argmax(dim=-1)
+        assert t.temperature is not None  # set whenever a row is random
+        scaled = logits / t.temperature
+        if t.top_p is not None:
+            scaled = _apply_top_k_top_p(scaled, t.top_k, t.top_p)
+        elif t.top_k is not None:
+            scaled = _apply_top_k(scaled, t.top_k, t.max_top_k)
+        probs = scaled.softmax(dim=-1, dtype=torch.float32)
+        random = _exponential_race(probs, t.generators)
+        if t.greedy_mask is None:
+            return random
+        return torch.where(t.greedy_mask, logits.argmax(dim=-1), random)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Mask everything below each row's k-th largest logit to -inf.
+
+    One ``topk(max_top_k)`` instead of a full sort. Ties with the k-th
+    value are kept, so a row may keep slightly more than k tokens.
+    """
+    max_k = min(max_top_k, logits.shape[-1])
+    top_values = logits.topk(max_k, dim=-1).values
+    k = top_k.clamp(1, max_k)
+    threshold = top_values.gather(1, k - 1)
+    # Rows without top-k (k == 0) must keep everything.
+    threshold = threshold.masked_fill(top_k == 0, -math.inf)
+    return logits.masked_fill(logits < threshold, -math.inf)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then nucleus filtering on one descending sort.
+
+    A token is kept when the probability mass strictly before it is below
+    top_p: that is the smallest prefix whose mass reaches top_p, and the
+    first token (mass before it 0 < top_p) is always kept.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        vocab = logits.shape[-1]
+        # Cut below the k-th value rather than after position k, so ties
+        # are kept exactly as in _apply_top_k and a row's result does not
+        # depend on which path its batch took. k == 0 (off) keeps all.
+        k = top_k.masked_fill(top_k == 0, vocab).clamp(max=vocab)
+        kth_value = sorted_logits.gather(1, k - 1)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, -math.inf)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """``argmax(probs / q)``, ``q ~ Exponential(1)`` per element: a sample.
+
+    Unseeded rows share the default generator; each seeded row draws its
+    whole row from its own generator, so its draws depend only on its seed
+    and how many steps it has sampled.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    # exponential_ may return exactly 0; 0/0 would be NaN, which argmax
+    # treats as the maximum and would pick a filtered-out token.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """Logprobs of ``sampled`` and of the ``num_top`` most likely tokens.
+
+    The rank counts tokens with a strictly greater logprob, plus one, so
+    tied tokens share the better rank.
+    """
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+    sampled_ids = sampled.unsqueeze(1)
+    sampled_lp = logprobs.gather(1, sampled_ids)
+    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+    if num_top == 0:
+        return LogprobsTensors(sampled_ids, sampled_lp, ranks)
+    top_lp, top_ids = logprobs.topk(num_top, dim=-1)
+    return LogprobsTensors(
+        torch.cat([sampled_ids, top_ids], dim=1), torch.cat([sampled_lp, top_lp], dim=1), ranks
+    )

@@ -1,0 +1,105 @@
+"""Worker: loads the model onto a device, sizes and allocates the KV cache,
+and owns the model runner. One worker per device."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig
+from engine.models.loader import LoadedModel, load_model, resolve_model
+from engine.outputs import ModelRunnerOutput
+from engine.sched.output import SchedulerOutput
+from engine.worker.kv_cache import (
+    KVCacheShape,
+    allocate_kv_caches,
+    kv_cache_budget,
+    num_blocks_for_budget,
+)
+from engine.worker.model_runner import ModelRunner
+from kernels.backend import select_backend
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' is invalid: no CUDA device is available")
+    return torch.device(name)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine core needs to know once the model is up."""
+
+    model_path: Path
+    model_name: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    eos_token_id: int | None
+
+
+class Worker:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int):
+        torch.manual_seed(model_config.seed)
+        self.device = resolve_device(model_config.device)
+        self.backend = select_backend(self.device, model_config.attention_backend)
+        path = resolve_model(model_config.model)
+        self.loaded: LoadedModel = load_model(
+            path, dtype=_DTYPES[model_config.dtype], device=self.device, ops=self.backend
+        )
+        spec = self.loaded.spec
+        max_model_len = spec.max_position_embeddings
+        if model_config.max_model_len is not None:
+            max_model_len = min(max_model_len, model_config.max_model_len)
+        shape = KVCacheShape(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            cache_config.block_size,
+            _DTYPES[model_config.dtype],
+        )
+        budget = kv_cache_budget(
+            self.device, model_config.kv_cache_memory, model_config.gpu_memory_utilization
+        )
+        num_blocks = cache_config.num_blocks_override or num_blocks_for_budget(shape, budget)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB) on %s, attention backend %s",
+            num_blocks,
+            cache_config.block_size,
+            num_blocks * shape.bytes_per_block / 2**20,
+            self.device,
+            self.backend.name,
+        )
+        kv_caches = allocate_kv_caches(shape, num_blocks, self.device)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            kv_caches,
+            block_size=cache_config.block_size,
+            max_num_reqs=max_num_seqs,
+            max_model_len=max_model_len,
+            device=self.device,
+        )
+        # Requests stop on the first EOS id; configs listing several are rare.
+        eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
+        self.info = WorkerInfo(
+            model_path=path,
+            model_name=self.loaded.name,
+            architecture=spec.architecture,
+            vocab_size=spec.vocab_size,
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            eos_token_id=eos,
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

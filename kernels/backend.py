@@ -1,0 +1,57 @@
+"""Choosing which implementation of the two attention ops a model runs.
+
+Precedence: an explicit name, then `TANDEM_ATTENTION_BACKEND`, then the
+device's default: Triton on CUDA (and on CPU when `TRITON_INTERPRET=1`, i.e.
+when someone is deliberately exercising the kernels in Triton's
+interpreter), the vectorised torch path otherwise.
+
+Triton is imported only when its backend is chosen, so CPU-only installs
+whose triton cannot load still run the torch path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+
+ENV_VAR = "TANDEM_ATTENTION_BACKEND"
+BACKEND_NAMES = ("torch", "triton", "reference")
+
+ReshapeAndCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+PagedAttention = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The two attention ops, with the signatures of `kernels.reference`."""
+
+    name: str
+    reshape_and_cache: ReshapeAndCache
+    paged_attention: PagedAttention
+
+
+def select_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
+    """The backend called `name`, else the one named by the environment,
+    else the default for `device`. Raises ValueError for an unknown name."""
+    chosen = name or os.environ.get(ENV_VAR) or _default_name(device)
+    if chosen == "torch":
+        from kernels import torch_attention as ops
+    elif chosen == "triton":
+        from kernels import triton_attention as ops  # type: ignore[no-redef]
+    elif chosen == "reference":
+        from kernels import reference as ops  # type: ignore[no-redef]
+    else:
+        known = ", ".join(BACKEND_NAMES)
+        raise ValueError(f"unknown attention backend {chosen!r} (known: {known})")
+    return AttentionBackend(chosen, ops.reshape_and_cache, ops.paged_attention)
+
+
+def _default_name(device: torch.device) -> str:
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "triton"
+    return "torch"

@@ -1,0 +1,278 @@
+"""Fast pure-torch paged attention: the default backend off GPU.
+
+Same signatures as `kernels.reference`, built from a handful of vectorised
+ops per call because it runs for every layer of every step:
+
+* decodes (one new token each) are handled all at once: every sequence's
+  blocks are gathered with one `index_select` into a padded
+  `[num_seqs, max_len, num_kv_heads, head_dim]` K and V, and a single
+  `scaled_dot_product_attention` call masks each sequence to its own length.
+  Query heads are viewed as `[num_kv_heads, group]` rows of one KV head, so
+  GQA needs no repeated K/V.
+* prefill chunks (few per step, many tokens each) go one sequence at a time,
+  each over exactly its own context with a causal mask shifted by its cached
+  prefix.
+
+Everything derived from the batch layout alone (gather indices, masks, host
+copies of the offsets) is a `_Plan`, built on the first call with a given
+`AttentionMetadata` object and reused by the other layers of that forward
+pass: at small batches those small ops cost as much as the attention. A
+plan is rebuilt when the metadata object changes or its tensors are
+modified in place by torch; a runner that rewrites them behind torch's back
+(through a numpy view, say) must pass a new `AttentionMetadata` each pass.
+
+Requirement: the padded gather reads whole blocks, so slots past a
+sequence's length are multiplied by an exactly-zero attention weight, and
+`0 * nan` is nan. Cache slots that were never written must therefore hold
+finite values: allocate the cache with `torch.zeros`, not `torch.empty`.
+(Block-table entries past a sequence's last block may hold anything.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V rows `[num_tokens, num_kv_heads, head_dim]` into the paged
+    cache `[2, num_blocks, block_size, num_kv_heads, head_dim]` at their slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    # One row per slot: blocks and offsets flatten into a single slot index.
+    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    slots[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of `query` `[num_tokens, num_heads, head_dim]` over each
+    sequence's cached context; returns `[num_tokens, num_heads, head_dim]`."""
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    plan = _PLANS.get(meta, kv_cache)
+    if plan.decode is not None and plan.decode_rows is None:
+        return _decode(query, kv_cache, plan.decode, scale)
+    out = torch.empty_like(query)
+    if plan.decode is not None and plan.decode_rows is not None:
+        decoded = _decode(query.index_select(0, plan.decode_rows), kv_cache, plan.decode, scale)
+        out.index_copy_(0, plan.decode_rows, decoded)
+    for prefill in plan.prefills:
+        lo, hi = prefill.rows
+        out[lo:hi] = _prefill(query[lo:hi], kv_cache, prefill, scale)
+    return out
+
+
+# --- per-batch plans -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodePlan:
+    # Rows of the cache viewed as [2 * num_blocks, block_size * heads * dim]:
+    # each decode's blocks for K, then the same blocks (offset by num_blocks) for V.
+    gather_rows: torch.Tensor
+    # [num_decodes, 1, 1, padded_len] additive mask (0 or -inf) in the cache
+    # dtype: SDPA would otherwise convert a boolean mask on every call.
+    mask: torch.Tensor
+    num_seqs: int
+    padded_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillPlan:
+    rows: tuple[int, int]  # the sequence's query rows
+    gather_rows: torch.Tensor  # as _DecodePlan's, for this sequence's blocks
+    seq_len: int
+    # [q_len, seq_len] boolean "may attend"; None when there is no cached
+    # prefix and plain is_causal is right.
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    decode: _DecodePlan | None
+    # Token rows of the decodes; None when the whole batch is decodes.
+    decode_rows: torch.Tensor | None
+    prefills: tuple[_PrefillPlan, ...]
+
+
+class _PlanCache:
+    """Holds the plan for the last batch seen (one forward pass's metadata is
+    shared by every layer). Keeps that metadata alive so its id is not reused."""
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._key: tuple[object, ...] = ()
+        self._plan: _Plan | None = None
+
+    def get(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
+        key = (
+            meta.block_table._version,
+            meta.seq_lens._version,
+            meta.query_start_loc._version,
+            kv_cache.shape[1:3],
+            kv_cache.dtype,
+            kv_cache.device,
+        )
+        if self._plan is None or self._meta is not meta or self._key != key:
+            self._plan = _make_plan(meta, kv_cache)
+            self._meta, self._key = meta, key
+        return self._plan
+
+
+_PLANS = _PlanCache()
+
+
+def _make_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
+    if meta.decode_only:
+        return _Plan(_all_decodes_plan(meta, kv_cache), None, ())
+    # Host copies of the layout: cheap on CPU, where this backend runs.
+    starts: list[int] = meta.query_start_loc.tolist()
+    seq_lens: list[int] = meta.seq_lens.tolist()
+    decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    if len(decodes) == len(seq_lens):
+        return _Plan(_all_decodes_plan(meta, kv_cache), None, ())
+
+    decode: _DecodePlan | None = None
+    decode_rows: torch.Tensor | None = None
+    if decodes:
+        seqs = torch.tensor(decodes, device=kv_cache.device)
+        decode = _decode_plan(
+            meta.block_table.index_select(0, seqs),
+            meta.seq_lens.index_select(0, seqs),
+            max(seq_lens[i] for i in decodes),
+            kv_cache,
+        )
+        decode_rows = torch.tensor([starts[i] for i in decodes], device=kv_cache.device)
+    prefills = tuple(
+        _prefill_plan((starts[i], starts[i + 1]), meta.block_table[i], n, kv_cache)
+        for i, n in enumerate(seq_lens)
+        if starts[i + 1] - starts[i] > 1
+    )
+    return _Plan(decode, decode_rows, prefills)
+
+
+def _all_decodes_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _DecodePlan:
+    return _decode_plan(meta.block_table, meta.seq_lens, meta.max_seq_len, kv_cache)
+
+
+def _decode_plan(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, kv_cache: torch.Tensor
+) -> _DecodePlan:
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    num_cols = -(-max_seq_len // block_size)
+    padded_len = num_cols * block_size
+    # Entries past a sequence's last block are unspecified (maybe -1, maybe
+    # stale); any real block will do since those positions are masked.
+    blocks = block_table[:, :num_cols].clamp(0, num_blocks - 1)
+    gather_rows = torch.cat((blocks, blocks + num_blocks)).view(-1)
+    positions = torch.arange(padded_len, device=kv_cache.device)
+    hidden = positions >= seq_lens[:, None]
+    mask = torch.zeros(hidden.shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    mask.masked_fill_(hidden, float("-inf"))
+    return _DecodePlan(gather_rows, mask[:, None, None, :], int(block_table.shape[0]), padded_len)
+
+
+def _prefill_plan(
+    rows: tuple[int, int], block_row: torch.Tensor, seq_len: int, kv_cache: torch.Tensor
+) -> _PrefillPlan:
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    q_len = rows[1] - rows[0]
+    blocks = block_row[: -(-seq_len // block_size)]
+    mask = None
+    if q_len != seq_len:
+        # is_causal aligns the diagonal top-left; new token j sits at context
+        # position seq_len - q_len + j, so the diagonal is shifted by the prefix.
+        positions = torch.arange(seq_len, device=block_row.device)
+        mask = positions <= positions[seq_len - q_len :, None]
+    return _PrefillPlan(rows, torch.cat((blocks, blocks + num_blocks)), seq_len, mask)
+
+
+# --- the attention itself ------------------------------------------------------
+
+
+class _Workspace:
+    """One reusable CPU buffer per dtype for gathered K/V (it only lives for
+    one call). Fresh CPU tensors above glibc's mmap threshold (at most 32 MiB)
+    are page-faulted in on every call, which measured 3-4x the copy itself
+    (a 75 MiB gather: 65 ms fresh, 18 ms into a reused buffer). It keeps the
+    largest size seen; GPU allocations are cached by torch already."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def take(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        numel = rows * cols
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            # Some headroom so a slowly growing batch does not reallocate each step.
+            size = numel if buffer is None else max(numel, buffer.numel() * 5 // 4)
+            buffer = self._buffers[dtype] = torch.empty(size, dtype=dtype)
+        return buffer[:numel].view(rows, cols)
+
+
+_WORKSPACE = _Workspace()
+
+
+def _gather_blocks(kv_cache: torch.Tensor, gather_rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the cache viewed as `[2 * num_blocks, block_size * heads * dim]`:
+    K and V blocks in one dim-0 `index_select` (the contiguous row-copy path)."""
+    flat = kv_cache.view(2 * kv_cache.shape[1], -1)
+    if kv_cache.device.type != "cpu":
+        return flat.index_select(0, gather_rows)
+    out = _WORKSPACE.take(gather_rows.shape[0], flat.shape[1], flat.dtype)
+    return torch.index_select(flat, 0, gather_rows, out=out)
+
+
+def _decode(
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float
+) -> torch.Tensor:
+    """One new token per sequence: a padded gather and one masked SDPA call."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    kv = _gather_blocks(kv_cache, plan.gather_rows)
+    kv = kv.view(2, plan.num_seqs, plan.padded_len, num_kv_heads, head_dim)
+    # [seqs, kv_heads, group, dim]: a KV head's query heads become its rows.
+    q = query.to(kv_cache.dtype).reshape(plan.num_seqs, num_kv_heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(
+        q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=plan.mask, scale=scale
+    )
+    return out.reshape(plan.num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _prefill(
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: _PrefillPlan, scale: float
+) -> torch.Tensor:
+    """One sequence's chunk of new tokens over exactly its own context."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    kv = _gather_blocks(kv_cache, plan.gather_rows)
+    kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : plan.seq_len]
+    # 4-d [1, heads, len, dim]: 3-d inputs miss the CPU flash kernel and fall
+    # back to materialising the whole score matrix.
+    q = query.to(kv_cache.dtype).transpose(0, 1)[None]
+    k, v = kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None]
+    gqa = num_heads != num_kv_heads
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=plan.mask,
+        is_causal=plan.mask is None,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    return out[0].transpose(0, 1).to(query.dtype)

@@ -1,0 +1,197 @@
+"""Tandem's decoder against transformers' own modeling code on tiny random models.
+
+Each family is saved with `save_pretrained` and loaded back through Tandem's
+loader, then driven through a paged cache with shuffled block ids: one batched
+prefill, a chunked prefill mixed with decodes, and a run of decode steps. Every
+logit row must match transformers' forward over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+)
+
+from engine.models.llama import hf_parameter_names
+from engine.models.loader import LoadedModel, load_model
+from engine.models.spec import ModelSpec
+from tests.unit.engine.models.paged import REFERENCE_OPS, allocate, step
+
+ATOL = 1e-4
+VOCAB = 96
+PROMPT_LENS = (11, 5, 8)
+DECODE_STEPS = 3
+
+_SHAPE: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+
+def _configs() -> dict[str, PretrainedConfig]:
+    return {
+        # original_max_position_embeddings well inside head_dim 16's wavelength
+        # range, so all three llama3 bands (kept, blended, stretched) occur.
+        "llama3-rope-untied": LlamaConfig(
+            **_SHAPE,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            tie_word_embeddings=False,
+        ),
+        "llama-tied-bias": LlamaConfig(
+            **_SHAPE, tie_word_embeddings=True, attention_bias=True, mlp_bias=True
+        ),
+        "mistral-linear-rope": MistralConfig(
+            **_SHAPE,
+            head_dim=16,
+            sliding_window=4096,
+            rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0},
+            tie_word_embeddings=False,
+        ),
+        "qwen2-qkv-bias": Qwen2Config(**_SHAPE, tie_word_embeddings=False),
+    }
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Weights large enough that logits spread over several units: at HF's
+    default init (std 0.02) they are nearly uniform and hide mistakes."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif param.ndim == 1:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def family(request, tmp_path_factory):
+    """(HF model, saved directory) for one family."""
+    config = _configs()[request.param]
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    _randomize(hf)
+    hf.eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf, path
+
+
+@pytest.fixture(scope="module")
+def tandem(family) -> LoadedModel:
+    return load_model(family[1], dtype=torch.float32, device=torch.device("cpu"), ops=REFERENCE_OPS)
+
+
+def _sequences(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(n + DECODE_STEPS)] for n in PROMPT_LENS]
+
+
+def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = hf(input_ids=torch.tensor([tokens])).logits[0]
+    return out.float()
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    diff = (got - want).abs().max().item()
+    assert diff <= ATOL, f"{what}: max |logit diff| {diff:.2e} > {ATOL:.0e}"
+
+
+def test_parameter_names_match_transformers(family, tandem):
+    hf, _ = family
+    hf_names = set(hf.state_dict())
+    if tandem.spec.tie_word_embeddings:
+        hf_names.discard("lm_head.weight")
+    assert set(hf_parameter_names(tandem.spec)) == hf_names
+
+
+def test_batched_prefill(family, tandem):
+    hf, _ = family
+    tokens = _sequences(seed=2)
+    seqs = allocate(tandem.model, tokens)
+    chunks = [(i, 0, n) for i, n in enumerate(PROMPT_LENS)]
+    for (i, _, n), logits in zip(chunks, step(tandem.model, seqs, chunks), strict=True):
+        _assert_close(logits, _hf_logits(hf, tokens[i])[:n], f"prefill of sequence {i}")
+
+
+def test_chunked_prefill_mixed_with_decode(family, tandem):
+    """Step 1: sequence 0 whole, 1 and 2 in part. Step 2: sequence 0 decodes a
+    token while 1 and 2 finish their prompts from the cache."""
+    hf, _ = family
+    tokens = _sequences(seed=3)
+    seqs = allocate(tandem.model, tokens, seed=4)
+    n0, n1, n2 = PROMPT_LENS
+    first = [(0, 0, n0), (1, 0, 2), (2, 0, n2 - 3)]
+    second = [(0, n0, n0 + 1), (1, 2, n1), (2, n2 - 3, n2)]
+    for chunks in (first, second):
+        for (i, start, end), logits in zip(chunks, step(tandem.model, seqs, chunks), strict=True):
+            want = _hf_logits(hf, tokens[i])[start:end]
+            _assert_close(logits, want, f"sequence {i} tokens {start}:{end}")
+
+
+def test_decode_steps(family, tandem):
+    hf, _ = family
+    tokens = _sequences(seed=5)
+    seqs = allocate(tandem.model, tokens, seed=6)
+    step(tandem.model, seqs, [(i, 0, n) for i, n in enumerate(PROMPT_LENS)])
+    want = [_hf_logits(hf, t) for t in tokens]
+    for k in range(DECODE_STEPS):
+        chunks = [(i, n + k, n + k + 1) for i, n in enumerate(PROMPT_LENS)]
+        for (i, start, _), logits in zip(chunks, step(tandem.model, seqs, chunks), strict=True):
+            _assert_close(logits[0], want[i][start], f"decode step {k} of sequence {i}")
+
+
+def test_bfloat16_close_to_float32(family, tandem):
+    _, path = family
+    bf16 = load_model(path, dtype=torch.bfloat16, device=torch.device("cpu"), ops=REFERENCE_OPS)
+    assert bf16.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    tokens = _sequences(seed=7)
+    chunks = [(i, 0, n) for i, n in enumerate(PROMPT_LENS)]
+    ref = step(tandem.model, allocate(tandem.model, tokens), chunks)
+    got = step(bf16.model, allocate(bf16.model, tokens, dtype=torch.bfloat16), chunks)
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        assert g.dtype == torch.float32
+        assert torch.isfinite(g).all()
+        scale = r.abs().max().item()
+        diff = (g - r).abs().max().item()
+        assert diff <= 0.05 * scale + 0.05, (
+            f"sequence {i}: bf16 off by {diff:.3f} (scale {scale:.2f})"
+        )
+
+
+def test_spec_reads_family_switches(tandem):
+    spec: ModelSpec = tandem.spec
+    arch = spec.architecture
+    assert spec.attention_bias == (arch == "Qwen2ForCausalLM" or spec.o_proj_bias)
+    if arch == "MistralForCausalLM":
+        assert spec.sliding_window == 4096
+        assert spec.max_model_len == min(spec.max_position_embeddings, 4096)
+    assert all(not p.requires_grad for p in tandem.model.parameters())
+    assert not tandem.model.training

@@ -1,0 +1,116 @@
+"""The vectorised torch path against the reference kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import reference, torch_attention
+from tests.unit.kernels.batches import SHAPES, Shape, make_batch, new_kv_rows
+
+TOLERANCES = {
+    torch.float32: 2e-5,
+    # Outputs are O(1); half precision rounds K/V/probabilities to ~3 digits.
+    torch.bfloat16: 3e-2,
+    torch.float16: 4e-3,
+}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.label)
+def test_paged_attention_matches_reference(shape: Shape, dtype: torch.dtype) -> None:
+    batch = make_batch(shape, dtype=dtype, seed=11)
+    scale = shape.head_dim**-0.5
+    want = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, scale)
+    got = torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, scale)
+    assert got.dtype == dtype and got.shape == batch.query.shape
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= TOLERANCES[dtype], err
+
+
+def test_all_decode_batch_not_flagged_decode_only() -> None:
+    batch = make_batch(SHAPES[1])
+    meta = dataclasses.replace(batch.meta, decode_only=False)
+    want = reference.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
+    got = torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pad", [-1, 0, 10**6])
+def test_block_table_padding_is_ignored(pad: int) -> None:
+    # Entries past a sequence's last block may hold anything, even ids that
+    # are not blocks at all.
+    batch = make_batch(SHAPES[3], block_table_pad=pad)
+    want = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.125)
+    got = torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_strided_query_from_fused_projection() -> None:
+    # q/k/v usually come out of one fused projection: q is a strided view.
+    batch = make_batch(SHAPES[3])
+    fused = torch.cat([batch.query, torch.zeros_like(batch.query)], dim=1)
+    query = fused[:, : batch.query.shape[1]]
+    want = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.125)
+    got = torch_attention.paged_attention(query, batch.kv_cache, batch.meta, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reshape_and_cache_matches_reference(dtype: torch.dtype) -> None:
+    batch = make_batch(SHAPES[3], dtype=dtype)
+    key, value = new_kv_rows(batch, dtype=torch.float32)
+    want = batch.kv_cache.clone()
+    reference.reshape_and_cache(key, value, want, batch.meta.slot_mapping)
+    torch_attention.reshape_and_cache(key, value, batch.kv_cache, batch.meta.slot_mapping)
+    assert torch.equal(batch.kv_cache, want)
+
+
+def test_reshape_then_attend_sees_the_new_tokens() -> None:
+    # The engine's order within a layer: write this step's K/V, then attend.
+    batch = make_batch(SHAPES[4])
+    key, value = new_kv_rows(batch)
+    want_cache = batch.kv_cache.clone()
+    reference.reshape_and_cache(key, value, want_cache, batch.meta.slot_mapping)
+    want = reference.paged_attention(batch.query, want_cache, batch.meta, 0.1)
+    torch_attention.reshape_and_cache(key, value, batch.kv_cache, batch.meta.slot_mapping)
+    got = torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_layers_share_a_plan_but_in_place_metadata_changes_are_seen() -> None:
+    batch = make_batch(SHAPES[3])
+    meta = batch.meta
+    torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
+    # A runner that reuses its metadata tensors writes the next step in place.
+    meta.seq_lens[0] -= 5  # a decode: its context shrinks from 40 to 35
+    want = reference.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
+    got = torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_plan_follows_the_cache_geometry() -> None:
+    # Same metadata, a cache with more blocks: gather rows must be recomputed.
+    batch = make_batch(SHAPES[0])
+    torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.1)
+    bigger = torch.cat([batch.kv_cache, torch.zeros_like(batch.kv_cache)], dim=1)
+    want = reference.paged_attention(batch.query, bigger, batch.meta, 0.1)
+    got = torch_attention.paged_attention(batch.query, bigger, batch.meta, 0.1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_empty_batch() -> None:
+    batch = make_batch(SHAPES[0])
+    meta = dataclasses.replace(
+        batch.meta,
+        slot_mapping=batch.meta.slot_mapping[:0],
+        query_start_loc=batch.meta.query_start_loc[:1],
+        seq_lens=batch.meta.seq_lens[:0],
+        block_table=batch.meta.block_table[:0],
+        max_query_len=0,
+        max_seq_len=0,
+    )
+    out = torch_attention.paged_attention(batch.query[:0], batch.kv_cache, meta, 0.1)
+    assert out.shape == (0, *batch.query.shape[1:])
