@@ -49,8 +49,9 @@ demo: model
 	@echo "the demo runs the offline LLM API on the default model:"
 	$(PY) -m engine.llm
 
-bench: $(STAMP)
+bench: model
 	$(PY) benchmarks/scheduler_bench.py
+	$(PY) benchmarks/offline_throughput.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -8,7 +8,9 @@ ops per call because it runs for every layer of every step:
   `[num_seqs, max_len, num_kv_heads, head_dim]` K and V, and a single
   `scaled_dot_product_attention` call masks each sequence to its own length.
   Query heads are viewed as `[num_kv_heads, group]` rows of one KV head, so
-  GQA needs no repeated K/V.
+  GQA needs no repeated K/V. For float32 caches the compiled kernel of
+  `kernels.cpu_decode` replaces both when it builds: it reads each K/V row
+  once, in place, instead of gathering first.
 * prefill chunks (few per step, many tokens each) go one sequence at a time,
   each over exactly its own context with a causal mask shifted by its cached
   prefix.
@@ -17,9 +19,8 @@ Everything derived from the batch layout alone (gather indices, masks, host
 copies of the offsets) is a `_Plan`, built on the first call with a given
 `AttentionMetadata` object and reused by the other layers of that forward
 pass: at small batches those small ops cost as much as the attention. A
-plan is rebuilt when the metadata object changes or its tensors are
-modified in place by torch; a runner that rewrites them behind torch's back
-(through a numpy view, say) must pass a new `AttentionMetadata` each pass.
+plan is rebuilt when the metadata object changes, so a runner must pass a
+new `AttentionMetadata` each forward pass (never edit one in place).
 
 Requirement: the padded gather reads whole blocks, so slots past a
 sequence's length are multiplied by an exactly-zero attention weight, and
@@ -31,10 +32,12 @@ finite values: allocate the cache with `torch.zeros`, not `torch.empty`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode
 from kernels.metadata import AttentionMetadata
 
 
@@ -89,6 +92,9 @@ class _DecodePlan:
     mask: torch.Tensor
     num_seqs: int
     padded_len: int
+    # The decodes' own block-table rows and lengths, for the compiled kernel.
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +125,10 @@ class _PlanCache:
         self._plan: _Plan | None = None
 
     def get(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
-        key = (
-            meta.block_table._version,
-            meta.seq_lens._version,
-            meta.query_start_loc._version,
-            kv_cache.shape[1:3],
-            kv_cache.dtype,
-            kv_cache.device,
-        )
+        # Identity, not contents: AttentionMetadata is frozen and the runner
+        # builds a new one per forward pass (inference tensors carry no
+        # version counter to detect in-place edits with).
+        key = (kv_cache.shape[1:3], kv_cache.dtype, kv_cache.device)
         if self._plan is None or self._meta is not meta or self._key != key:
             self._plan = _make_plan(meta, kv_cache)
             self._meta, self._key = meta, key
@@ -183,7 +185,14 @@ def _decode_plan(
     hidden = positions >= seq_lens[:, None]
     mask = torch.zeros(hidden.shape, dtype=kv_cache.dtype, device=kv_cache.device)
     mask.masked_fill_(hidden, float("-inf"))
-    return _DecodePlan(gather_rows, mask[:, None, None, :], int(block_table.shape[0]), padded_len)
+    return _DecodePlan(
+        gather_rows,
+        mask[:, None, None, :],
+        int(block_table.shape[0]),
+        padded_len,
+        block_table.to(torch.int32),
+        seq_lens.to(torch.int32).contiguous(),
+    )
 
 
 def _prefill_plan(
@@ -240,9 +249,15 @@ def _gather_blocks(kv_cache: torch.Tensor, gather_rows: torch.Tensor) -> torch.T
 def _decode(
     query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float
 ) -> torch.Tensor:
-    """One new token per sequence: a padded gather and one masked SDPA call."""
+    """One new token per sequence: the compiled kernel when it applies, else
+    a padded gather and one masked SDPA call."""
     _, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
+    kernel = _compiled_decode(query, kv_cache)
+    if kernel is not None:
+        out = torch.empty_like(query)
+        kernel.decode_attention(out, query, kv_cache, plan.block_table, plan.seq_lens, scale)
+        return out
     kv = _gather_blocks(kv_cache, plan.gather_rows)
     kv = kv.view(2, plan.num_seqs, plan.padded_len, num_kv_heads, head_dim)
     # [seqs, kv_heads, group, dim]: a KV head's query heads become its rows.
@@ -251,6 +266,17 @@ def _decode(
         q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=plan.mask, scale=scale
     )
     return out.reshape(plan.num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _compiled_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> ModuleType | None:
+    if not (
+        kv_cache.device.type == "cpu"
+        and kv_cache.dtype == query.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and query.stride(-1) == 1
+    ):
+        return None
+    return cpu_decode.load()
 
 
 def _prefill(

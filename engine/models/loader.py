@@ -168,18 +168,33 @@ def _is_current(directory: Path, stamp: dict[str, Any]) -> bool:
 
 def _publish(staging: Path, target: Path, stamp: dict[str, Any]) -> None:
     """Rename `staging` to `target`, replacing a stale `target`."""
+    _make_shareable(staging)
+    if _is_current(target, stamp):
+        return  # another process published the same conversion meanwhile
     stale = None
     if target.exists():
-        stale = target.with_name(f".{target.name}.{os.getpid()}.stale")
+        # Renamed onto a fresh empty directory: a unique name, and POSIX
+        # rename replaces an empty directory.
+        stale = Path(
+            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".stale", dir=target.parent)
+        )
         os.rename(target, stale)
     try:
         os.rename(staging, target)
     except OSError:
-        # Another process published the same conversion first: keep theirs.
+        # Another process published between our check and our rename: keep theirs.
         if not _is_current(target, stamp):
             raise
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _make_shareable(directory: Path) -> None:
+    # mkdtemp makes the directory owner-only; a cache is as readable as any
+    # other file the user writes.
+    directory.chmod(0o755)
+    for file in directory.iterdir():
+        file.chmod(0o644)
 
 
 def _convert_into(gguf_path: Path, out: Path) -> None:
@@ -298,3 +313,11 @@ def load_model(
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return tokenizer
+
+
+if __name__ == "__main__":
+    # `python -m engine.models.loader [MODEL]`: fetch/convert once, print the path.
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else None))

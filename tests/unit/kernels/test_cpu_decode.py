@@ -1,0 +1,65 @@
+"""The compiled CPU decode kernel against the reference, on the shared shapes
+(every sequence's decode row; prefill rows are the torch path's job)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import cpu_decode, reference, torch_attention
+from tests.unit.kernels.batches import SHAPES, Shape, make_batch
+
+DECODE_SHAPES = [
+    *[s for s in SHAPES if max(s.q_lens) == 1],
+    Shape((1,) * 6, (1, 15, 16, 17, 200, 333), 9, 3, 64, 16),  # the default model's heads
+    Shape((1,) * 4, (31, 32, 33, 129), 8, 8, 128, 32),
+]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = cpu_decode.load()
+    if module is None:
+        pytest.skip("no C++ toolchain here: the torch path is used instead")
+    return module
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: s.label)
+def test_decode_kernel_matches_reference(kernel, shape: Shape) -> None:
+    torch.manual_seed(7)
+    batch = make_batch(shape)
+    scale = shape.head_dim**-0.5
+    want = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, scale)
+    got = torch.empty_like(batch.query)
+    meta = batch.meta
+    kernel.decode_attention(
+        got, batch.query, batch.kv_cache, meta.block_table, meta.seq_lens, scale
+    )
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_strided_query_rows_as_the_model_passes_them(kernel) -> None:
+    # The model hands attention a view into the fused qkv output.
+    shape = DECODE_SHAPES[-2]
+    batch = make_batch(shape)
+    wide = torch.randn(batch.query.shape[0], shape.num_heads + 2 * shape.num_kv_heads, 64)
+    wide[:, : shape.num_heads] = batch.query
+    query = wide[:, : shape.num_heads]
+    assert not query.is_contiguous()
+    want = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.125)
+    got = torch_attention.paged_attention(query, batch.kv_cache, batch.meta, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_disabled_by_environment(monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_decode, "_STATE", {})
+    assert cpu_decode.load() is None
+    # The torch path still answers, through the gather + SDPA route.
+    batch = make_batch(DECODE_SHAPES[0])
+    want = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.1)
+    meta = dataclasses.replace(batch.meta)
+    got = torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
