@@ -37,6 +37,8 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
 
 def run_tandem(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # Every round must prefill for real: forget the previous round's prompts.
+    llm.core.scheduler.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -31,9 +31,11 @@ _SOURCE = r"""
 // query [S, H, D] (one decode token per sequence; any row stride),
 // kv_cache [2, num_blocks, block_size, Hkv, D] contiguous float32,
 // block_table [S, max_blocks] int32, seq_lens [S] int32, out [S, H, D].
-void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
-                      torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
-  const int64_t S = query.size(0), H = query.size(1), D = query.size(2);
+// D is a template constant so the per-row loops unroll and vectorize fully.
+template <int64_t D>
+void decode_attention_d(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
+                        torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
+  const int64_t S = query.size(0), H = query.size(1);
   const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
   const int64_t G = H / HKV;
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
@@ -107,10 +109,24 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_c
   });
 }
 
+void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
+                      torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
+  switch (query.size(2)) {
+    case 64: return decode_attention_d<64>(out, query, kv_cache, block_table, seq_lens, scale);
+    case 128: return decode_attention_d<128>(out, query, kv_cache, block_table, seq_lens, scale);
+    case 256: return decode_attention_d<256>(out, query, kv_cache, block_table, seq_lens, scale);
+    default:
+      TORCH_CHECK(false, "decode_attention: head_dim ", query.size(2), " is not 64, 128 or 256");
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
 }
 """
+
+# The head sizes the kernel is instantiated for (others use the torch path).
+HEAD_DIMS = (64, 128, 256)
 
 _STATE: dict[str, ModuleType | None] = {}
 
@@ -132,7 +148,7 @@ def _build() -> ModuleType | None:
 
         logger.info("building Tandem's CPU decode-attention kernel (cached after the first run)")
         module: ModuleType = load_inline(  # type: ignore[no-untyped-call]
-            name="tandem_cpu_decode_v3",
+            name="tandem_cpu_decode_v5",
             cpp_sources=[_SOURCE],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],

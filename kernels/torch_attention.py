@@ -274,6 +274,7 @@ def _compiled_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> ModuleType 
         and kv_cache.dtype == query.dtype == torch.float32
         and kv_cache.is_contiguous()
         and query.stride(-1) == 1
+        and query.shape[-1] in cpu_decode.HEAD_DIMS
     ):
         return None
     return cpu_decode.load()
