@@ -12,6 +12,7 @@ caching) exactly as it would for a server.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import sys
 import time
@@ -169,11 +170,13 @@ def _per_prompt(
 
 def _demo() -> None:
     """``python -m engine.llm``: a few chat prompts on the default model."""
+    # Show the one-time steps (model conversion, kernel build) as they happen.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     llm = LLM()
     questions = [
         "What is the capital of France?",
         "Write a haiku about the sea.",
-        "Give me three tips for learning to cook.",
+        "Name three fruits that are red.",
     ]
     prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in questions]
     start = time.perf_counter()

@@ -146,7 +146,7 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        logger.info("building Tandem's CPU decode-attention kernel (cached after the first run)")
+        logger.info("loading Tandem's CPU decode-attention kernel (built on first use: ~1 min)")
         module: ModuleType = load_inline(  # type: ignore[no-untyped-call]
             name="tandem_cpu_decode_v5",
             cpp_sources=[_SOURCE],
