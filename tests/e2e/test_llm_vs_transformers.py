@@ -90,7 +90,8 @@ def test_prefix_caching_with_shared_system_prompt(prompts, expected):
 
 
 def test_tiny_kv_cache_preempts_and_resumes(prompts, expected):
-    # 20 usable blocks of 16 tokens for eight requests of 50-110 tokens:
+    # 20 usable blocks of 16 tokens for eight requests of 45-79 prompt tokens
+    # plus 24 generated:
     # they cannot all stay resident, so some are preempted and recomputed.
     llm = LLM(enable_prefix_caching=False, max_model_len=256, num_blocks_override=21)
     assert llm.totals.num_preemptions == 0
