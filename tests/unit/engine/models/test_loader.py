@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -310,6 +311,21 @@ def test_second_resolve_reuses_cache(converted, monkeypatch):
     assert resolve_model(DEFAULT_MODEL) == path
     assert resolve_model(None) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_same_gguf_installed_elsewhere_reuses_cache(converted, monkeypatch, tmp_path):
+    # Another virtualenv installs the same file at another path and mtime.
+    path, _ = converted
+    copy = tmp_path / "elsewhere" / loader.default_gguf_path().name
+    copy.parent.mkdir()
+    shutil.copy(loader.default_gguf_path(), copy)
+
+    def must_not_convert(*args: object) -> None:
+        raise AssertionError("converted again although only the file's location changed")
+
+    monkeypatch.setattr(loader, "_convert_into", must_not_convert)
+    monkeypatch.setattr(loader, "default_gguf_path", lambda: copy)
+    assert resolve_model(None) == path
 
 
 def test_default_model_logits_match_transformers(converted, hf_gguf_model):
