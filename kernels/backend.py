@@ -40,13 +40,13 @@ def select_backend(device: torch.device, name: str | None = None) -> AttentionBa
     else the default for `device`. Raises ValueError for an unknown name."""
     chosen = name or os.environ.get(ENV_VAR) or _default_name(device)
     if chosen == "torch":
-        from kernels import cpu_decode
+        from kernels import cpu_kernels
         from kernels import torch_attention as ops
 
         if device.type == "cpu":
             # Build (or load) the compiled decode kernel now, at engine start,
             # rather than inside the first request's first decode step.
-            cpu_decode.load()
+            cpu_kernels.load()
     elif chosen == "triton":
         from kernels import triton_attention as ops  # type: ignore[no-redef]
     elif chosen == "reference":

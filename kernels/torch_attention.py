@@ -9,7 +9,7 @@ ops per call because it runs for every layer of every step:
   `scaled_dot_product_attention` call masks each sequence to its own length.
   Query heads are viewed as `[num_kv_heads, group]` rows of one KV head, so
   GQA needs no repeated K/V. For float32 caches the compiled kernel of
-  `kernels.cpu_decode` replaces both when it builds: it reads each K/V row
+  `kernels.cpu_kernels` replaces both when it builds: it reads each K/V row
   once, in place, instead of gathering first.
 * prefill chunks (few per step, many tokens each) go one sequence at a time,
   each over exactly its own context with a causal mask shifted by its cached
@@ -37,7 +37,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode
+from kernels import cpu_kernels
 from kernels.metadata import AttentionMetadata
 
 
@@ -274,10 +274,10 @@ def _compiled_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> ModuleType 
         and kv_cache.dtype == query.dtype == torch.float32
         and kv_cache.is_contiguous()
         and query.stride(-1) == 1
-        and query.shape[-1] in cpu_decode.HEAD_DIMS
+        and query.shape[-1] in cpu_kernels.HEAD_DIMS
     ):
         return None
-    return cpu_decode.load()
+    return cpu_kernels.load()
 
 
 def _prefill(

@@ -4,12 +4,14 @@ The forward pass takes a flat batch: the new tokens of every sequence laid end
 to end (`AttentionMetadata` says which rows belong to which sequence), their
 positions, and one paged cache tensor per layer. Attention itself is two
 callables from an attention backend (`AttentionOps`), so the same module runs
-on the pure-torch reference kernels, a fast CPU path or Triton.
+on the pure-torch reference kernels, a fast CPU path or Triton. The small
+ops (RMSNorm, SiLU-and-mul, RoPE) and the linear layers come from `kernels.layer_ops`: fused C++
+for float32 on CPU, torch otherwise.
 
 Written for a memory-bound decode step on a few CPU cores: q/k/v and
 gate/up are each one fused matmul, RoPE rotates q and k together in place on
 the matmul's output, and the residual stream is one tensor updated in place,
-so a layer allocates little beyond the matmul outputs.
+each add fused into the norm that follows it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.spec import ModelSpec, RopeScaling
+from kernels.layer_ops import LayerOps, RopeTables, select_layer_ops
 from kernels.metadata import AttentionMetadata
 
 
@@ -78,6 +81,7 @@ class Linear(nn.Module):
         self,
         in_features: int,
         out_features: int,
+        lops: LayerOps,
         *,
         bias: bool,
         dtype: torch.dtype,
@@ -86,6 +90,7 @@ class Linear(nn.Module):
     ) -> None:
         """`weight`, when given, is shared rather than allocated (tied embeddings)."""
         super().__init__()
+        self.lops = lops
         self.weight = (
             _empty_param(out_features, in_features, dtype=dtype, device=device)
             if weight is None
@@ -96,7 +101,7 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.lops.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -109,19 +114,20 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, dim: int, eps: float, lops: LayerOps, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.weight = _empty_param(dim, dtype=dtype, device=device)
         self.eps = eps
+        self.lops = lops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Spelled out rather than torch.rms_norm: on CPU that op was up to 8x
-        # slower for prefill-sized fp32 inputs, and this is HF's exact recipe
-        # (normalise in float32, round to the model dtype, then scale), so bf16
-        # models match transformers' rounding too.
-        xf = x.float()
-        inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(self.eps))
-        return (xf * inv_rms).to(x.dtype).mul_(self.weight)
+        return self.lops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """residual += delta in place, then the norm of the sum."""
+        return self.lops.add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -150,33 +156,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
-def rope_tables(
-    cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed sin), each [T, 1, head_dim], for apply_rope_ at `positions`.
-
-    Built once per forward from the [max_pos, head_dim / 2] caches and shared
-    by every layer; the sign of rotate-half is folded into the sin table.
-    """
-    cos = cos_cache[positions]
-    sin = sin_cache[positions]
-    return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
-
-
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-    """Rotate `x` [T, heads, head_dim] in place, rotate-half (GPT-NeoX) style as
-    HF Llama: pair i is (x[i], x[i + head_dim/2]).
-
-    x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] written as
-    roll(x) = [x2, x1] times signed_sin = [-sin, sin]: three kernels per layer.
-    """
-    rotated = x.roll(x.shape[-1] // 2, -1)
-    x.mul_(cos).addcmul_(rotated, signed_sin)
-
-
 class LlamaAttention(nn.Module):
     def __init__(
-        self, spec: ModelSpec, ops: AttentionOps, *, dtype: torch.dtype, device: torch.device
+        self,
+        spec: ModelSpec,
+        ops: AttentionOps,
+        lops: LayerOps,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
@@ -184,22 +172,23 @@ class LlamaAttention(nn.Module):
         self.head_dim = spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.ops = ops
+        self.lops = lops
         self.qkv_proj = Linear(
             spec.hidden_size,
             spec.q_size + 2 * spec.kv_size,
+            lops,
             bias=spec.attention_bias,
             dtype=dtype,
             device=device,
         )
         self.o_proj = Linear(
-            spec.q_size, spec.hidden_size, bias=spec.o_proj_bias, dtype=dtype, device=device
+            spec.q_size, spec.hidden_size, lops, bias=spec.o_proj_bias, dtype=dtype, device=device
         )
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeTables,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -207,7 +196,7 @@ class LlamaAttention(nn.Module):
         h, hkv = self.num_heads, self.num_kv_heads
         heads = self.qkv_proj(x).view(num_tokens, h + 2 * hkv, self.head_dim)
         # q and k are adjacent heads of the fused output: one rotation covers both.
-        apply_rope_(heads[:, : h + hkv], cos, sin)
+        self.lops.rope_(heads[:, : h + hkv], rope)
         q, k, v = heads[:, :h], heads[:, h : h + hkv], heads[:, h + hkv :]
         self.ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, kv_cache, meta, self.scale)
@@ -216,64 +205,85 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, spec: ModelSpec, lops: LayerOps, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
+        self.lops = lops
         self.gate_up_proj = Linear(
             spec.hidden_size,
             2 * spec.intermediate_size,
+            lops,
             bias=spec.mlp_bias,
             dtype=dtype,
             device=device,
         )
         self.down_proj = Linear(
-            spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype, device=device
+            spec.intermediate_size,
+            spec.hidden_size,
+            lops,
+            bias=spec.mlp_bias,
+            dtype=dtype,
+            device=device,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        # SiLU(gate) * up computed into gate's half of the matmul output: no new buffer.
-        act = F.silu(gate, inplace=True).mul_(up)
-        down: torch.Tensor = self.down_proj(act)
+        down: torch.Tensor = self.down_proj(self.lops.silu_mul(self.gate_up_proj(x)))
         return down
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, spec: ModelSpec, ops: AttentionOps, *, dtype: torch.dtype, device: torch.device
+        self,
+        spec: ModelSpec,
+        ops: AttentionOps,
+        lops: LayerOps,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
-        eps = spec.rms_norm_eps
-        self.input_layernorm = RMSNorm(spec.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(spec, ops, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(spec, dtype=dtype, device=device)
+        eps, hidden = spec.rms_norm_eps, spec.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(spec, ops, lops, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(spec, lops, dtype=dtype, device=device)
 
     def forward(
         self,
         residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: RopeTables,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> None:
-        """Add this layer's attention and MLP outputs to `residual` in place."""
-        attn = self.self_attn(self.input_layernorm(residual), cos, sin, kv_cache, meta)
-        residual.add_(attn)
-        residual.add_(self.mlp(self.post_attention_layernorm(residual)))
+    ) -> torch.Tensor:
+        """Add `delta` (the previous layer's MLP output, None for the first
+        layer) to `residual` in place, run this layer, and return its MLP output
+        for the next layer to add: each residual add is fused into a norm."""
+        norm = self.input_layernorm
+        x = norm(residual) if delta is None else norm.add_forward(residual, delta)
+        attn = self.self_attn(x, rope, kv_cache, meta)
+        mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm.add_forward(residual, attn))
+        return mlp_out
 
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, spec: ModelSpec, ops: AttentionOps, *, dtype: torch.dtype, device: torch.device
+        self,
+        spec: ModelSpec,
+        ops: AttentionOps,
+        lops: LayerOps,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, ops, dtype=dtype, device=device) for _ in range(spec.num_layers)
+            LlamaDecoderLayer(spec, ops, lops, dtype=dtype, device=device)
+            for _ in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, lops, dtype=dtype, device=device)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -287,14 +297,18 @@ class LlamaForCausalLM(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        layer_ops: LayerOps | None = None,
     ) -> None:
+        """`layer_ops` defaults to the fastest ops for dtype and device."""
         super().__init__()
         device = torch.device(device)
         self.spec = spec
-        self.model = LlamaModel(spec, ops, dtype=dtype, device=device)
+        self.lops = layer_ops or select_layer_ops(dtype, device)
+        self.model = LlamaModel(spec, ops, self.lops, dtype=dtype, device=device)
         self.lm_head = Linear(
             spec.hidden_size,
             spec.vocab_size,
+            self.lops,
             bias=False,
             dtype=dtype,
             device=device,
@@ -328,13 +342,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"got {len(kv_caches)} KV cache tensors: expected one per layer ({len(layers)})"
             )
-        cos, sin = rope_tables(self.cos_cache, self.sin_cache, positions)
+        rope = self.lops.rope_tables(self.cos_cache, self.sin_cache, positions)
         # The embedding lookup returns a fresh tensor, so the layers may
         # accumulate into it in place.
         residual = self.model.embed_tokens(input_ids)
+        delta = None
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            layer(residual, cos, sin, kv_cache, meta)
-        out: torch.Tensor = self.model.norm(residual)
+            delta = layer(residual, delta, rope, kv_cache, meta)
+        norm = self.model.norm
+        out: torch.Tensor = norm(residual) if delta is None else norm.add_forward(residual, delta)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

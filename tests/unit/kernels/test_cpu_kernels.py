@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import cpu_decode, reference, torch_attention
+from kernels import cpu_kernels, reference, torch_attention
 from tests.unit.kernels.batches import SHAPES, Shape, make_batch
 
 DECODE_SHAPES = [
@@ -20,7 +20,7 @@ DECODE_SHAPES = [
 
 @pytest.fixture(scope="module")
 def kernel():
-    module = cpu_decode.load()
+    module = cpu_kernels.load()
     if module is None:
         pytest.skip("no C++ toolchain here: the torch path is used instead")
     return module
@@ -55,8 +55,8 @@ def test_strided_query_rows_as_the_model_passes_them(kernel) -> None:
 
 def test_disabled_by_environment(monkeypatch) -> None:
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
-    monkeypatch.setattr(cpu_decode, "_STATE", {})
-    assert cpu_decode.load() is None
+    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    assert cpu_kernels.load() is None
     # The torch path still answers, through the gather + SDPA route.
     batch = make_batch(DECODE_SHAPES[0])
     want = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.1)

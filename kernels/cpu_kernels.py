@@ -1,0 +1,67 @@
+"""Tandem's compiled CPU kernels: one C++ extension, built on first use.
+
+Sources live in `kernels/csrc/`:
+
+* `decode_attention.cpp`: the decode part of paged attention. Decode on a
+  CPU is bound by memory bandwidth: each step reads every running
+  sequence's whole K/V context once. The pure-torch path reads it three
+  times (gather into a padded buffer, write it, read it again in SDPA);
+  this kernel walks the block table and reads each K/V row once, in place,
+  with an online softmax per (sequence, KV head) and all query heads of a
+  GQA group sharing each row.
+* `fused_ops.cpp`: RMSNorm (with the residual add folded in), SiLU-and-mul
+  and RoPE, each one pass instead of a chain of torch kernels (see
+  `kernels.elementwise`).
+
+All are float32 only. The extension is built with torch's C++ extension
+tooling (a compiler and ninja are needed; about a minute, then cached under
+torch's extension directory, keyed by the sources). If it cannot be built,
+`load()` returns None once, logs why, and the torch paths run as before.
+``TANDEM_CPU_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("bindings.cpp", "decode_attention.cpp", "fused_ops.cpp")
+
+# The head sizes the decode kernel is instantiated for (others use the torch path).
+HEAD_DIMS = (64, 128, 256)
+
+_STATE: dict[str, ModuleType | None] = {}
+
+
+def load() -> ModuleType | None:
+    """The compiled module, or None if it is disabled or cannot be built."""
+    if "module" in _STATE:
+        return _STATE["module"]
+    module = None
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") != "0":
+        module = _build()
+    _STATE["module"] = module
+    return module
+
+
+def _build() -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        logger.info("loading Tandem's CPU kernels (built on first use: ~1 min)")
+        module: ModuleType = load_extension(
+            name="tandem_cpu_kernels",
+            sources=[str(_CSRC / name) for name in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+        return module
+    except Exception as exc:  # a missing compiler must not stop serving
+        logger.warning("CPU kernels unavailable (%s); using the torch paths", exc)
+        return None

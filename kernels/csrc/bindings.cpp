@@ -1,0 +1,23 @@
+// Python bindings for Tandem's CPU kernels (built by kernels/cpu_kernels.py).
+#include <ATen/ATen.h>
+#include <torch/extension.h>
+
+void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                      at::Tensor block_table, at::Tensor seq_lens, double scale);
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor delta,
+                  at::Tensor weight, double eps);
+void silu_mul(at::Tensor out, at::Tensor gate_up);
+void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache,
+           at::Tensor sin_cache);
+void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
+                  const c10::optional<at::Tensor>& bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention (float32)");
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32 rows)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; out = rms_norm(residual) * weight");
+  m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate | up]");
+  m.def("rope_", &rope_, "rotate-half RoPE in place at the given positions");
+  m.def("small_linear", &small_linear, "out = x @ weight.T + bias for a few rows of x");
+}

@@ -1,0 +1,275 @@
+// Paged decode attention for float32 caches on CPU (see kernels/cpu_kernels.py).
+//
+// Two implementations: a portable one (online softmax, loops the compiler
+// vectorizes) and, where the build targets AVX-512, one with the GQA group's
+// queries and accumulators held in registers, each K/V row loaded once for
+// the whole group, and a two-pass softmax (all scores of a head, then one
+// exp pass, then the V pass). The AVX-512 path measured 1.3-1.5x faster on
+// the default model's heads; it covers group sizes 1-8 and head dims 64/128,
+// which spans the Llama/Mistral/Qwen2 checkpoints people run on CPUs.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// query [S, H, D] (one decode token per sequence; any row stride),
+// kv_cache [2, num_blocks, block_size, Hkv, D] contiguous float32,
+// block_table [S, max_blocks] int32, seq_lens [S] int32, out [S, H, D].
+// D is a template constant so the per-row loops unroll and vectorize fully.
+template <int64_t D>
+void decode_attention_d(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                        at::Tensor block_table, at::Tensor seq_lens, double scale) {
+  const int64_t S = query.size(0), H = query.size(1);
+  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
+  const int64_t G = H / HKV;
+  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t bt_s0 = block_table.stride(0);
+  const float* q_base = query.data_ptr<float>();
+  const float* k_base = kv_cache.data_ptr<float>();
+  const float* v_base = k_base + NB * BS * HKV * D;
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* o_base = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, S * HKV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(G * D), m(G), l(G), q(G * D), scores(G * BS);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / HKV, h = task % HKV;
+      const int64_t len = lens[s];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = q_base + s * q_s0 + (h * G + g) * q_s1;
+        for (int64_t d = 0; d < D; ++d) q[g * D + d] = src[d] * fscale;
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < len; start += BS) {
+        const int64_t block = bt[s * bt_s0 + start / BS];
+        const int64_t n = std::min(BS, len - start);
+        const float* kb = k_base + (block * BS * HKV + h) * D;
+        const float* vb = v_base + (block * BS * HKV + h) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* __restrict qg = q.data() + g * D;
+          float block_max = m[g];
+          for (int64_t t = 0; t < n; ++t) {
+            const float* __restrict k = kb + t * HKV * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+            scores[g * BS + t] = dot;
+            block_max = std::max(block_max, dot);
+          }
+          // Online softmax: rescale what was summed under the old max.
+          const float correction = std::exp(m[g] - block_max);
+          float* __restrict ag = acc.data() + g * D;
+          float* pg = scores.data() + g * BS;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; ++t) {
+            pg[t] = std::exp(pg[t] - block_max);
+            sum += pg[t];
+          }
+          sum += l[g] * correction;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = pg[t];
+            const float* __restrict v = vb + t * HKV * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
+          }
+          m[g] = block_max;
+          l[g] = sum;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* dst = o_base + s * o_s0 + (h * G + g) * o_s1;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+namespace {
+
+// Ask for one head's rows of the next block before they are needed: blocks
+// are scattered, so the hardware prefetcher cannot guess where it starts.
+template <int D>
+inline void prefetch_rows(const float* first, int64_t n, int64_t row) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int c = 0; c < D; c += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(first + t * row + c), _MM_HINT_T0);
+}
+
+struct HeadTask {
+  const float* q;  // the group's first query head
+  int64_t q_s1;
+  float* out;
+  int64_t o_s1;
+  const float* k;  // this KV head's slice of block 0 of the K (and V) cache
+  const float* v;
+  const int32_t* blocks;
+  int64_t len, block_size, block_elems, row;
+  float scale;
+};
+
+// One (sequence, KV head): the G query heads of its group over its context.
+// `scores` holds G * len floats.
+template <int D, int G>
+void attend_group(const HeadTask& t, float* __restrict scores) {
+  constexpr int C = D / 16;  // 16-float registers per head row
+  const int64_t len = t.len, BS = t.block_size;
+  const int64_t num_blocks = (len + BS - 1) / BS;
+  __m512 qr[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      qr[g][c] = _mm512_mul_ps(_mm512_loadu_ps(t.q + g * t.q_s1 + c * 16), _mm512_set1_ps(t.scale));
+  // Pass 1: every score; two accumulators per dot halve the FMA chain.
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t start = b * BS, n = std::min(BS, len - start);
+    const float* kb = t.k + t.blocks[b] * t.block_elems;
+    if (b + 1 < num_blocks)
+      prefetch_rows<D>(t.k + t.blocks[b + 1] * t.block_elems, BS, t.row);
+    else
+      prefetch_rows<D>(t.v + t.blocks[0] * t.block_elems, BS, t.row);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* k = kb + i * t.row;
+      __m512 kr[C];
+      for (int c = 0; c < C; ++c) kr[c] = _mm512_loadu_ps(k + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 even = _mm512_mul_ps(qr[g][0], kr[0]);
+        __m512 odd = _mm512_setzero_ps();
+        for (int c = 1; c < C; c += 2) {
+          odd = _mm512_fmadd_ps(qr[g][c], kr[c], odd);
+          if (c + 1 < C) even = _mm512_fmadd_ps(qr[g][c + 1], kr[c + 1], even);
+        }
+        scores[g * len + start + i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+      }
+    }
+  }
+  // Softmax per head over the whole context (vectorized exp).
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* __restrict sc = scores + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < len; ++i) m = std::max(m, sc[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < len; ++i) {
+      sc[i] = std::exp(sc[i] - m);
+      sum += sc[i];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+  // Pass 2: the probability-weighted sum of V rows.
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t start = b * BS, n = std::min(BS, len - start);
+    const float* vb = t.v + t.blocks[b] * t.block_elems;
+    if (b + 1 < num_blocks) prefetch_rows<D>(t.v + t.blocks[b + 1] * t.block_elems, BS, t.row);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = vb + i * t.row;
+      __m512 vr[C];
+      for (int c = 0; c < C; ++c) vr[c] = _mm512_loadu_ps(v + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * len + start + i]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(t.out + g * t.o_s1 + c * 16,
+                       _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
+}
+
+template <int D, int G>
+void decode_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                             at::Tensor block_table, at::Tensor seq_lens, double scale) {
+  const int64_t S = query.size(0);
+  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
+  const float* q_base = query.data_ptr<float>();
+  const float* k_base = kv_cache.data_ptr<float>();
+  const float* v_base = k_base + NB * BS * HKV * D;
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* o_base = out.data_ptr<float>();
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < S; ++s) max_len = std::max<int64_t>(max_len, lens[s]);
+  const int64_t row = HKV * D;
+  at::parallel_for(0, S * HKV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * std::max<int64_t>(max_len, 1));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / HKV, h = task % HKV;
+      if (lens[s] <= 0) {  // nothing to attend to: zeros, as the generic path gives
+        for (int64_t g = 0; g < G; ++g)
+          std::fill_n(o_base + s * out.stride(0) + (h * G + g) * out.stride(1), D, 0.f);
+        continue;
+      }
+      const HeadTask t{q_base + s * query.stride(0) + h * G * query.stride(1),
+                       query.stride(1),
+                       o_base + s * out.stride(0) + h * G * out.stride(1),
+                       out.stride(1),
+                       k_base + h * D,
+                       v_base + h * D,
+                       bt + s * block_table.stride(0),
+                       lens[s],
+                       BS,
+                       BS * row,
+                       row,
+                       static_cast<float>(scale)};
+      attend_group<D, G>(t, scores.data());
+    }
+  });
+}
+
+using DecodeFn = void (*)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, double);
+
+template <int D>
+DecodeFn avx512_for_group(int64_t group) {
+  switch (group) {
+    case 1: return decode_attention_avx512<D, 1>;
+    case 2: return decode_attention_avx512<D, 2>;
+    case 3: return decode_attention_avx512<D, 3>;
+    case 4: return decode_attention_avx512<D, 4>;
+    case 5: return decode_attention_avx512<D, 5>;
+    case 6: return decode_attention_avx512<D, 6>;
+    case 7: return decode_attention_avx512<D, 7>;
+    case 8: return decode_attention_avx512<D, 8>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+#endif
+
+void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                      at::Tensor block_table, at::Tensor seq_lens, double scale) {
+#if defined(__AVX512F__)
+  const int64_t group = query.size(1) / kv_cache.size(3);
+  DecodeFn fast = nullptr;
+  if (query.size(2) == 64) fast = avx512_for_group<64>(group);
+  if (query.size(2) == 128) fast = avx512_for_group<128>(group);
+  if (fast != nullptr && query.stride(2) == 1 && out.stride(2) == 1)
+    return fast(out, query, kv_cache, block_table, seq_lens, scale);
+#endif
+  switch (query.size(2)) {
+    case 64: return decode_attention_d<64>(out, query, kv_cache, block_table, seq_lens, scale);
+    case 128: return decode_attention_d<128>(out, query, kv_cache, block_table, seq_lens, scale);
+    case 256: return decode_attention_d<256>(out, query, kv_cache, block_table, seq_lens, scale);
+    default:
+      TORCH_CHECK(false, "decode_attention: head_dim ", query.size(2), " is not 64, 128 or 256");
+  }
+}

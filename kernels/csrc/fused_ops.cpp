@@ -1,0 +1,192 @@
+// Fused float32 CPU versions of the decoder's small ops (see kernels/elementwise.py).
+//
+// Each replaces a chain of 3-8 torch kernels that each walk the whole
+// activation once: at decode batch sizes the chains cost more in launches than
+// in arithmetic, and at prefill sizes they cost extra passes over memory.
+// The arithmetic follows transformers' recipe op for op (RMSNorm: mean of
+// squares, rsqrt(mean + eps), scale; SiLU: x / (1 + exp(-x)); rotate-half
+// RoPE), so results differ from the torch chains only in rounding.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+// Rows per parallel task: small batches stay on one thread (no wake-up cost).
+constexpr int64_t kRowGrain = 16;
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,
+              " must be a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-d with contiguous rows");
+}
+
+inline void normalize_row(float* __restrict out, const float* __restrict x,
+                          const float* __restrict w, int64_t n, float eps) {
+  float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < n; ++i) sum_sq += x[i] * x[i];
+  const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * inv_rms) * w[i];
+}
+
+}  // namespace
+
+// out[t] = rms_norm(x[t]) * weight.
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  check_rows(out, "out");
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      normalize_row(op + r * os, xp + r * xs, wp, n, static_cast<float>(eps));
+  });
+}
+
+// residual[t] += delta[t]; out[t] = rms_norm(residual[t]) * weight.
+void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor delta,
+                  at::Tensor weight, double eps) {
+  check_rows(out, "out");
+  check_rows(residual, "residual");
+  check_rows(delta, "delta");
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t rs = residual.stride(0), ds = delta.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* __restrict res = rp + r * rs;
+      const float* __restrict d = dp + r * ds;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) res[i] += d[i];
+      normalize_row(op + r * os, res, wp, n, static_cast<float>(eps));
+    }
+  });
+}
+
+// gate_up [T, 2I] holds gate | up; out [T, I] = silu(gate) * up.
+void silu_mul(at::Tensor out, at::Tensor gate_up) {
+  check_rows(out, "out");
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inter = out.size(1);
+  TORCH_CHECK(gate_up.size(1) == 2 * inter, "gate_up must be twice as wide as out");
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t gs = gate_up.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* __restrict g = gp + r * gs;
+      const float* __restrict u = g + inter;
+      float* __restrict o = op + r * os;
+      // Built with -ffast-math (finite math only): clamp so exp never
+      // overflows; silu(g) for g < -80 is -0 either way.
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i)
+        o[i] = g[i] / (1.f + std::exp(std::min(-g[i], 80.f))) * u[i];
+    }
+  });
+}
+
+// Rotate-half RoPE in place on x [T, heads, D] (last dim contiguous, any row
+// and head strides) at positions [T], from cos/sin tables [max_pos, D/2].
+void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache,
+           at::Tensor sin_cache) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.scalar_type() == at::kFloat,
+              "x must be float32 [T, heads, head_dim] with contiguous head_dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "positions must be contiguous int64");
+  TORCH_CHECK(cos_cache.is_contiguous() && sin_cache.is_contiguous(), "tables must be contiguous");
+  const int64_t rows = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(cos_cache.size(1) == half, "tables must be [max_pos, head_dim / 2]");
+  const int64_t max_pos = cos_cache.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < max_pos, "position ", pos[r], " outside the RoPE table");
+  const float* cp = cos_cache.data_ptr<float>();
+  const float* sp = sin_cache.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* __restrict c = cp + pos[r] * half;
+      const float* __restrict s = sp + pos[r] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* __restrict lo = xp + r * s0 + h * s1;
+        float* __restrict hi = lo + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = lo[i], b = hi[i];
+          lo[i] = a * c[i] - b * s[i];
+          hi[i] = b * c[i] + a * s[i];
+        }
+      }
+    }
+  });
+}
+
+// out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) for a few rows M.
+// BLAS's small-M path leaves bandwidth unused at decode sizes; this walks
+// the weight once, four rows at a time, with every input row reusing each
+// weight row while it is in L1.
+void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
+                  const c10::optional<at::Tensor>& bias) {
+  check_rows(out, "out");
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "weight must be contiguous float32");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K && out.size(0) == M && out.size(1) == N, "shape mismatch");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be contiguous [N]");
+    bp = bias->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    for (; n + 4 <= end; n += 4) {
+      const float* __restrict w0 = wp + n * K;
+      const float* __restrict w1 = w0 + K;
+      const float* __restrict w2 = w1 + K;
+      const float* __restrict w3 = w2 + K;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* __restrict xm = xp + m * xs;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t k = 0; k < K; ++k) {
+          const float v = xm[k];
+          a0 += w0[k] * v;
+          a1 += w1[k] * v;
+          a2 += w2[k] * v;
+          a3 += w3[k] * v;
+        }
+        float* o = op + m * os + n;
+        o[0] = a0 + (bp ? bp[n] : 0.f);
+        o[1] = a1 + (bp ? bp[n + 1] : 0.f);
+        o[2] = a2 + (bp ? bp[n + 2] : 0.f);
+        o[3] = a3 + (bp ? bp[n + 3] : 0.f);
+      }
+    }
+    for (; n < end; ++n) {
+      const float* __restrict w0 = wp + n * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* __restrict xm = xp + m * xs;
+        float a0 = 0.f;
+#pragma omp simd reduction(+ : a0)
+        for (int64_t k = 0; k < K; ++k) a0 += w0[k] * xm[k];
+        op[m * os + n] = a0 + (bp ? bp[n] : 0.f);
+      }
+    }
+  });
+}

@@ -1,0 +1,157 @@
+"""The decoder's per-layer ops besides attention, picked once per model.
+
+RMSNorm, SiLU-and-mul, RoPE and the linear layers, in two implementations
+with one set of signatures:
+
+* `TORCH_OPS`: transformers' recipes spelled out in torch, for any dtype and
+  device. RMSNorm normalises in float32, rounds to the model dtype, then
+  scales, so bf16 models round exactly as transformers does.
+* the compiled C++ ops of `kernels.cpu_kernels`, for float32 models on CPU:
+  each small op is one pass over the activations instead of a chain of 3-8
+  torch kernels, which at decode batch sizes cost more in launches than in
+  arithmetic (a single-stream decode step ran 30 layers x ~25 small ops).
+  Linear layers with at most `SMALL_LINEAR_ROWS` input rows (decode steps
+  of a few sequences) use a weight-streaming kernel: BLAS's small-M path
+  reads the weights ~10% slower than memory allows, and a decode step is
+  one read of all the weights. Larger inputs go to BLAS.
+
+The residual add is folded into the following norm (`add_rms_norm`), so the
+decoder passes each sublayer's output forward instead of adding it at once.
+RoPE tables are built once per forward pass (`rope_tables`) and shared by
+every layer; what they hold is up to the implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_kernels
+
+RopeTables = tuple[torch.Tensor, ...]
+
+# Up to this many input rows the compiled linear beats BLAS (measured on the
+# default model's shapes: see benchmarks/README.md).
+SMALL_LINEAR_ROWS = 8
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    name: str
+    # rms_norm(x [T, H], weight [H], eps) -> normalised x * weight, a new tensor.
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # add_rms_norm(residual, delta, weight, eps): residual += delta in place,
+    # then returns rms_norm(residual, weight, eps).
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # silu_mul(gate_up [T, 2I]) -> silu(gate) * up, [T, I] (may reuse gate_up).
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    # rope_tables(cos_cache, sin_cache [max_pos, D/2], positions [T]) -> tables.
+    rope_tables: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], RopeTables]
+    # rope_(x [T, heads, D], tables): rotate-half RoPE in place.
+    rope_: Callable[[torch.Tensor, RopeTables], None]
+    # linear(x [T, in], weight [out, in], bias [out] | None) -> [T, out].
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+# --- torch ----------------------------------------------------------------------
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Spelled out rather than torch.rms_norm: on CPU that op was up to 8x
+    # slower for prefill-sized fp32 inputs, and this is HF's exact recipe.
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(eps))
+    return (xf * inv_rms).to(x.dtype).mul_(weight)
+
+
+def _torch_add_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return _torch_rms_norm(residual.add_(delta), weight, eps)
+
+
+def _torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    half = gate_up.shape[-1] // 2
+    # Computed into gate's half of the matmul output: no new buffer.
+    return F.silu(gate_up[:, :half], inplace=True).mul_(gate_up[:, half:])
+
+
+def _torch_rope_tables(
+    cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor
+) -> RopeTables:
+    """(cos, signed sin), each [T, 1, head_dim]: the sign of rotate-half is
+    folded into the sin table."""
+    cos = cos_cache[positions]
+    sin = sin_cache[positions]
+    return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+
+
+def _torch_rope_(x: torch.Tensor, tables: RopeTables) -> None:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] written
+    as roll(x) = [x2, x1] times signed_sin = [-sin, sin]: three kernels."""
+    cos, signed_sin = tables
+    rotated = x.roll(x.shape[-1] // 2, -1)
+    x.mul_(cos).addcmul_(rotated, signed_sin)
+
+
+TORCH_OPS = LayerOps(
+    "torch",
+    _torch_rms_norm,
+    _torch_add_rms_norm,
+    _torch_silu_mul,
+    _torch_rope_tables,
+    _torch_rope_,
+    F.linear,
+)
+
+
+# --- compiled (float32, CPU) --------------------------------------------------------
+
+
+def _compiled_ops(module: ModuleType) -> LayerOps:
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        module.rms_norm(out, x, weight, eps)
+        return out
+
+    def add_rms_norm(
+        residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(residual)
+        module.add_rms_norm(out, residual, delta, weight, eps)
+        return out
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        module.silu_mul(out, gate_up)
+        return out
+
+    def rope_tables(
+        cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor
+    ) -> RopeTables:
+        return positions, cos_cache, sin_cache
+
+    def rope_(x: torch.Tensor, tables: RopeTables) -> None:
+        module.rope_(x, *tables)
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] > SMALL_LINEAR_ROWS or x.stride(-1) != 1:
+            return F.linear(x, weight, bias)
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        module.small_linear(out, x, weight, bias)
+        return out
+
+    return LayerOps("compiled", rms_norm, add_rms_norm, silu_mul, rope_tables, rope_, linear)
+
+
+def select_layer_ops(dtype: torch.dtype, device: torch.device) -> LayerOps:
+    """The compiled ops for float32 on CPU when they build, else torch's."""
+    if dtype == torch.float32 and device.type == "cpu":
+        module = cpu_kernels.load()
+        if module is not None:
+            return _compiled_ops(module)
+    return TORCH_OPS

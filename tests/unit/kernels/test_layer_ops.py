@@ -1,0 +1,96 @@
+"""The compiled RMSNorm / SiLU-and-mul / RoPE / small linear against
+transformers' recipes (the torch ops), on the layouts the decoder hands them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_kernels, layer_ops
+from kernels.layer_ops import SMALL_LINEAR_ROWS, TORCH_OPS, LayerOps, select_layer_ops
+
+ROWS = [1, 3, 17, 200]  # one decode, a few, and enough to split across threads
+
+
+@pytest.fixture(scope="module")
+def compiled() -> LayerOps:
+    ops = select_layer_ops(torch.float32, torch.device("cpu"))
+    if ops.name != "compiled":
+        pytest.skip("no C++ toolchain here: the torch ops are used instead")
+    return ops
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm(compiled: LayerOps, rows: int) -> None:
+    x = torch.randn(rows, 576) * 3
+    w = torch.randn(576)
+    got = compiled.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, TORCH_OPS.rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_rms_norm_updates_the_residual(compiled: LayerOps, rows: int) -> None:
+    residual, delta, w = torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(64)
+    want_residual = residual.clone()
+    want = TORCH_OPS.add_rms_norm(want_residual, delta, w, 1e-6)
+    got = compiled.add_rms_norm(residual, delta, w, 1e-6)
+    torch.testing.assert_close(residual, want_residual, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul(compiled: LayerOps, rows: int) -> None:
+    gate_up = torch.randn(rows, 2 * 96) * 4
+    gate_up[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # exp overflow on both sides
+    want = TORCH_OPS.silu_mul(gate_up.clone())
+    got = compiled.silu_mul(gate_up)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_on_a_strided_view_of_the_qkv_output(compiled: LayerOps, head_dim: int) -> None:
+    # The decoder rotates heads [:, :h + hkv] of the fused qkv output in place
+    # and leaves the v heads alone.
+    rows, heads, v_heads, max_pos = 9, 5, 2, 512
+    half = head_dim // 2
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), torch.rand(half))
+    cos_cache, sin_cache = angles.cos(), angles.sin()
+    positions = torch.randint(0, max_pos, (rows,))
+    qkv = torch.randn(rows, heads + v_heads, head_dim)
+    want = qkv.clone()
+    TORCH_OPS.rope_(want[:, :heads], TORCH_OPS.rope_tables(cos_cache, sin_cache, positions))
+    compiled.rope_(qkv[:, :heads], compiled.rope_tables(cos_cache, sin_cache, positions))
+    torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(qkv[:, heads:], want[:, heads:], atol=0, rtol=0)
+
+
+def test_rope_rejects_a_position_past_the_table(compiled: LayerOps) -> None:
+    table = torch.zeros(8, 32)
+    x = torch.randn(2, 1, 64)
+    with pytest.raises(RuntimeError, match="position 8 outside the RoPE table"):
+        compiled.rope_(x, compiled.rope_tables(table, table, torch.tensor([0, 8])))
+
+
+def test_torch_ops_off_cpu_or_float32(monkeypatch) -> None:
+    assert select_layer_ops(torch.bfloat16, torch.device("cpu")) is TORCH_OPS
+    assert select_layer_ops(torch.float32, torch.device("meta")) is TORCH_OPS
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    assert layer_ops.select_layer_ops(torch.float32, torch.device("cpu")) is TORCH_OPS
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, SMALL_LINEAR_ROWS, SMALL_LINEAR_ROWS + 1, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(compiled: LayerOps, rows: int, bias: bool) -> None:
+    # 3073 outputs: not a multiple of the kernel's four-row unroll.
+    x, w = torch.randn(rows, 576), torch.randn(3073, 576)
+    b = torch.randn(3073) if bias else None
+    torch.testing.assert_close(compiled.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_on_a_strided_input(compiled: LayerOps) -> None:
+    x = torch.randn(3, 2 * 96)[:, 96:]  # e.g. the up half of gate_up
+    w = torch.randn(40, 96)
+    torch.testing.assert_close(compiled.linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
