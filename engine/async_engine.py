@@ -1,0 +1,530 @@
+"""AsyncEngine: the asyncio front door to one EngineCore, for the service.
+
+Threads: the EngineCore runs in one dedicated thread (it is not thread-safe
+and never blocks the event loop); everything else here runs on the event
+loop. They talk through two one-way channels:
+
+* loop -> engine: a command queue (add a request, abort requests, stop). The
+  engine thread applies every queued command before each step, so an abort
+  takes effect, and frees the request's blocks, before the next step runs.
+* engine -> loop: after each step, one `call_soon_threadsafe` hands the
+  step's outputs to the loop, which detokenizes them (`OutputProcessor`),
+  checks stop strings and feeds each request's stream.
+
+Detokenizing on the loop rather than in the engine thread lets it overlap
+the next step's forward pass, which releases the GIL inside torch. Why a
+thread and not a process (as vLLM does): benchmarks/README.md, "Serving".
+
+A request's life: `submit()` checks admission (draining, duplicate id, queue
+bound) and returns a `RequestStream`; iterate it for `StreamDelta`s until
+one is `finished`; `close()` it in a `finally` so a client that goes away
+aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.input_processor import InputProcessor, InvalidRequestError
+from engine.kv_cache.events import KVCacheEvent
+from engine.models.loader import load_tokenizer
+from engine.output_processor import OutputProcessor, RequestOutput, TokenLogprob
+from engine.outputs import EngineCoreOutputs
+from engine.request import Request, RequestStatus
+from engine.stats import SchedulerStats
+from engine.worker.worker import WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDrainingError(RuntimeError):
+    """The engine is draining (shutting down) and admits no new requests."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its configured bound."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; no request can complete."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """What one engine step added to one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    stop_reason: int | str | None  # the stop string or stop token id matched
+    num_prompt_tokens: int
+    num_generated_tokens: int  # cumulative
+    num_cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+class EngineObserver(Protocol):
+    """Receives timings and counts (the service's Prometheus metrics)."""
+
+    def on_step(self, stats: SchedulerStats) -> None: ...
+
+    def on_first_token(self, seconds_since_arrival: float) -> None: ...
+
+    def on_tokens(self, num_tokens: int, seconds_since_previous: float) -> None: ...
+
+    def on_finished(self, delta: StreamDelta, seconds_since_arrival: float) -> None: ...
+
+
+@dataclass
+class EngineStatus:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    uptime_seconds: float = 0.0
+    draining: bool = False
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+# --- one request's stream ---------------------------------------------------------
+
+
+class RequestStream:
+    """Async iterator of one request's deltas; `close()` aborts it if unfinished."""
+
+    def __init__(self, engine: AsyncEngine, request: Request) -> None:
+        self.request_id = request.request_id
+        self.arrival = time.monotonic()
+        self.last_token_at: float | None = None
+        self.finished = False
+        self._engine = engine
+        self._queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.finished and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def drain_ready(self) -> list[StreamDelta]:
+        """Deltas already queued (to coalesce into one message for a slow reader)."""
+        ready: list[StreamDelta] = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._queue.put_nowait(item)  # raised by the next __anext__
+                break
+            ready.append(item)
+            if item.finished:
+                self.finished = True
+                break
+        return ready
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort([self.request_id])
+
+    def _push(self, item: StreamDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+# --- the engine thread --------------------------------------------------------------
+
+
+@dataclass
+class _Commands:
+    """Commands from the loop to the engine thread, applied before each step."""
+
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    queue: deque[tuple[str, Any]] = field(default_factory=deque)
+
+    def put(self, kind: str, payload: Any = None) -> None:
+        with self.lock:
+            self.queue.append((kind, payload))
+            self.lock.notify()
+
+    def take(self, wait: bool) -> list[tuple[str, Any]]:
+        with self.lock:
+            if wait:
+                while not self.queue:
+                    self.lock.wait()
+            items = list(self.queue)
+            self.queue.clear()
+            return items
+
+
+class _EngineThread(threading.Thread):
+    """Builds the EngineCore and then steps it, all on this one thread.
+
+    Building it here matters: torch's CPU kernels run OpenMP thread teams,
+    one per calling thread, and a second team left over from loading the
+    model on another thread measured a 2x slower decode step on two cores.
+    """
+
+    def __init__(self, build: Callable[[], EngineCore], commands: _Commands) -> None:
+        super().__init__(name="tandem-engine", daemon=True)
+        self.build = build
+        self.commands = commands
+        self.ready: threading.Event = threading.Event()
+        self.core: EngineCore | None = None
+        self.build_error: BaseException | None = None
+        self.deliver: Callable[[dict[int, EngineCoreOutputs], int], None] = lambda o, a: None
+        self.fail: Callable[[BaseException], None] = lambda exc: None
+
+    def run(self) -> None:
+        try:
+            self.core = self.build()
+        except BaseException as exc:
+            self.build_error = exc
+            return
+        finally:
+            self.ready.set()
+        self._serve(self.core)
+
+    def _serve(self, core: EngineCore) -> None:
+        applied = 0  # adds applied so far, reported with each step
+        try:
+            while True:
+                for kind, payload in self.commands.take(wait=not core.has_work()):
+                    if kind == "stop":
+                        return
+                    if kind == "add":
+                        core.add_request(payload)
+                        applied += 1
+                    elif kind == "abort":
+                        ids, status = payload
+                        core.abort_requests(ids, status)
+                if core.has_work():
+                    self.deliver(core.step(), applied)
+        except BaseException as exc:  # the loop must hear of any failure
+            logger.exception("engine thread failed")
+            self.fail(exc)
+        finally:
+            core.shutdown()
+
+
+# --- the front door -----------------------------------------------------------------
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        thread: _EngineThread,
+        tokenizer: PreTrainedTokenizerBase,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        max_waiting_requests: int = 1024,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        """Use `AsyncEngine.create`: it starts the engine thread, which loads
+        the model, without blocking the event loop."""
+        core = thread.core
+        if core is None:
+            raise RuntimeError("the engine thread has not built its EngineCore")
+        info = core.info
+        self.config = core.config
+        self.info: WorkerInfo = info
+        self.tokenizer = tokenizer
+        self.inputs = InputProcessor(
+            tokenizer,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            eos_token_id=info.eos_token_id,
+        )
+        self.max_waiting_requests = max_waiting_requests
+        self.observer = observer
+        self._loop = loop
+        self._processor = OutputProcessor(tokenizer)
+        self._streams: dict[str, RequestStream] = {}
+        self._status = EngineStatus()
+        self._started = time.monotonic()
+        self._submitted = 0  # adds sent to the engine thread
+        self._applied = 0  # adds the engine thread reported applied
+        self._dead: BaseException | None = None
+        self._subscribers: set[KvEventSubscription] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._commands = thread.commands
+        self._thread = thread
+        thread.deliver, thread.fail = self._from_engine, self._engine_failed
+
+    @classmethod
+    async def create(
+        cls,
+        config: EngineConfig,
+        *,
+        max_waiting_requests: int = 1024,
+        observer: EngineObserver | None = None,
+    ) -> AsyncEngine:
+        thread = _EngineThread(lambda: EngineCore(config), _Commands())
+        thread.start()
+        await asyncio.to_thread(thread.ready.wait)
+        if thread.core is None:
+            raise thread.build_error or RuntimeError("the engine thread failed to start")
+        tokenizer = await asyncio.to_thread(load_tokenizer, thread.core.info.model_path)
+        return cls(
+            thread,
+            tokenizer,
+            asyncio.get_running_loop(),
+            max_waiting_requests=max_waiting_requests,
+            observer=observer,
+        )
+
+    # --- admission --------------------------------------------------------------
+
+    def submit(self, request: Request, prompt_text: str | None = None) -> RequestStream:
+        """Queue `request` (already validated by `self.inputs`) and return its stream.
+
+        Raises EngineDeadError, EngineDrainingError, InvalidRequestError
+        ("request_id", for an id that is live) or QueueFullError.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine failed: {self._dead!r}")
+        if self._status.draining:
+            raise EngineDrainingError("the server is draining and accepts no new requests")
+        if request.request_id in self._streams:
+            raise InvalidRequestError(
+                "request_id", f"{request.request_id!r} is already in use by a live request"
+            )
+        if self.num_waiting >= self.max_waiting_requests:
+            raise QueueFullError(
+                f"{self.num_waiting} requests are waiting (the bound is "
+                f"{self.max_waiting_requests}); retry later"
+            )
+        stream = RequestStream(self, request)
+        self._streams[request.request_id] = stream
+        self._processor.add_request(request, prompt_text)
+        self._idle.clear()
+        self._submitted += 1
+        self._commands.put("add", request)
+        return stream
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Aborts the live requests among `request_ids`; returns those ids.
+        Their streams end with a finished delta, finish_reason "abort"."""
+        live = [rid for rid in request_ids if rid in self._streams]
+        if not live:
+            return []
+        self._commands.put("abort", (live, RequestStatus.FINISHED_ABORTED))
+        for rid in live:
+            out = self._processor.abort(rid)
+            stream = self._streams.pop(rid)
+            if out is not None:
+                stream._push(self._delta(out, []))
+        self._check_idle()
+        return live
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: the scheduler's waiting queue as of the
+        last step plus those submitted since that the engine has not taken."""
+        return self._status.num_waiting + (self._submitted - self._applied)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._streams)
+
+    # --- status, events, shutdown --------------------------------------------------
+
+    def status(self) -> EngineStatus:
+        status = EngineStatus(**vars(self._status))
+        status.num_waiting = self.num_waiting
+        status.uptime_seconds = time.monotonic() - self._started
+        return status
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def subscribe_kv_events(self, max_pending: int = 1024) -> KvEventSubscription:
+        sub = KvEventSubscription(self, max_pending)
+        self._subscribers.add(sub)
+        return sub
+
+    def begin_drain(self) -> None:
+        self._status.draining = True
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Waits until no request is live; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def shutdown(self) -> None:
+        """Aborts what is left and stops the engine thread."""
+        self.begin_drain()
+        self.abort(list(self._streams))
+        self._commands.put("stop")
+        await asyncio.to_thread(self._thread.join, 30)
+        for sub in list(self._subscribers):
+            sub.close()
+
+    # --- engine -> loop ------------------------------------------------------------
+
+    def _from_engine(self, outputs: dict[int, EngineCoreOutputs], applied: int) -> None:
+        """Engine thread: hand a step's outputs to the loop."""
+        self._loop.call_soon_threadsafe(self._on_step, outputs, applied, time.time())
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        self._loop.call_soon_threadsafe(self._on_failure, exc)
+
+    def _on_failure(self, exc: BaseException) -> None:
+        self._dead = exc
+        error = EngineDeadError(f"the engine failed: {exc!r}")
+        for stream in self._streams.values():
+            stream._push(error)
+        self._streams.clear()
+        self._check_idle()
+
+    def _on_step(
+        self, outputs: dict[int, EngineCoreOutputs], applied: int, timestamp: float
+    ) -> None:
+        self._applied = applied
+        now = time.monotonic()
+        for engine_outputs in outputs.values():
+            if engine_outputs.scheduler_stats is not None:
+                self._record_stats(engine_outputs.scheduler_stats)
+            if engine_outputs.kv_events:
+                for sub in self._subscribers:
+                    sub.publish(engine_outputs.kv_events, timestamp)
+            results, stop_matched = self._processor.process(engine_outputs.outputs)
+            if stop_matched:
+                self._commands.put("abort", (stop_matched, RequestStatus.FINISHED_STOPPED))
+            for out in results:
+                self._deliver(out, now)
+        self._check_idle()
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        new_logprobs = out.logprobs[-len(out.new_token_ids) :] if out.logprobs else []
+        if not out.new_token_ids:
+            new_logprobs = []
+        delta = self._delta(out, new_logprobs)
+        self._observe(stream, delta, now)
+        if out.finished:
+            del self._streams[out.request_id]
+        stream._push(delta)
+
+    def _observe(self, stream: RequestStream, delta: StreamDelta, now: float) -> None:
+        observer = self.observer
+        if observer is None:
+            return
+        if delta.new_token_ids:
+            if stream.last_token_at is None:
+                observer.on_first_token(now - stream.arrival)
+            else:
+                observer.on_tokens(len(delta.new_token_ids), now - stream.last_token_at)
+            stream.last_token_at = now
+        if delta.finished:
+            observer.on_finished(delta, now - stream.arrival)
+
+    @staticmethod
+    def _delta(out: RequestOutput, new_logprobs: list[TokenLogprob]) -> StreamDelta:
+        return StreamDelta(
+            request_id=out.request_id,
+            new_token_ids=list(out.new_token_ids),
+            new_text=out.delta_text,
+            new_logprobs=list(new_logprobs),
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_generated_tokens=len(out.token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            kv_transfer_params=out.kv_transfer_params,
+        )
+
+    def _record_stats(self, stats: SchedulerStats) -> None:
+        s = self._status
+        s.num_running = stats.num_running_reqs
+        s.num_waiting = stats.num_waiting_reqs
+        s.kv_cache_usage = stats.kv_cache_usage
+        s.num_preemptions = stats.num_preemptions
+        s.prefix_cache_queries += stats.prefix_cache_stats.queries
+        s.prefix_cache_hits += stats.prefix_cache_stats.hits
+        if self.observer is not None:
+            self.observer.on_step(stats)
+
+    def _check_idle(self) -> None:
+        if not self._streams:
+            self._idle.set()
+
+
+# --- KV events ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventBatch:
+    sequence: int
+    timestamp: float
+    events: list[KVCacheEvent]
+
+
+class KvEventSubscription:
+    """A bounded queue of KV event batches for one subscriber. When it is full
+    the oldest batches are dropped and the next batch starts with an
+    AllBlocksCleared, so the subscriber knows to forget what it knew."""
+
+    def __init__(self, engine: AsyncEngine, max_pending: int) -> None:
+        self._engine = engine
+        self._queue: asyncio.Queue[KvEventBatch | None] = asyncio.Queue()
+        self._max_pending = max_pending
+        self._sequence = 0
+        self._overflowed = False
+
+    def publish(self, events: list[KVCacheEvent], timestamp: float) -> None:
+        from engine.kv_cache.events import AllBlocksCleared
+
+        if self._queue.qsize() >= self._max_pending:
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self._overflowed = True
+        batch_events = list(events)
+        if self._overflowed:
+            batch_events.insert(0, AllBlocksCleared())
+            self._overflowed = False
+        self._sequence += 1
+        self._queue.put_nowait(KvEventBatch(self._sequence, timestamp, batch_events))
+
+    async def next(self) -> KvEventBatch | None:
+        """The next batch, or None once the subscription is closed."""
+        return await self._queue.get()
+
+    def close(self) -> None:
+        self._engine._subscribers.discard(self)
+        self._queue.put_nowait(None)

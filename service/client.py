@@ -1,0 +1,145 @@
+"""A small Python client for tandem.v1 (used by the CLI, the benchmark and tests).
+
+    async with TandemClient("127.0.0.1:50051") as client:
+        async for chunk in client.generate(text="Hello", max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Any other gRPC client works the same way: the protos are in `protos/`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from service.gen.tandem.v1 import generation_pb2 as pb
+from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+
+def open_channel(
+    target: str,
+    *,
+    tls_ca: Path | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+) -> grpc.aio.Channel:
+    """An insecure channel, or TLS when `tls_ca` is given (mTLS with cert+key)."""
+    if tls_ca is None:
+        return grpc.aio.insecure_channel(target)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=tls_ca.read_bytes(),
+        private_key=tls_key.read_bytes() if tls_key else None,
+        certificate_chain=tls_cert.read_bytes() if tls_cert else None,
+    )
+    return grpc.aio.secure_channel(target, creds)
+
+
+class TandemClient:
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        tls_ca: Path | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+    ) -> None:
+        self.channel = open_channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        self.stub = pb_grpc.GenerationStub(self.channel)  # type: ignore[no-untyped-call]
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+    async def __aenter__(self) -> TandemClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def generate_call(
+        self, request: pb.GenerateRequest, timeout: float | None = None
+    ) -> grpc.aio.UnaryStreamCall:
+        """The raw call (iterate it; `.cancel()` aborts the request)."""
+        return self.stub.Generate(request, metadata=self.metadata, timeout=timeout)
+
+    async def generate(
+        self,
+        *,
+        text: str | None = None,
+        token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        request_id: str = "",
+        priority: int = 0,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        request = make_request(
+            text=text,
+            token_ids=token_ids,
+            messages=messages,
+            request_id=request_id,
+            priority=priority,
+            **sampling,
+        )
+        async for chunk in self.generate_call(request, timeout):
+            yield chunk
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        resp = await self.stub.Abort(
+            pb.AbortRequest(request_ids=request_ids), metadata=self.metadata
+        )
+        return list(resp.aborted_request_ids)
+
+    async def tokenize(self, text: str) -> list[int]:
+        resp = await self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self.metadata)
+        return list(resp.token_ids)
+
+    async def model_info(self) -> pb.ModelInfo:
+        info: pb.ModelInfo = await self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), metadata=self.metadata
+        )
+        return info
+
+    async def status(self) -> pb.ServerStatus:
+        status: pb.ServerStatus = await self.stub.GetServerStatus(
+            pb.GetServerStatusRequest(), metadata=self.metadata
+        )
+        return status
+
+
+def make_request(
+    *,
+    text: str | None = None,
+    token_ids: list[int] | None = None,
+    messages: list[dict[str, str]] | None = None,
+    request_id: str = "",
+    priority: int = 0,
+    **sampling: Any,
+) -> pb.GenerateRequest:
+    """A GenerateRequest from keyword arguments (sampling names as in the proto)."""
+    request = pb.GenerateRequest(request_id=request_id, priority=priority)
+    if text is not None:
+        request.text = text
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    elif messages is not None:
+        request.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
+    for key, value in sampling.items():
+        if value is None:
+            continue
+        field = getattr(request.sampling, key)
+        if isinstance(value, list | tuple):
+            field.extend(value)
+        else:
+            setattr(request.sampling, key, value)
+    return request

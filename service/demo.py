@@ -1,0 +1,116 @@
+"""`make demo`: serve the default model and talk to it with the CLI.
+
+Starts `tandem serve` on a free loopback port, waits for health SERVING,
+streams a few chat answers through `tandem generate` (text appears as it is
+generated), prints a summary (time to first token, tokens/s, prefix-cache
+hits: the prompts share a system prompt), shows `tandem status`, and stops
+the server with SIGTERM (a drain).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from service.bench import _free_port
+
+# Long enough to fill a few KV blocks: every question after the first
+# reuses them from the prefix cache.
+SYSTEM = (
+    "You are a concise, friendly assistant running on Tandem, a small LLM "
+    "serving system with a paged KV cache and prefix caching. Answer in one "
+    "or two plain sentences, without lists, and never repeat the question."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Give me one tip for writing readable code.",
+]
+STATS = re.compile(
+    r"\[(\d+) tokens; time to first token (\d+) ms; ([\d.]+) tokens/s after it; "
+    r"prompt (\d+) tokens, (\d+) from the prefix cache\]"
+)
+
+
+def _tandem(*args: str) -> list[str]:
+    return [sys.executable, "-m", "service.cli", "--log-level", "warning", *args]
+
+
+def _wait_serving(server: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(server) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"tandem serve exited with {proc.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise SystemExit(f"tandem serve was not SERVING after {timeout:.0f} s")
+
+
+def main() -> int:
+    server = f"127.0.0.1:{_free_port()}"
+    log = Path(tempfile.gettempdir()) / "tandem-demo-server.log"
+    print(f"$ tandem serve --port {server.rsplit(':', 1)[1]}   (log: {log})", flush=True)
+    with log.open("wb") as log_file:
+        proc = subprocess.Popen(
+            _tandem("serve", "--port", server.rsplit(":", 1)[1]),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        start = time.monotonic()
+        _wait_serving(server, proc)
+        print(f"health: SERVING after {time.monotonic() - start:.1f} s\n", flush=True)
+        rows = [_ask(server, q) for q in QUESTIONS]
+        _summary(rows)
+        print(f"\n$ tandem status --server {server}", flush=True)
+        subprocess.run(_tandem("status", "--server", server), check=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        print(f"\nserver drained and exited with code {code}")
+    return 0 if code == 0 else 1
+
+
+def _ask(server: str, question: str) -> tuple[str, re.Match[str] | None]:
+    print(f'$ tandem generate --chat --system "..." "{question}"', flush=True)
+    result = subprocess.run(
+        _tandem(
+            "generate", "--server", server, "--chat", "--system", SYSTEM, "--stats",
+            "--max-tokens", "64", question,
+        ),
+        stderr=subprocess.PIPE,
+        text=True,
+        check=True,
+    )  # fmt: skip
+    print(result.stderr.strip() + "\n", flush=True)
+    return question, STATS.search(result.stderr)
+
+
+def _summary(rows: list[tuple[str, re.Match[str] | None]]) -> None:
+    print("summary")
+    print(f"  {'question':<44} {'tokens':>6} {'TTFT ms':>8} {'tok/s':>7} {'cached/prompt':>14}")
+    for question, m in rows:
+        if m is None:
+            print(f"  {question:<44} (no stats)")
+            continue
+        tokens, ttft, rate, prompt, cached = m.groups()
+        print(f"  {question:<44} {tokens:>6} {ttft:>8} {rate:>7} {cached + '/' + prompt:>14}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The one place where exceptions become gRPC status codes.
+
+INVALID_ARGUMENT    InvalidRequestError: the message starts with the field
+RESOURCE_EXHAUSTED  QueueFullError: the waiting queue is at its bound
+UNAVAILABLE         EngineDrainingError (draining), EngineDeadError,
+                    EngineLoadingError (the model is still loading)
+UNAUTHENTICATED     raised by the API-key interceptor (service.auth)
+INTERNAL            anything else; logged with its traceback
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from engine.async_engine import EngineDeadError, EngineDrainingError, QueueFullError
+from engine.input_processor import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoadingError(RuntimeError):
+    """The model is still loading: no RPC but health can be served yet."""
+
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineDrainingError, grpc.StatusCode.UNAVAILABLE),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (EngineLoadingError, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client sees for `exc`."""
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Ends the call with `exc`'s status. Raises (as context.abort does)."""
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.error("request failed", exc_info=exc)
+    await context.abort(code, message)

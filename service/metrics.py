@@ -1,0 +1,105 @@
+"""Prometheus metrics for one server, served over HTTP (`--metrics-port`).
+
+Families (all prefixed `tandem_`):
+
+    requests_running, requests_waiting        gauges, as of the last step
+    kv_cache_usage_ratio                      gauge, 0 to 1
+    prefix_cache_queries_total, prefix_cache_hits_total   counters, tokens
+    preemptions_total                         counter
+    prompt_tokens_total, generation_tokens_total          counters
+    requests_finished_total{finish_reason}    counter
+    time_to_first_token_seconds               histogram
+    inter_token_latency_seconds               histogram (per token)
+    e2e_request_latency_seconds               histogram
+
+Each server owns its registry, so several servers (tests) in one process
+do not collide. `ServiceMetrics` is the engine's `EngineObserver`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine.async_engine import StreamDelta
+from engine.stats import SchedulerStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("tandem_requests_running", "Requests in the running set", registry=r)
+        self.waiting = Gauge("tandem_requests_waiting", "Requests waiting to run", registry=r)
+        self.kv_usage = Gauge(
+            "tandem_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r
+        )
+        self.prefix_queries = Counter(
+            "tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            "tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.preemptions = Counter("tandem_preemptions", "Requests preempted", registry=r)
+        self.prompt_tokens = Counter(
+            "tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(
+            "tandem_requests_finished",
+            "Requests finished, by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "Arrival to first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem_inter_token_latency_seconds",
+            "Time between consecutive generated tokens",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_request_latency_seconds",
+            "Arrival to the last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._last_preemptions = 0
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Starts the HTTP endpoint (a daemon thread) at http://host:port/metrics."""
+        start_http_server(port, addr=host, registry=self.registry)
+
+    # EngineObserver -------------------------------------------------------------
+
+    def on_step(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running_reqs)
+        self.waiting.set(stats.num_waiting_reqs)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.prefix_queries.inc(stats.prefix_cache_stats.queries)
+        self.prefix_hits.inc(stats.prefix_cache_stats.hits)
+        # The scheduler's count is cumulative; the counter takes increments.
+        self.preemptions.inc(max(0, stats.num_preemptions - self._last_preemptions))
+        self._last_preemptions = stats.num_preemptions
+
+    def on_first_token(self, seconds_since_arrival: float) -> None:
+        self.ttft.observe(seconds_since_arrival)
+        self.generation_tokens.inc()
+
+    def on_tokens(self, num_tokens: int, seconds_since_previous: float) -> None:
+        self.generation_tokens.inc(num_tokens)
+        per_token = seconds_since_previous / num_tokens
+        for _ in range(num_tokens):
+            self.itl.observe(per_token)
+
+    def on_finished(self, delta: StreamDelta, seconds_since_arrival: float) -> None:
+        self.e2e.observe(seconds_since_arrival)
+        self.prompt_tokens.inc(delta.num_prompt_tokens)
+        self.finished.labels(finish_reason=delta.finish_reason or "unknown").inc()

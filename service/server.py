@@ -1,0 +1,162 @@
+"""Assembles and runs one Tandem gRPC server.
+
+Start-up order: listen first with health NOT_SERVING (so orchestrators see
+the pod), load and warm up the model, then flip health to SERVING. SIGTERM
+(or `drain()`) flips health to NOT_SERVING, refuses new requests with
+UNAVAILABLE, lets in-flight ones finish for up to the grace period, aborts
+what is left, and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.async_engine import AsyncEngine
+from engine.config import ConfigError, EngineConfig
+from service.auth import ApiKeyInterceptor
+from service.gen.tandem.v1 import generation_pb2 as pb
+from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+from service.metrics import ServiceMetrics
+from service.servicer import GenerationServicer
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "both"]
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    role: Role = "both"
+    api_key: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # set: clients must present a cert it signed (mTLS)
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    drain_grace_seconds: float = 30.0
+    max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ConfigError(f"role: expected prefill, decode or both, got {self.role!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca: needs tls_cert and tls_key (mTLS is TLS plus this)")
+        if self.max_waiting_requests < 1:
+            raise ConfigError(
+                f"max_waiting_requests: must be >= 1, got {self.max_waiting_requests}"
+            )
+        if self.drain_grace_seconds < 0:
+            raise ConfigError(f"drain_grace_seconds: must be >= 0, got {self.drain_grace_seconds}")
+
+
+class TandemServer:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
+        self.engine_config = engine_config
+        self.config = config
+        self.metrics = ServiceMetrics()
+        self.health = health.aio.HealthServicer()
+        self.servicer = GenerationServicer(role=config.role)
+        self.engine: AsyncEngine | None = None
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        """Listens, loads the model, then reports SERVING. Returns the port."""
+        cfg = self.config
+        interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+        server = grpc.aio.server(interceptors=interceptors)
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+        address = f"{cfg.host}:{cfg.port}"
+        credentials = _server_credentials(cfg)
+        if credentials is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self.port = server.add_secure_port(address, credentials)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self._server = server
+        logger.info("listening on %s:%d; loading the model", cfg.host, self.port)
+        if cfg.metrics_port is not None:
+            self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            logger.info("metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
+        self.engine = await AsyncEngine.create(
+            self.engine_config,
+            max_waiting_requests=cfg.max_waiting_requests,
+            observer=self.metrics,
+        )
+        self.servicer.attach(self.engine)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        logger.info("serving %s (role %s)", self.engine.info.model_name, cfg.role)
+        return self.port
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Stops admitting, lets in-flight requests finish, then stops."""
+        grace = self.config.drain_grace_seconds if grace is None else grace
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.engine is not None:
+            self.engine.begin_drain()
+            logger.info("draining: %d requests in flight", self.engine.num_live)
+            if not await self.engine.wait_idle(grace):
+                logger.warning("drain grace (%.0f s) over: aborting the rest", grace)
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return None
+    pair = (cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())
+    client_ca = cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
+    """Runs a server until SIGTERM/SIGINT, then drains it (exit code 0)."""
+    server = TandemServer(engine_config, config)
+    loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task[None]] = []
+
+    def on_signal(signum: int) -> None:
+        if not draining:
+            logger.info("%s: draining", signal.Signals(signum).name)
+            draining.append(loop.create_task(server.drain()))
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await server.start()
+    await server.wait_stopped()

@@ -1,0 +1,142 @@
+"""The tandem.v1.Generation servicer: a thin layer over AsyncEngine.
+
+Each RPC converts its message (service.convert), calls the engine, and
+converts back; every failure goes through service.errors. A Generate call
+owns its request: whether it ends normally, the client cancels, disconnects
+or passes its deadline, the `finally` closes the stream, which aborts the
+request in the engine (its blocks are freed before the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from functools import lru_cache
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from service import convert
+from service.errors import EngineLoadingError, abort_with
+from service.gen.tandem.v1 import generation_pb2 as pb
+from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """Registered before the model loads (so health answers meanwhile); RPCs
+    get UNAVAILABLE until `attach` hands it the engine."""
+
+    def __init__(self, *, role: str = "both", kv_connector: str = "") -> None:
+        self._engine: AsyncEngine | None = None
+        self.role = role
+        self.kv_connector = kv_connector
+
+    def attach(self, engine: AsyncEngine) -> None:
+        tokenizer = engine.tokenizer
+
+        @lru_cache(maxsize=65536)
+        def decode_one(token_id: int) -> str:
+            return str(tokenizer.decode([token_id]))
+
+        self._decode_one = decode_one
+        self._engine = engine
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise EngineLoadingError("the model is still loading; retry shortly")
+        return self._engine
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            engine = self.engine
+            parsed = convert.generate_input(request, engine.inputs)
+            engine_request = engine.inputs.make_request(
+                parsed.request_id,
+                parsed.prompt,
+                parsed.params,
+                priority=parsed.priority,
+                kv_transfer_params=parsed.kv_transfer_params,
+            )
+            stream = engine.submit(engine_request, parsed.prompt.text)
+        except Exception as exc:
+            await abort_with(context, exc)
+            return
+        want_logprobs = parsed.params.logprobs is not None
+        try:
+            async for delta in stream:
+                # A slow reader gets what piled up meanwhile as one message.
+                deltas = [delta, *stream.drain_ready()]
+                yield convert.generate_response(deltas, self._decode_one, want_logprobs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+        finally:
+            stream.close()
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        try:
+            aborted = self.engine.abort(list(request.request_ids))
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise
+        return pb.AbortResponse(aborted_request_ids=aborted)
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        try:
+            ids = convert.tokenize_input(request, self.engine.inputs)
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        try:
+            engine = self.engine
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise
+        config = engine.config
+        info: pb.ModelInfo = convert.model_info(
+            engine.info,
+            block_size=config.cache.block_size,
+            role=self.role,
+            connector=self.kv_connector,
+            dtype=config.model.dtype,
+        )
+        return info
+
+    async def GetServerStatus(
+        self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerStatus:
+        try:
+            return convert.server_status(self.engine.status())
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvEventBatch]:
+        try:
+            subscription = self.engine.subscribe_kv_events()
+        except Exception as exc:
+            await abort_with(context, exc)
+            return
+        try:
+            while (batch := await subscription.next()) is not None:
+                yield convert.kv_event_batch(batch)
+        finally:
+            subscription.close()

@@ -1,0 +1,17 @@
+"""A shared real server (default model, loopback port) for the integration tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.servers import ServerProcess
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerProcess]:
+    """One `tandem serve` for the session, with metrics on. Tests must leave
+    it idle (no request left running) when they finish."""
+    with ServerProcess(["--max-num-seqs", "64"], metrics=True) as srv:
+        yield srv

@@ -1,0 +1,118 @@
+"""Real `tandem serve` processes on loopback ports, for integration tests.
+
+    with ServerProcess(["--max-num-seqs", "4"]) as server:
+        ... grpc.aio.insecure_channel(server.target) ...
+
+Each server is its own process running the default model; it is SIGTERMed
+(a drain) on exit and must exit with code 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(
+        self,
+        args: list[str] | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 300.0,
+        check_health: bool = True,
+        metrics: bool = False,
+    ) -> None:
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.args = list(args or [])
+        self.metrics_port: int | None = None
+        if metrics:
+            self.metrics_port = free_port()
+            self.args += ["--metrics-port", str(self.metrics_port)]
+        self.env = {**os.environ, **(env or {})}
+        self.ready_timeout = ready_timeout
+        self.check_health = check_health
+        self.log_path: Path | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        import tempfile
+
+        log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False)
+        self.log_path = Path(log.name)
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log)
+        if self.check_health:
+            self.wait_serving()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        code = self.terminate()
+        if exc_type is None and code != 0:
+            raise AssertionError(f"server exited with {code}; log:\n{self.log()}")
+
+    def wait_serving(self, channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"server died at start-up; log:\n{self.log()}")
+            if self.health(channel_credentials) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"server not SERVING after {self.ready_timeout} s; log:\n{self.log()}")
+
+    def health(self, channel_credentials: grpc.ChannelCredentials | None = None) -> int | None:
+        if channel_credentials is None:
+            channel = grpc.insecure_channel(self.target)
+        else:
+            channel = grpc.secure_channel(self.target, channel_credentials)
+        with channel:
+            try:
+                resp = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
+            except grpc.RpcError:
+                return None
+            return int(resp.status)
+
+    def signal_drain(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+
+    def terminate(self, timeout: float = 120.0) -> int:
+        """SIGTERM (drain) and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-8000:] if self.log_path else ""

@@ -1,0 +1,309 @@
+"""The gRPC service over a real server process on a loopback port, default model."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from service.client import TandemClient, make_request
+from service.gen.tandem.v1 import generation_pb2 as pb
+from tests.integration.servers import ServerProcess
+
+PROMPT = "The three primary colors are"
+
+
+async def _collect(client: TandemClient, **kwargs: object) -> list[pb.GenerateResponse]:
+    return [chunk async for chunk in client.generate(**kwargs)]  # type: ignore[arg-type]
+
+
+async def _rest(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateResponse]:
+    """The remaining messages of a call already read with `read()` (gRPC does
+    not allow mixing read() and iteration on one call)."""
+    out = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        out.append(msg)
+    return out
+
+
+def _text(chunks: list[pb.GenerateResponse]) -> str:
+    return "".join(c.text for c in chunks)
+
+
+def _ids(chunks: list[pb.GenerateResponse]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM()
+
+
+def test_streamed_text_equals_offline_generate(server: ServerProcess, offline: LLM) -> None:
+    want = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+
+    async def go() -> list[pb.GenerateResponse]:
+        async with TandemClient(server.target) as client:
+            return await _collect(client, text=PROMPT, max_tokens=24, temperature=0.0)
+
+    chunks = asyncio.run(go())
+    assert len(chunks) > 1  # streamed, not one final message
+    assert _text(chunks) == want[0].text
+    assert _ids(chunks) == want[0].token_ids
+    last = chunks[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 24
+    assert last.usage.prompt_tokens == len(want[0].prompt_token_ids)
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+
+
+def test_chat_input_uses_the_chat_template(server: ServerProcess, offline: LLM) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    rendered = offline.chat_prompt(messages)
+    want = offline.generate(
+        rendered, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False
+    )
+
+    async def go() -> tuple[list[pb.GenerateResponse], list[int]]:
+        async with TandemClient(server.target) as client:
+            chunks = await _collect(client, messages=messages, max_tokens=16, temperature=0.0)
+            resp = await client.stub.Tokenize(
+                pb.TokenizeRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(**messages[0])]))
+            )
+            return chunks, list(resp.token_ids)
+
+    chunks, tokenized = asyncio.run(go())
+    assert _text(chunks) == want[0].text
+    assert "Paris" in _text(chunks)
+    assert tokenized == want[0].prompt_token_ids
+    assert chunks[-1].usage.prompt_tokens == len(tokenized)
+
+
+def test_stop_string_and_logprobs(server: ServerProcess) -> None:
+    async def go() -> list[pb.GenerateResponse]:
+        async with TandemClient(server.target) as client:
+            return await _collect(
+                client,
+                messages=[{"role": "user", "content": "Count from 1 to 10, comma separated."}],
+                max_tokens=40,
+                temperature=0.0,
+                stop=["5"],
+                logprobs=2,
+            )
+
+    chunks = asyncio.run(go())
+    last = chunks[-1]
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+    assert last.stop_string == "5"
+    assert "5" not in _text(chunks)
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert len(logprobs) == len(_ids(chunks))
+    for lp, token in zip(logprobs, _ids(chunks), strict=True):
+        assert lp.sampled.token_id == token
+        assert lp.sampled.rank == 1  # greedy: the sampled token is the most likely
+        assert len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob
+
+
+def test_model_info_status_tokenize_and_abort(server: ServerProcess) -> None:
+    async def go() -> None:
+        async with TandemClient(server.target) as client:
+            info = await client.model_info()
+            assert info.model_name == "SmolLM2-135M-Instruct"
+            assert info.architecture == "LlamaForCausalLM"
+            assert info.vocab_size == 49152 and info.block_size == 16 and info.role == "both"
+            assert info.num_kv_blocks > 0 and info.dtype == "float32"
+            assert await client.tokenize("Hello") == [19556]
+            # A long request, aborted by id from another call.
+            call = client.generate_call(
+                make_request(
+                    text="Tell me a story.", request_id="abort-me", max_tokens=500, ignore_eos=True
+                )
+            )
+            first = await call.read()
+            assert first.request_id == "abort-me"
+            assert await client.abort(["abort-me", "no-such-id"]) == ["abort-me"]
+            rest = await _rest(call)
+            assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+            status = await client.status()
+            assert status.uptime_seconds > 0 and not status.draining
+            assert status.prefix_cache_queries > 0
+
+    asyncio.run(go())
+
+
+BAD_REQUESTS = [
+    (make_request(text="hi", temperature=-1.0), "sampling.temperature"),
+    (make_request(text="hi", top_p=0.0), "sampling.top_p"),
+    (make_request(text="hi", max_tokens=0), "sampling.max_tokens"),
+    (make_request(text="hi", logprobs=50), "sampling.logprobs"),
+    (make_request(text="hi", stop=[""]), "sampling.stop"),
+    (make_request(text="hi", stop_token_ids=[10**6]), "stop_token_ids"),
+    (pb.GenerateRequest(), "input"),
+    (make_request(text=""), "text"),
+    (make_request(token_ids=[1, 2, 49152]), "token_ids[2]"),
+    (make_request(token_ids=[-3]), "token_ids[0]"),
+    (make_request(token_ids=[100] * 9000), "prompt"),
+    (make_request(messages=[{"role": "", "content": "x"}]), "chat.messages[0].role"),
+]
+
+
+def test_bad_requests_get_invalid_argument_and_spare_other_streams(server: ServerProcess) -> None:
+    async def go() -> None:
+        async with TandemClient(server.target) as client:
+            # A long stream in flight while every bad request is refused.
+            long_call = client.generate_call(
+                make_request(
+                    text="Write a poem.",
+                    max_tokens=64,
+                    ignore_eos=True,
+                    temperature=0.0,
+                    request_id="survivor",
+                )
+            )
+            await long_call.read()
+            for request, field in BAD_REQUESTS:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in client.generate_call(request):
+                        pass
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+                assert (info.value.details() or "").startswith(field), info.value.details()
+            # A duplicate of a live request id.
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in client.generate_call(make_request(text="x", request_id="survivor")):
+                    pass
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "request_id" in (info.value.details() or "")
+            rest = await _rest(long_call)
+            total = 1 + sum(len(c.token_ids) for c in rest) if rest else 1
+            assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert rest[-1].usage.completion_tokens == 64
+            assert total >= 2
+
+    asyncio.run(go())
+
+
+def test_kv_events_stream_block_stores(server: ServerProcess) -> None:
+    async def go() -> list[pb.KvEventBatch]:
+        async with TandemClient(server.target) as client:
+            events = client.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest())
+            await asyncio.sleep(0.2)  # let the subscription register
+            await _collect(client, token_ids=list(range(1000, 1040)), max_tokens=2)
+            batches: list[pb.KvEventBatch] = []
+            while not any(e.HasField("stored") for b in batches for e in b.events):
+                batches.append(await asyncio.wait_for(events.read(), 30))
+            events.cancel()
+            return batches
+
+    batches = asyncio.run(go())
+    stored = [e.stored for b in batches for e in b.events if e.HasField("stored")]
+    assert stored[0].block_size == 16
+    assert all(len(h) == 32 for s in stored for h in s.block_hashes)
+    # The 40-token prompt fills two blocks: their tokens come back in order.
+    assert [t for s in stored for t in s.token_ids][:32] == list(range(1000, 1032))
+    assert [b.sequence for b in batches] == sorted(b.sequence for b in batches)
+
+
+def test_metrics_endpoint_serves_the_families(server: ServerProcess) -> None:
+    async def go() -> None:
+        async with TandemClient(server.target) as client:
+            await _collect(client, text="Hi", max_tokens=4)
+
+    asyncio.run(go())
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
+    text = body.decode()
+    for family in [
+        "tandem_requests_running",
+        "tandem_requests_waiting",
+        "tandem_kv_cache_usage_ratio",
+        "tandem_prefix_cache_queries_total",
+        "tandem_prefix_cache_hits_total",
+        "tandem_preemptions_total",
+        "tandem_prompt_tokens_total",
+        "tandem_generation_tokens_total",
+        "tandem_time_to_first_token_seconds_bucket",
+        "tandem_inter_token_latency_seconds_bucket",
+        "tandem_e2e_request_latency_seconds_bucket",
+    ]:
+        assert f"\n{family}" in text, family
+    generated = next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("tandem_generation_tokens_total ")
+    )
+    assert generated >= 4
+
+
+def test_queue_bound_gives_resource_exhausted() -> None:
+    args = ["--max-num-seqs", "1", "--max-waiting-requests", "1"]
+    with ServerProcess(args) as srv:
+
+        async def go() -> None:
+            async with TandemClient(srv.target) as client:
+                long_request = make_request(text="Tell a story.", max_tokens=200, ignore_eos=True)
+                running = client.generate_call(long_request)
+                await running.read()  # running: the one seat is taken
+                waiting = client.generate_call(make_request(text="Wait.", max_tokens=4))
+                await asyncio.sleep(0.5)  # now it waits (the queue bound is 1)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in client.generate_call(make_request(text="No room.")):
+                        pass
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                running.cancel()
+                chunks = [c async for c in waiting]
+                assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+        asyncio.run(go())
+
+
+def test_api_key_required_except_for_health() -> None:
+    with ServerProcess(["--api-key", "s3cret"]) as srv:
+
+        async def go() -> None:
+            async with TandemClient(srv.target) as anonymous:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await anonymous.model_info()
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _collect(anonymous, text="hi", max_tokens=2)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            async with TandemClient(srv.target, api_key="wrong") as wrong:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await wrong.model_info()
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            async with TandemClient(srv.target, api_key="s3cret") as client:
+                chunks = await _collect(client, text="hi", max_tokens=2)
+                assert chunks[-1].usage.completion_tokens == 2
+
+        asyncio.run(go())
+        # ServerProcess checked health without a key: health stays open.
+
+
+def test_drain_finishes_in_flight_then_exits_zero() -> None:
+    from grpc_health.v1 import health_pb2
+
+    srv = ServerProcess(["--drain-grace", "60"])
+    with srv:
+
+        async def go() -> list[pb.GenerateResponse]:
+            async with TandemClient(srv.target) as client:
+                call = client.generate_call(
+                    make_request(text="Tell a story.", max_tokens=48, ignore_eos=True)
+                )
+                first = await call.read()
+                srv.signal_drain()
+                await asyncio.sleep(0.5)
+                assert srv.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _collect(client, text="late", max_tokens=2)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                return [first, *await _rest(call)]
+
+        chunks = asyncio.run(go())
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(c.token_ids) for c in chunks) == 48
+        assert srv.proc is not None
+        assert srv.proc.wait(timeout=60) == 0

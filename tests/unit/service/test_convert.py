@@ -1,0 +1,146 @@
+"""Wire <-> engine conversions (pure functions), with a real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.async_engine import EngineStatus, KvEventBatch, StreamDelta
+from engine.input_processor import InputProcessor, InvalidRequestError
+from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.models.loader import load_tokenizer, resolve_model
+from engine.output_processor import TokenLogprob
+from service import convert
+from service.client import make_request
+from service.gen.tandem.v1 import generation_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def inputs() -> InputProcessor:
+    tok = load_tokenizer(resolve_model(None))
+    return InputProcessor(tok, vocab_size=49152, max_model_len=64, eos_token_id=2)
+
+
+def test_defaults_when_sampling_is_unset(inputs: InputProcessor) -> None:
+    got = convert.generate_input(pb.GenerateRequest(text="Hello"), inputs)
+    assert got.params.max_tokens == 16 and got.params.temperature == 1.0
+    assert got.params.top_p == 1.0 and got.params.logprobs is None
+    assert len(got.request_id) == 32  # made by the server
+    assert got.prompt.token_ids == [19556]
+    assert got.kv_transfer_params is None
+
+
+def test_zero_values_are_kept_when_set(inputs: InputProcessor) -> None:
+    msg = make_request(text="Hi", temperature=0.0, logprobs=0, seed=0, request_id="mine")
+    got = convert.generate_input(msg, inputs)
+    assert got.params.temperature == 0.0 and got.params.logprobs == 0 and got.params.seed == 0
+    assert got.request_id == "mine"
+
+
+def test_kv_transfer_params_round_trip(inputs: InputProcessor) -> None:
+    msg = make_request(token_ids=[5, 6])
+    msg.kv_transfer_params.update({"do_remote_decode": True, "remote_block_ids": [1, 2]})
+    got = convert.generate_input(msg, inputs)
+    assert got.kv_transfer_params == {"do_remote_decode": True, "remote_block_ids": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("msg", "field"),
+    [
+        (pb.GenerateRequest(), "input"),
+        (make_request(text=""), "text"),
+        (make_request(token_ids=[]), "token_ids"),
+        (make_request(token_ids=[7, 49152]), "token_ids[1]"),
+        (make_request(token_ids=[1] * 64), "prompt"),
+        (make_request(text="x", top_p=1.5), "sampling.top_p"),
+        (make_request(text="x", min_tokens=5, max_tokens=2), "sampling.min_tokens"),
+        (pb.GenerateRequest(chat=pb.ChatInput()), "chat.messages"),
+    ],
+)
+def test_bad_requests_name_the_field(
+    inputs: InputProcessor, msg: pb.GenerateRequest, field: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parsed = convert.generate_input(msg, inputs)
+        inputs.make_request(parsed.request_id, parsed.prompt, parsed.params)
+    assert str(info.value).startswith(field), str(info.value)
+
+
+def _delta(**kw: object) -> StreamDelta:
+    base: dict[str, object] = {
+        "request_id": "r",
+        "new_token_ids": [],
+        "new_text": "",
+        "new_logprobs": [],
+        "finished": False,
+        "finish_reason": None,
+        "stop_reason": None,
+        "num_prompt_tokens": 3,
+        "num_generated_tokens": 0,
+        "num_cached_tokens": 0,
+        "kv_transfer_params": None,
+    }
+    return StreamDelta(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_deltas_merge_into_one_response() -> None:
+    lp = TokenLogprob(token_id=5, logprob=-0.1, rank=1, top={5: -0.1, 9: -2.5})
+    deltas = [
+        _delta(new_token_ids=[5], new_text="a", new_logprobs=[lp], num_generated_tokens=1),
+        _delta(
+            new_token_ids=[6],
+            new_text="b",
+            new_logprobs=[lp],
+            finished=True,
+            finish_reason="stop",
+            stop_reason="\n\n",
+            num_generated_tokens=2,
+            num_cached_tokens=16,
+            kv_transfer_params={"remote_engine_id": "p0"},
+        ),
+    ]
+    resp = convert.generate_response(deltas, lambda t: f"<{t}>", want_logprobs=True)
+    assert list(resp.token_ids) == [5, 6] and resp.text == "ab"
+    assert resp.finish_reason == pb.FINISH_REASON_STOP and resp.stop_string == "\n\n"
+    assert not resp.HasField("stop_token_id")
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (3, 2)
+    assert resp.usage.cached_tokens == 16
+    assert convert.struct_to_dict(resp.kv_transfer_params) == {"remote_engine_id": "p0"}
+    assert resp.logprobs[0].sampled.token == "<5>"
+    assert [t.token_id for t in resp.logprobs[0].top] == [5, 9]
+    assert [t.rank for t in resp.logprobs[0].top] == [1, 2]
+
+
+def test_stop_token_and_length_finishes() -> None:
+    by_token = _delta(finished=True, finish_reason="stop", stop_reason=2)
+    resp = convert.generate_response([by_token], str, want_logprobs=False)
+    assert resp.stop_token_id == 2 and resp.stop_string == ""
+    length = convert.generate_response(
+        [_delta(finished=True, finish_reason="length")], str, want_logprobs=False
+    )
+    assert length.finish_reason == pb.FINISH_REASON_LENGTH
+    running = convert.generate_response([_delta(new_text="x")], str, want_logprobs=False)
+    assert running.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+    assert not running.HasField("usage")
+
+
+def test_status_and_events() -> None:
+    status = convert.server_status(
+        EngineStatus(num_running=2, prefix_cache_queries=10, prefix_cache_hits=4, draining=True)
+    )
+    assert status.num_running == 2 and status.draining
+    assert status.prefix_cache_hit_rate == pytest.approx(0.4)
+    batch = convert.kv_event_batch(
+        KvEventBatch(
+            3,
+            1.5,
+            [
+                BlockStored([b"a" * 32], None, list(range(16)), 16),
+                BlockRemoved([b"b" * 32]),
+                AllBlocksCleared(),
+            ],
+        )
+    )
+    kinds = [e.WhichOneof("event") for e in batch.events]
+    assert kinds == ["stored", "removed", "cleared"]
+    assert batch.events[0].stored.parent_block_hash == b""
+    assert batch.sequence == 3
