@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
 import time
 from collections import deque
@@ -82,6 +83,8 @@ class EngineObserver(Protocol):
 
     def on_step(self, stats: SchedulerStats) -> None: ...
 
+    def on_engine_step(self, seconds: float) -> None: ...
+
     def on_first_token(self, seconds_since_arrival: float) -> None: ...
 
     def on_tokens(self, num_tokens: int, seconds_since_previous: float) -> None: ...
@@ -99,6 +102,7 @@ class EngineStatus:
     num_preemptions: int = 0
     uptime_seconds: float = 0.0
     draining: bool = False
+    recent_step_ms_p50: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -199,7 +203,9 @@ class _EngineThread(threading.Thread):
         self.ready: threading.Event = threading.Event()
         self.core: EngineCore | None = None
         self.build_error: BaseException | None = None
-        self.deliver: Callable[[dict[int, EngineCoreOutputs], int], None] = lambda o, a: None
+        self.deliver: Callable[[dict[int, EngineCoreOutputs], int, float], None] = (
+            lambda outputs, applied, seconds: None
+        )
         self.fail: Callable[[BaseException], None] = lambda exc: None
 
     def run(self) -> None:
@@ -216,7 +222,8 @@ class _EngineThread(threading.Thread):
         applied = 0  # adds applied so far, reported with each step
         try:
             while True:
-                for kind, payload in self.commands.take(wait=not core.has_work()):
+                commands = self.commands.take(wait=not core.has_work())
+                for kind, payload in commands:
                     if kind == "stop":
                         return
                     if kind == "add":
@@ -226,7 +233,13 @@ class _EngineThread(threading.Thread):
                         ids, status = payload
                         core.abort_requests(ids, status)
                 if core.has_work():
-                    self.deliver(core.step(), applied)
+                    start = time.perf_counter()
+                    outputs = core.step()
+                    self.deliver(outputs, applied, time.perf_counter() - start)
+                elif commands:
+                    # Idle now (e.g. the last request was aborted): report
+                    # the freed blocks instead of the last step's figures.
+                    self.deliver(core.stats_only(), applied, 0.0)
         except BaseException as exc:  # the loop must hear of any failure
             logger.exception("engine thread failed")
             self.fail(exc)
@@ -273,6 +286,7 @@ class AsyncEngine:
         self._applied = 0  # adds the engine thread reported applied
         self._dead: BaseException | None = None
         self._subscribers: set[KvEventSubscription] = set()
+        self._step_seconds: deque[float] = deque(maxlen=128)
         self._idle = asyncio.Event()
         self._idle.set()
         self._commands = thread.commands
@@ -361,6 +375,8 @@ class AsyncEngine:
         status = EngineStatus(**vars(self._status))
         status.num_waiting = self.num_waiting
         status.uptime_seconds = time.monotonic() - self._started
+        if self._step_seconds:
+            status.recent_step_ms_p50 = statistics.median(self._step_seconds) * 1e3
         return status
 
     @property
@@ -394,9 +410,11 @@ class AsyncEngine:
 
     # --- engine -> loop ------------------------------------------------------------
 
-    def _from_engine(self, outputs: dict[int, EngineCoreOutputs], applied: int) -> None:
-        """Engine thread: hand a step's outputs to the loop."""
-        self._loop.call_soon_threadsafe(self._on_step, outputs, applied, time.time())
+    def _from_engine(
+        self, outputs: dict[int, EngineCoreOutputs], applied: int, step_seconds: float
+    ) -> None:
+        """Engine thread: hand a step's outputs (and how long it took) to the loop."""
+        self._loop.call_soon_threadsafe(self._on_step, outputs, applied, step_seconds, time.time())
 
     def _engine_failed(self, exc: BaseException) -> None:
         self._loop.call_soon_threadsafe(self._on_failure, exc)
@@ -410,9 +428,17 @@ class AsyncEngine:
         self._check_idle()
 
     def _on_step(
-        self, outputs: dict[int, EngineCoreOutputs], applied: int, timestamp: float
+        self,
+        outputs: dict[int, EngineCoreOutputs],
+        applied: int,
+        step_seconds: float,
+        timestamp: float,
     ) -> None:
         self._applied = applied
+        if step_seconds > 0:
+            self._step_seconds.append(step_seconds)
+            if self.observer is not None:
+                self.observer.on_engine_step(step_seconds)
         now = time.monotonic()
         for engine_outputs in outputs.values():
             if engine_outputs.scheduler_stats is not None:

@@ -63,5 +63,10 @@ class EngineCore:
         runner_output = self.worker.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def stats_only(self) -> dict[int, EngineCoreOutputs]:
+        """A step's worth of stats without a step: what an idle engine
+        reports after commands (aborts) changed its state."""
+        return {0: EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())}
+
     def shutdown(self) -> None:
         self.scheduler.shutdown()

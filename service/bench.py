@@ -77,9 +77,14 @@ class RateResult:
     ttft: list[float]
     itl: list[float]
     e2e: list[float]
+    server_step_ms_p50: float = math.nan
 
     def summary(self) -> dict[str, float]:
-        out: dict[str, float] = {"rate": self.rate, "throughput_tok_s": self.throughput}
+        out: dict[str, float] = {
+            "rate": self.rate,
+            "throughput_tok_s": self.throughput,
+            "server_step_p50_ms": self.server_step_ms_p50,
+        }
         for name in ("ttft", "itl", "e2e"):
             values = getattr(self, name)
             out[f"{name}_p50_ms"] = _pct(values, 50) * 1e3
@@ -94,8 +99,10 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
+def make_prompts(args: argparse.Namespace, vocab: int, round_index: int) -> list[list[int]]:
+    """Random prompts, different for every rate of the sweep: a repeated
+    prompt would hit the prefix cache and skip its prefill."""
+    rng = random.Random(args.seed * 1000 + round_index)
     return [
         [rng.randrange(100, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
         for _ in range(args.num_requests)
@@ -207,14 +214,16 @@ async def bench_service(
         await _wait_serving(target)
         async with TandemClient(target, api_key=args.api_key) as client:
             vocab = (await client.model_info()).vocab_size
-            prompts = make_prompts(args, vocab)
             # One short request first: connection set-up is not part of the figures.
-            async for _ in client.generate(token_ids=prompts[0][:8], max_tokens=2):
+            async for _ in client.generate(token_ids=[1000, 1001], max_tokens=2):
                 pass
-            results = [
-                await run_rate(client, prompts, rate, args.max_tokens, args.seed + i)
-                for i, rate in enumerate(rates)
-            ]
+            results = []
+            for i, rate in enumerate(rates):
+                prompts = make_prompts(args, vocab, i)
+                result = await run_rate(client, prompts, rate, args.max_tokens, args.seed + i)
+                # The server's own step times (its last 128 steps: this round's).
+                result.server_step_ms_p50 = (await client.status()).recent_step_ms_p50
+                results.append(result)
     finally:
         if proc is not None:
             proc.terminate()
@@ -275,19 +284,27 @@ def run(args: argparse.Namespace) -> int:
             f"{s['e2e_p50_ms']:.0f} p99 {s['e2e_p99_ms']:.0f} ms; errors {r.errors}"
         )
     if not args.no_offline:
-        offline = bench_offline(args, make_prompts(args, vocab))
-        report["offline"] = offline
         saturated = max(results, key=lambda r: r.rate)
+        # The offline engine gets the saturated round's own prompts.
+        offline = bench_offline(args, make_prompts(args, vocab, results.index(saturated)))
+        report["offline"] = offline
         ratio = saturated.throughput / offline["throughput_tok_s"]
-        overhead = saturated.summary()["itl_p50_ms"] - offline["decode_step_p50_ms"]
-        report["service_vs_offline"] = {"throughput_ratio": ratio, "itl_overhead_ms": overhead}
+        itl_p50 = saturated.summary()["itl_p50_ms"]
+        overhead = itl_p50 - saturated.server_step_ms_p50
+        step_ratio = saturated.server_step_ms_p50 / offline["decode_step_p50_ms"]
+        report["service_vs_offline"] = {
+            "throughput_ratio": ratio,
+            "itl_minus_server_step_ms": overhead,
+            "server_step_vs_offline_step": step_ratio,
+        }
         print(
             f"offline engine: {offline['throughput_tok_s']:.1f} tok/s, decode step p50 "
             f"{offline['decode_step_p50_ms']:.1f} ms"
         )
         print(
-            f"service at rate {saturated.rate:g}: {ratio:.1%} of offline throughput; "
-            f"per-token overhead (ITL p50 - step p50) {overhead:+.2f} ms"
+            f"service at rate {saturated.rate:g}: {ratio:.1%} of offline throughput; ITL p50 "
+            f"{itl_p50:.1f} ms - server step p50 {saturated.server_step_ms_p50:.1f} ms = "
+            f"per-token overhead {overhead:+.2f} ms; server step / offline step {step_ratio:.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report["raw"] = [asdict(r) for r in results]

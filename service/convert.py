@@ -206,6 +206,7 @@ def server_status(status: EngineStatus) -> pb.ServerStatus:
         num_preemptions=status.num_preemptions,
         uptime_seconds=status.uptime_seconds,
         draining=status.draining,
+        recent_step_ms_p50=status.recent_step_ms_p50,
     )
 
 

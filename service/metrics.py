@@ -11,6 +11,7 @@ Families (all prefixed `tandem_`):
     time_to_first_token_seconds               histogram
     inter_token_latency_seconds               histogram (per token)
     e2e_request_latency_seconds               histogram
+    engine_step_seconds                       histogram (one engine step)
 
 Each server owns its registry, so several servers (tests) in one process
 do not collide. `ServiceMetrics` is the engine's `EngineObserver`.
@@ -71,6 +72,12 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.step = Histogram(
+            "tandem_engine_step_seconds",
+            "Duration of one engine step (schedule, forward, sample, update)",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
         self._last_preemptions = 0
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
@@ -88,6 +95,9 @@ class ServiceMetrics:
         # The scheduler's count is cumulative; the counter takes increments.
         self.preemptions.inc(max(0, stats.num_preemptions - self._last_preemptions))
         self._last_preemptions = stats.num_preemptions
+
+    def on_engine_step(self, seconds: float) -> None:
+        self.step.observe(seconds)
 
     def on_first_token(self, seconds_since_arrival: float) -> None:
         self.ttft.observe(seconds_since_arrival)

@@ -307,3 +307,25 @@ def test_drain_finishes_in_flight_then_exits_zero() -> None:
         assert sum(len(c.token_ids) for c in chunks) == 48
         assert srv.proc is not None
         assert srv.proc.wait(timeout=60) == 0
+
+
+def test_deadline_and_cancel_free_the_request(server: ServerProcess) -> None:
+    async def go() -> None:
+        async with TandemClient(server.target) as client:
+            long_request = make_request(text="Tell a long story.", max_tokens=2000, ignore_eos=True)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in client.generate_call(long_request, timeout=1.5):
+                    pass
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            call = client.generate_call(long_request)
+            await call.read()
+            call.cancel()
+            for _ in range(50):  # the abort lands before the next step
+                status = await client.status()
+                if status.num_running == status.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert (status.num_running, status.num_waiting) == (0, 0)
+            assert status.kv_cache_usage == 0.0
+
+    asyncio.run(go())
