@@ -287,6 +287,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._subscribers: set[KvEventSubscription] = set()
         self._step_seconds: deque[float] = deque(maxlen=128)
+        self._failure_listeners: list[Callable[[BaseException], None]] = []
         self._idle = asyncio.Event()
         self._idle.set()
         self._commands = thread.commands
@@ -383,6 +384,11 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
+    def add_failure_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """Called on the event loop if the engine thread fails (e.g. to turn
+        health NOT_SERVING)."""
+        self._failure_listeners.append(listener)
+
     def subscribe_kv_events(self, max_pending: int = 1024) -> KvEventSubscription:
         sub = KvEventSubscription(self, max_pending)
         self._subscribers.add(sub)
@@ -426,6 +432,8 @@ class AsyncEngine:
             stream._push(error)
         self._streams.clear()
         self._check_idle()
+        for listener in self._failure_listeners:
+            listener(exc)
 
     def _on_step(
         self,

@@ -163,7 +163,7 @@ async def run_rate(
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -188,7 +188,7 @@ async def _wait_serving(target: str, timeout: float = 600.0) -> None:
 
 
 def _start_server(model: str | None) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

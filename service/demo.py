@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from service.bench import _free_port
+from service.bench import free_port
 
 # Long enough to fill a few KV blocks: every question after the first
 # reuses them from the prefix cache.
@@ -62,7 +62,7 @@ def _wait_serving(server: str, proc: subprocess.Popen[bytes], timeout: float = 6
 
 
 def main() -> int:
-    server = f"127.0.0.1:{_free_port()}"
+    server = f"127.0.0.1:{free_port()}"
     log = Path(tempfile.gettempdir()) / "tandem-demo-server.log"
     print(f"$ tandem serve --port {server.rsplit(':', 1)[1]}   (log: {log})", flush=True)
     with log.open("wb") as log_file:

@@ -74,6 +74,7 @@ class TandemServer:
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         """Listens, loads the model, then reports SERVING. Returns the port."""
@@ -105,6 +106,7 @@ class TandemServer:
             observer=self.metrics,
         )
         self.servicer.attach(self.engine)
+        self.engine.add_failure_listener(self._on_engine_failure)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s (role %s)", self.engine.info.model_name, cfg.role)
         return self.port
@@ -129,6 +131,12 @@ class TandemServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    def _on_engine_failure(self, exc: BaseException) -> None:
+        logger.error("engine failed (%r): health NOT_SERVING", exc)
+        self._health_task = asyncio.get_running_loop().create_task(
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):

@@ -1,0 +1,154 @@
+"""AsyncEngine's plumbing (admission, aborts, failure) over a stand-in core.
+
+A unit test of the front door alone: the core here is a scripted double that
+emits one token per step. The real engine behind a real server is covered
+by tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+    _Commands,
+    _EngineThread,
+)
+from engine.config import EngineConfig
+from engine.input_processor import InvalidRequestError
+from engine.models.loader import load_tokenizer, resolve_model
+from engine.outputs import EngineCoreOutput, EngineCoreOutputs
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.stats import SchedulerStats
+from engine.worker.worker import WorkerInfo
+
+
+@dataclass
+class ScriptedCore:
+    """Emits token 42 for every live request each step; finishes a request
+    after max_tokens; raises on step `fail_at` if set."""
+
+    fail_at: int | None = None
+    live: dict[str, Request] = field(default_factory=dict)
+    aborted: list[tuple[str, RequestStatus]] = field(default_factory=list)
+    steps: int = 0
+    config: EngineConfig = field(default_factory=EngineConfig)
+    info: WorkerInfo = field(
+        default_factory=lambda: WorkerInfo(
+            model_path=resolve_model(None),
+            model_name="stand-in",
+            architecture="LlamaForCausalLM",
+            vocab_size=49152,
+            max_model_len=64,
+            num_blocks=8,
+            eos_token_id=None,
+        )
+    )
+
+    def add_request(self, request: Request) -> None:
+        self.live[request.request_id] = request
+
+    def abort_requests(self, ids: list[str], status: RequestStatus) -> None:
+        for rid in ids:
+            if self.live.pop(rid, None) is not None:
+                self.aborted.append((rid, status))
+
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        self.steps += 1
+        if self.fail_at is not None and self.steps >= self.fail_at:
+            raise RuntimeError("boom")
+        outs = []
+        for rid, req in list(self.live.items()):
+            req.append_output_token_id(42)
+            done = req.num_output_tokens >= req.sampling_params.max_tokens
+            outs.append(EngineCoreOutput(rid, [42], FinishReason.LENGTH if done else None))
+            if done:
+                del self.live[rid]
+        stats = SchedulerStats(num_running_reqs=len(self.live))
+        return {0: EngineCoreOutputs(outs, scheduler_stats=stats)}
+
+    def stats_only(self) -> dict[int, EngineCoreOutputs]:
+        return {0: EngineCoreOutputs(scheduler_stats=SchedulerStats(len(self.live)))}
+
+    def shutdown(self) -> None:
+        pass
+
+
+async def _engine(core: ScriptedCore, **kwargs: Any) -> AsyncEngine:
+    thread = _EngineThread(lambda: core, _Commands())  # type: ignore[arg-type,return-value]
+    thread.start()
+    await asyncio.to_thread(thread.ready.wait)
+    tokenizer = load_tokenizer(resolve_model(None))
+    return AsyncEngine(thread, tokenizer, asyncio.get_running_loop(), **kwargs)
+
+
+def _request(engine: AsyncEngine, rid: str, max_tokens: int = 3) -> Request:
+    prompt = engine.inputs.process_prompt([1, 2, 3])
+    return engine.inputs.make_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def test_stream_delivers_every_step_then_finishes() -> None:
+    async def go() -> None:
+        engine = await _engine(ScriptedCore())
+        stream = engine.submit(_request(engine, "a", max_tokens=3))
+        deltas = [d async for d in stream]
+        assert [d.new_token_ids for d in deltas] == [[42], [42], [42]]
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+        assert deltas[-1].num_generated_tokens == 3 and deltas[-1].num_prompt_tokens == 3
+        assert engine.num_live == 0
+        await engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_duplicate_ids_queue_bound_and_draining_are_refused() -> None:
+    async def go() -> None:
+        core = ScriptedCore()
+        engine = await _engine(core, max_waiting_requests=1)
+        stream = engine.submit(_request(engine, "a", max_tokens=1000))
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            engine.submit(_request(engine, "a"))
+        with pytest.raises(QueueFullError):  # "a" is not yet taken by the engine
+            engine.submit(_request(engine, "b"))
+        await stream.__anext__()
+        engine.begin_drain()
+        with pytest.raises(EngineDrainingError):
+            engine.submit(_request(engine, "c"))
+        stream.close()  # the client went away: aborted in the core
+        await engine.wait_idle(5)
+        for _ in range(50):
+            if core.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert core.aborted == [("a", RequestStatus.FINISHED_ABORTED)]
+        await engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_engine_failure_ends_streams_and_tells_listeners() -> None:
+    async def go() -> None:
+        engine = await _engine(ScriptedCore(fail_at=2))
+        failures: list[BaseException] = []
+        engine.add_failure_listener(failures.append)
+        stream = engine.submit(_request(engine, "a", max_tokens=10))
+        first = await stream.__anext__()
+        assert first.new_token_ids == [42]
+        with pytest.raises(EngineDeadError, match="boom"):
+            await stream.__anext__()
+        assert len(failures) == 1 and not engine.healthy
+        with pytest.raises(EngineDeadError):
+            engine.submit(_request(engine, "b"))
+
+    asyncio.run(go())
