@@ -38,7 +38,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.input_processor import InputProcessor, InvalidRequestError
-from engine.kv_cache.events import KVCacheEvent
+from engine.kv_cache.events import AllBlocksCleared, KVCacheEvent
 from engine.models.loader import load_tokenizer
 from engine.output_processor import OutputProcessor, RequestOutput, TokenLogprob
 from engine.outputs import EngineCoreOutputs
@@ -542,8 +542,6 @@ class KvEventSubscription:
         self._overflowed = False
 
     def publish(self, events: list[KVCacheEvent], timestamp: float) -> None:
-        from engine.kv_cache.events import AllBlocksCleared
-
         if self._queue.qsize() >= self._max_pending:
             while not self._queue.empty():
                 self._queue.get_nowait()
