@@ -80,21 +80,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             stream.close()
 
+    async def _engine_for(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+        """The engine, or the call ends UNAVAILABLE while the model loads."""
+        try:
+            return self.engine
+        except EngineLoadingError as exc:
+            await abort_with(context, exc)
+            raise
+
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        try:
-            aborted = self.engine.abort(list(request.request_ids))
-        except Exception as exc:
-            await abort_with(context, exc)
-            raise
-        return pb.AbortResponse(aborted_request_ids=aborted)
+        engine = await self._engine_for(context)
+        return pb.AbortResponse(aborted_request_ids=engine.abort(list(request.request_ids)))
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
+        engine = await self._engine_for(context)
         try:
-            ids = convert.tokenize_input(request, self.engine.inputs)
+            ids = convert.tokenize_input(request, engine.inputs)
         except Exception as exc:
             await abort_with(context, exc)
             raise
@@ -103,11 +108,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        try:
-            engine = self.engine
-        except Exception as exc:
-            await abort_with(context, exc)
-            raise
+        engine = await self._engine_for(context)
         config = engine.config
         info: pb.ModelInfo = convert.model_info(
             engine.info,
@@ -121,20 +122,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GetServerStatus(
         self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStatus:
-        try:
-            return convert.server_status(self.engine.status())
-        except Exception as exc:
-            await abort_with(context, exc)
-            raise
+        engine = await self._engine_for(context)
+        return convert.server_status(engine.status())
 
     async def SubscribeKvEvents(
         self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KvEventBatch]:
-        try:
-            subscription = self.engine.subscribe_kv_events()
-        except Exception as exc:
-            await abort_with(context, exc)
-            return
+        subscription = (await self._engine_for(context)).subscribe_kv_events()
         try:
             while (batch := await subscription.next()) is not None:
                 yield convert.kv_event_batch(batch)
