@@ -169,24 +169,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _wait_serving(target: str, timeout: float = 600.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"{target} did not become SERVING within {timeout:.0f} s")
-
-
 def _start_server(model: str | None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [
@@ -207,11 +189,11 @@ def _start_server(model: str | None) -> tuple[subprocess.Popen[bytes], str]:
 async def bench_service(
     args: argparse.Namespace, rates: list[float]
 ) -> tuple[list[RateResult], int]:
-    from service.client import TandemClient
+    from service.client import TandemClient, wait_serving
 
     proc, target = (None, args.server) if args.server else _start_server(args.model)
     try:
-        await _wait_serving(target)
+        await wait_serving(target, alive=lambda: proc is None or proc.poll() is None)
         async with TandemClient(target, api_key=args.api_key) as client:
             vocab = (await client.model_info()).vocab_size
             # One short request first: connection set-up is not part of the figures.

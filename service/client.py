@@ -9,12 +9,15 @@ Any other gRPC client works the same way: the protos are in `protos/`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -143,3 +146,25 @@ def make_request(
         else:
             setattr(request.sampling, key, value)
     return request
+
+
+async def wait_serving(
+    target: str, timeout: float = 600.0, alive: Callable[[], bool] | None = None
+) -> None:
+    """Polls health until `target` reports SERVING. Raises TimeoutError after
+    `timeout` s, or RuntimeError as soon as `alive()` (e.g. "is the server
+    process still running") turns false."""
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if alive is not None and not alive():
+                raise RuntimeError(f"the server at {target} exited before it was SERVING")
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{target} did not become SERVING within {timeout:.0f} s")

@@ -9,6 +9,7 @@ the server with SIGTERM (a drain).
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from service.bench import free_port
+from service.client import wait_serving
 
 # Long enough to fill a few KV blocks: every question after the first
 # reuses them from the prefix cache.
@@ -41,26 +43,6 @@ def _tandem(*args: str) -> list[str]:
     return [sys.executable, "-m", "service.cli", "--log-level", "warning", *args]
 
 
-def _wait_serving(server: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(server) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"tandem serve exited with {proc.returncode}")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise SystemExit(f"tandem serve was not SERVING after {timeout:.0f} s")
-
-
 def main() -> int:
     server = f"127.0.0.1:{free_port()}"
     log = Path(tempfile.gettempdir()) / "tandem-demo-server.log"
@@ -73,7 +55,7 @@ def main() -> int:
         )
     try:
         start = time.monotonic()
-        _wait_serving(server, proc)
+        asyncio.run(wait_serving(server, alive=lambda: proc.poll() is None))
         print(f"health: SERVING after {time.monotonic() - start:.1f} s\n", flush=True)
         rows = [_ask(server, q) for q in QUESTIONS]
         _summary(rows)

@@ -329,3 +329,11 @@ def test_deadline_and_cancel_free_the_request(server: ServerProcess) -> None:
             assert status.kv_cache_usage == 0.0
 
     asyncio.run(go())
+
+
+def test_wait_serving_sees_serving_and_a_dead_server(server: ServerProcess) -> None:
+    from service.client import wait_serving
+
+    asyncio.run(wait_serving(server.target, timeout=10))
+    with pytest.raises(RuntimeError, match="exited before"):
+        asyncio.run(wait_serving(server.target, timeout=10, alive=lambda: False))
