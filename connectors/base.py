@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.config import KVTransferConfig
     from engine.kv_cache.events import KVCacheEvent
     from engine.kv_cache.manager import KVCacheBlocks
     from engine.outputs import KVConnectorOutput
@@ -34,11 +36,40 @@ class KVConnectorMetadata:
     """Opaque per-step instructions from the scheduler half to the workers."""
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one KV block in every layer: what a stored block must
+    match to be loaded into this engine's cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    @property
+    def elements_per_layer_half(self) -> int:
+        """Elements of K (or of V) of one block in one layer."""
+        return self.block_size * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What a connector is built from (``cls(role, context)``)."""
+
+    config: KVTransferConfig
+    model_name: str
+    layout: KVLayout
+    # Names this engine to its peers (unique per process).
+    engine_id: str
+
+
 class KVConnectorBase(ABC):
     """Base class of every KV connector."""
 
-    def __init__(self, role: KVConnectorRole) -> None:
+    def __init__(self, role: KVConnectorRole, context: ConnectorContext | None = None) -> None:
         self.role = role
+        self.context = context
         self._metadata: KVConnectorMetadata | None = None
 
     # ---- scheduler role -------------------------------------------------
@@ -119,6 +150,11 @@ class KVConnectorBase(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call."""
         return set()
+
+    def health(self) -> str | None:
+        """None while the connector works; otherwise why it does not (a
+        wedged or dead transfer thread). The service reports NOT_SERVING."""
+        return None
 
     def shutdown(self) -> None:  # noqa: B027
         """Release resources; called once."""

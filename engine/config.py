@@ -7,8 +7,9 @@ the value given and what was expected.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
 
@@ -200,6 +201,66 @@ class ModelConfig:
         )
 
 
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KV_ROLES: tuple[KVRole, ...] = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Which KV connector the engine uses and in which direction.
+
+    ``kv_producer`` only saves (a prefill pod), ``kv_consumer`` only loads
+    (a decode pod), ``kv_both`` does both (offloading, colocated pools).
+    ``kv_connector_extra_config`` is the connector's own settings.
+    """
+
+    kv_connector: str
+    kv_role: KVRole = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.kv_connector, str) and bool(self.kv_connector),
+            "kv_connector",
+            self.kv_connector,
+            "a connector name",
+        )
+        _require(self.kv_role in KV_ROLES, "kv_role", self.kv_role, " | ".join(KV_ROLES))
+        _require(
+            isinstance(self.kv_connector_extra_config, dict),
+            "kv_connector_extra_config",
+            self.kv_connector_extra_config,
+            "a JSON object",
+        )
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        """Parses ``--kv-transfer-config``; errors name the flag and the key."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"kv_transfer_config={text!r} is invalid: expected a JSON object")
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_transfer_config has unknown keys {unknown}: expected {sorted(known)}"
+            )
+        if "kv_connector" not in data:
+            raise ConfigError("kv_transfer_config lacks 'kv_connector' (the connector's name)")
+        return cls(**data)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, in one object.
@@ -213,3 +274,4 @@ class EngineConfig:
     model: ModelConfig = ModelConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+    kv_transfer: KVTransferConfig | None = None

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import replace
 
-from connectors.base import KVConnectorBase
+from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, KVLayout
+from connectors.factory import create_connector
 from engine.config import EngineConfig
 from engine.outputs import EngineCoreOutputs
 from engine.request import Request, RequestStatus
@@ -25,18 +28,52 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Not thread-safe: call every method from one thread."""
 
+    # A step with nothing to compute (every request waits on a KV transfer)
+    # sleeps this long, so the loop polls transfers instead of spinning.
+    IDLE_POLL_SECONDS = 0.002
+
     def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
+        """`connector` (scheduler role) overrides the one config.kv_transfer names."""
         self.worker = Worker(config.model, config.cache, config.scheduler.max_num_seqs)
         info = self.worker.info
         scheduler_config = replace(config.scheduler, max_model_len=info.max_model_len)
         cache_config = replace(config.cache, num_blocks=info.num_blocks)
         self.config = replace(config, scheduler=scheduler_config, cache=cache_config)
+        self.engine_id = uuid.uuid4().hex
+        self.worker_connector: KVConnectorBase | None = None
+        if connector is None and config.kv_transfer is not None:
+            context = self._connector_context()
+            connector = create_connector(KVConnectorRole.SCHEDULER, context)
+            self.worker_connector = create_connector(KVConnectorRole.WORKER, context)
+            self.worker.runner.attach_connector(self.worker_connector)
         self.scheduler = Scheduler(scheduler_config, cache_config, connector=connector)
         self.worker.runner.warmup()
         # Everything allocated so far lives as long as the engine: keep it
         # out of the cyclic GC's generations so steps don't pay to scan it.
         gc.collect()
         gc.freeze()
+
+    def _connector_context(self) -> ConnectorContext:
+        assert self.config.kv_transfer is not None
+        spec = self.worker.loaded.spec
+        layout = KVLayout(
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            block_size=self.config.cache.block_size,
+            dtype=self.config.model.dtype,
+        )
+        return ConnectorContext(
+            self.config.kv_transfer, self.worker.info.model_name, layout, self.engine_id
+        )
+
+    def connector_health(self) -> str | None:
+        """Why a KV connector is not working, or None."""
+        for connector in (self.scheduler.connector, self.worker_connector):
+            problem = connector.health() if connector is not None else None
+            if problem is not None:
+                return problem
+        return None
 
     @property
     def info(self) -> WorkerInfo:
@@ -61,6 +98,8 @@ class EngineCore:
             return {}
         scheduler_output = self.scheduler.schedule()
         runner_output = self.worker.execute_model(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            time.sleep(self.IDLE_POLL_SECONDS)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def stats_only(self) -> dict[int, EngineCoreOutputs]:
@@ -70,3 +109,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        if self.worker_connector is not None:
+            self.worker_connector.shutdown()

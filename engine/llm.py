@@ -22,7 +22,13 @@ from dataclasses import dataclass, replace
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from engine.core import EngineCore
 from engine.input_processor import ChatMessage, InputProcessor
 from engine.models.loader import load_tokenizer
@@ -134,12 +140,20 @@ def _apply_overrides(
         "scheduler": SchedulerConfig.__dataclass_fields__,
         "cache": CacheConfig.__dataclass_fields__,
     }
+    kv_transfer = config.kv_transfer
     for name, value in overrides.items():
+        if name == "kv_transfer":
+            if not isinstance(value, KVTransferConfig):
+                raise TypeError(f"LLM(kv_transfer=...) wants a KVTransferConfig, got {value!r}")
+            kv_transfer = value
+            continue
         owner = next((part for part, fields in owners.items() if name in fields), None)
         if owner is None:
             raise TypeError(f"LLM() got an unknown option {name!r}")
         parts[owner][name] = value
-    return EngineConfig(
+    return replace(
+        config,
+        kv_transfer=kv_transfer,
         model=replace(config.model, **parts["model"]),  # type: ignore[arg-type]
         scheduler=replace(config.scheduler, **parts["scheduler"]),  # type: ignore[arg-type]
         cache=replace(config.cache, **parts["cache"]),  # type: ignore[arg-type]

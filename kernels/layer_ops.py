@@ -13,7 +13,11 @@ with one set of signatures:
   Linear layers with at most `SMALL_LINEAR_ROWS` input rows (decode steps
   of a few sequences) use a weight-streaming kernel: BLAS's small-M path
   reads the weights ~10% slower than memory allows, and a decode step is
-  one read of all the weights. Larger inputs go to BLAS.
+  one read of all the weights. Larger inputs go to BLAS. Where torch has
+  MKL, each weight is also packed once at load (`pack_linear`) into MKL's
+  GEMM layout, and inputs of up to `PACKED_LINEAR_MAX_ROWS` rows (decode
+  batches) multiply against the packed copy: plain BLAS re-packs the weight
+  on every call, which at 16-128 rows costs 20-60% of the matmul.
 
 The residual add is folded into the following norm (`add_rms_norm`), so the
 decoder passes each sublayer's output forward instead of adding it at once.
@@ -37,6 +41,12 @@ RopeTables = tuple[torch.Tensor, ...]
 # Up to this many input rows the compiled linear beats BLAS (measured on the
 # default model's shapes: see benchmarks/README.md).
 SMALL_LINEAR_ROWS = 8
+# Up to this many rows the MKL-packed weight beats plain BLAS; above it the
+# re-pack is amortised and BLAS's own blocking wins (benchmarks/README.md).
+PACKED_LINEAR_MAX_ROWS = 128
+# The row count MKL is told to expect when packing. Its packed layout does
+# not depend on it on the MKL torch ships, which `pack_linear` checks.
+_PACK_HINT_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -53,8 +63,14 @@ class LayerOps:
     rope_tables: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], RopeTables]
     # rope_(x [T, heads, D], tables): rotate-half RoPE in place.
     rope_: Callable[[torch.Tensor, RopeTables], None]
-    # linear(x [T, in], weight [out, in], bias [out] | None) -> [T, out].
-    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    # linear(x [T, in], weight [out, in], bias [out] | None, packed) -> [T, out];
+    # packed is what pack_linear(weight) returned, or None.
+    linear: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor
+    ]
+    # pack_linear(weight) -> a copy in a faster layout for `linear`, or None.
+    # Called once the weights are loaded; a weight changed later must be re-packed.
+    pack_linear: Callable[[torch.Tensor], torch.Tensor | None]
 
 
 # --- torch ----------------------------------------------------------------------
@@ -98,6 +114,16 @@ def _torch_rope_(x: torch.Tensor, tables: RopeTables) -> None:
     x.mul_(cos).addcmul_(rotated, signed_sin)
 
 
+def _torch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _no_packing(weight: torch.Tensor) -> torch.Tensor | None:
+    return None
+
+
 TORCH_OPS = LayerOps(
     "torch",
     _torch_rms_norm,
@@ -105,8 +131,46 @@ TORCH_OPS = LayerOps(
     _torch_silu_mul,
     _torch_rope_tables,
     _torch_rope_,
-    F.linear,
+    _torch_linear,
+    _no_packing,
 )
+
+
+# --- MKL-packed weights (float32, CPU) --------------------------------------------
+
+
+def mkl_packing_available() -> bool:
+    """Whether this torch carries MKL's packed-GEMM ops."""
+    has_mkl: bool = torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
+    return has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    # The last argument is the row count the packed weight serves; passing
+    # the input's own keeps MKL on the packed path for every row count.
+    out: torch.Tensor = torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+    return out
+
+
+def mkl_pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
+    """MKL's packed copy of a float32 CPU weight, or None where torch lacks
+    MKL or the packed copy does not reproduce F.linear on a row count other
+    than the hint (the layout would then depend on it, and we'd rather be
+    slow than wrong)."""
+    if not mkl_packing_available() or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    with torch.no_grad():
+        packed: torch.Tensor = torch.ops.mkl._mkl_reorder_linear_weight(
+            weight.detach(), _PACK_HINT_ROWS
+        )
+        probe = torch.randn(13, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        if not torch.allclose(
+            _packed_linear(probe, packed, weight, None), F.linear(probe, weight), atol=1e-3
+        ):
+            return None
+    return packed
 
 
 # --- compiled (float32, CPU) --------------------------------------------------------
@@ -138,14 +202,24 @@ def _compiled_ops(module: ModuleType) -> LayerOps:
     def rope_(x: torch.Tensor, tables: RopeTables) -> None:
         module.rope_(x, *tables)
 
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > SMALL_LINEAR_ROWS or x.stride(-1) != 1:
-            return F.linear(x, weight, bias)
-        out = x.new_empty(x.shape[0], weight.shape[0])
-        module.small_linear(out, x, weight, bias)
-        return out
+    def linear(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        packed: torch.Tensor | None,
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows <= SMALL_LINEAR_ROWS and x.stride(-1) == 1:
+            out = x.new_empty(rows, weight.shape[0])
+            module.small_linear(out, x, weight, bias)
+            return out
+        if packed is not None and rows <= PACKED_LINEAR_MAX_ROWS:
+            return _packed_linear(x, packed, weight, bias)
+        return F.linear(x, weight, bias)
 
-    return LayerOps("compiled", rms_norm, add_rms_norm, silu_mul, rope_tables, rope_, linear)
+    return LayerOps(
+        "compiled", rms_norm, add_rms_norm, silu_mul, rope_tables, rope_, linear, mkl_pack_linear
+    )
 
 
 def select_layer_ops(dtype: torch.dtype, device: torch.device) -> LayerOps:

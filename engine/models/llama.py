@@ -100,8 +100,15 @@ class Linear(nn.Module):
             _empty_param(out_features, dtype=dtype, device=device) if bias else None
         )
 
+        # A faster-layout copy of the weight, made by pack() once it is loaded;
+        # not a parameter: it is derived, and opaque to torch's module tools.
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = self.lops.pack_linear(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lops.linear(x, self.weight, self.bias)
+        return self.lops.linear(x, self.weight, self.bias, self.packed)
 
 
 class Embedding(nn.Module):
@@ -384,6 +391,9 @@ class LlamaForCausalLM(nn.Module):
                 dest.copy_(tensor)
                 loaded.add(name)
         _check_complete(expected - loaded, unexpected)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
 
 # HF projection name -> (fused parameter name, which shard of it).

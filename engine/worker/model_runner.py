@@ -15,7 +15,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+from connectors.base import KVConnectorBase
+from engine.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    KVConnectorOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+)
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.sampler import Sampler, SamplingTensors
@@ -69,6 +75,12 @@ class ModelRunner:
         max_blocks = -(-max_model_len // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
         self.sampler = Sampler()
+        # The worker-role KV connector, if any (set by attach_connector).
+        self.connector: KVConnectorBase | None = None
+
+    def attach_connector(self, connector: KVConnectorBase) -> None:
+        connector.register_kv_caches({f"layer.{i}": c for i, c in enumerate(self.kv_caches)})
+        self.connector = connector
 
     # ------------------------------------------------------------------
     # Applying the scheduler's deltas
@@ -188,6 +200,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        connector = self.connector
+        if connector is None:
+            return self._execute(so)
+        # Loads land before the forward reads them; saves copy out after it.
+        if so.kv_connector_metadata is not None:
+            connector.bind_connector_metadata(so.kv_connector_metadata)
+        connector.start_load_kv()
+        try:
+            output = self._execute(so)
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(so.finished_req_ids)
+            kv_output = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=connector.get_block_ids_with_load_errors(),
+            )
+        finally:
+            connector.clear_connector_metadata()
+        if kv_output.is_empty():
+            return output
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:
+            output = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        output.kv_connector_output = kv_output
+        return output
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
         if so.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT

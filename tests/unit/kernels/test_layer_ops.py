@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels, layer_ops
-from kernels.layer_ops import SMALL_LINEAR_ROWS, TORCH_OPS, LayerOps, select_layer_ops
+from kernels.layer_ops import (
+    PACKED_LINEAR_MAX_ROWS,
+    SMALL_LINEAR_ROWS,
+    TORCH_OPS,
+    LayerOps,
+    select_layer_ops,
+)
 
 ROWS = [1, 3, 17, 200]  # one decode, a few, and enough to split across threads
 
@@ -81,16 +87,47 @@ def test_torch_ops_off_cpu_or_float32(monkeypatch) -> None:
     assert layer_ops.select_layer_ops(torch.float32, torch.device("cpu")) is TORCH_OPS
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, SMALL_LINEAR_ROWS, SMALL_LINEAR_ROWS + 1, 64])
+_LINEAR_ROWS = [1, 2, 5, SMALL_LINEAR_ROWS, SMALL_LINEAR_ROWS + 1, 13, 64, 100]
+_LINEAR_ROWS += [PACKED_LINEAR_MAX_ROWS, PACKED_LINEAR_MAX_ROWS + 1]
+
+
+@pytest.mark.parametrize("rows", _LINEAR_ROWS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear(compiled: LayerOps, rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("pack", [False, True])
+def test_linear(compiled: LayerOps, rows: int, bias: bool, pack: bool) -> None:
     # 3073 outputs: not a multiple of the kernel's four-row unroll.
     x, w = torch.randn(rows, 576), torch.randn(3073, 576)
     b = torch.randn(3073) if bias else None
-    torch.testing.assert_close(compiled.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    packed = compiled.pack_linear(w) if pack else None
+    torch.testing.assert_close(
+        compiled.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-5
+    )
 
 
-def test_linear_on_a_strided_input(compiled: LayerOps) -> None:
-    x = torch.randn(3, 2 * 96)[:, 96:]  # e.g. the up half of gate_up
+@pytest.mark.parametrize("rows", [3, 40])
+def test_linear_on_a_strided_input(compiled: LayerOps, rows: int) -> None:
+    x = torch.randn(rows, 2 * 96)[:, 96:]  # e.g. the up half of gate_up
     w = torch.randn(40, 96)
-    torch.testing.assert_close(compiled.linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    packed = compiled.pack_linear(w)
+    torch.testing.assert_close(
+        compiled.linear(x, w, None, packed), F.linear(x, w), atol=1e-4, rtol=1e-5
+    )
+
+
+def test_packing_is_skipped_where_it_does_not_apply(compiled: LayerOps) -> None:
+    assert TORCH_OPS.pack_linear(torch.randn(8, 8)) is None
+    assert compiled.pack_linear(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+
+
+def test_packing_is_refused_when_mkl_disagrees(compiled: LayerOps, monkeypatch) -> None:
+    # A packed layout that gave different numbers for another row count
+    # must fall back to plain BLAS rather than serve wrong logits.
+    monkeypatch.setattr(
+        layer_ops, "_packed_linear", lambda x, packed, weight, bias: F.linear(x, weight) + 1
+    )
+    assert compiled.pack_linear(torch.randn(32, 16)) is None
+
+
+@pytest.mark.skipif(not layer_ops.mkl_packing_available(), reason="torch built without MKL")
+def test_mkl_packs_a_float32_weight() -> None:
+    assert layer_ops.mkl_pack_linear(torch.randn(32, 16)) is not None

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine.models import loader
 from engine.models.llama import (
+    Linear,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     WeightLoadError,
@@ -31,6 +32,7 @@ from engine.models.loader import (
 )
 from engine.models.registry import UnsupportedModelError, supported_architectures
 from engine.models.spec import SUPPORTED_ROPE_TYPES, ModelConfigError, ModelSpec
+from kernels.layer_ops import mkl_packing_available
 from tests.unit.engine.models.paged import REFERENCE_OPS, allocate, step
 
 CPU = torch.device("cpu")
@@ -185,6 +187,9 @@ def test_load_weights_names_missing_unexpected_and_bad_shapes():
         layer.self_attn.qkv_proj.weight[spec.q_size : spec.q_size + spec.kv_size],
         weights["model.layers.0.self_attn.k_proj.weight"],
     )
+    if model.lops.name == "compiled" and mkl_packing_available():
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert linears and all(m.packed is not None for m in linears)
 
     partial = dict(weights)
     del partial["model.layers.0.mlp.up_proj.weight"]

@@ -1,0 +1,322 @@
+"""A KV connector over a content-addressed block store (Redis, shared memory).
+
+Scheduler half: for each new request, how many blocks past the local prefix
+hit the store holds (its longest stored prefix), and, as steps complete full
+blocks, which of them to save. A P/D consumer (``do_remote_prefill``) does
+not look up at all: the producer saved every full prompt block, so it loads
+them asynchronously, waiting up to ``load_wait_seconds`` for late ones.
+
+Worker half: synchronous loads run before the forward; asynchronous loads
+and all saves run on a ``TransferThread``. After the forward, the blocks to
+save are copied out of the cache (so the scheduler may reuse them at once)
+and handed to the thread; finished asynchronous loads are copied into the
+cache on the step thread, then reported in ``finished_recving``.
+
+Extra config (``kv_connector_extra_config``): ``load_async`` (bool: load
+hits in the background; default per store), ``load_wait_seconds`` (float,
+default 10).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import abstractmethod
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from connectors.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from connectors.block_codec import BlockCodec
+from connectors.kv_blocks import KVBlockIO
+from connectors.store import BlockStore, LoadJob, LoadResult, SaveJob, TransferThread, load_blocks
+
+if TYPE_CHECKING:
+    from engine.kv_cache.manager import KVCacheBlocks
+    from engine.outputs import KVConnectorOutput
+    from engine.request import Request
+    from engine.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Block hashes the scheduler half believes stored, so a block is saved once.
+_KNOWN_CAPACITY = 1 << 16
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+    is_async: bool
+    wait_for_producer: bool = False
+
+
+@dataclass
+class StoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    # (block id, block hash) of every block this step completes and should save.
+    saves: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-half state of one live request."""
+
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0  # leading blocks saved, or known to be stored
+
+
+class StoreConnector(KVConnectorBase):
+    """Subclasses name the store: ``make_store`` and ``default_load_async``."""
+
+    default_load_async = True
+
+    def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
+        super().__init__(role, context)
+        extra = context.config.kv_connector_extra_config
+        self.codec = BlockCodec(context.model_name, context.layout)
+        self.block_size = context.layout.block_size
+        self.is_producer = context.config.is_producer
+        self.is_consumer = context.config.is_consumer
+        self.load_async = bool(extra.get("load_async", self.default_load_async))
+        self.load_wait_seconds = float(extra.get("load_wait_seconds", 10.0))
+        self.store = self.make_store(context)
+        # scheduler half
+        self._tracked: dict[str, _Tracked] = {}
+        self._local_tokens: dict[str, int] = {}
+        self._lookups: dict[str, Future[int]] = {}
+        self._lookup_pool: ThreadPoolExecutor | None = None
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._pending_loads: list[LoadSpec] = []
+        # worker half
+        self._io: KVBlockIO | None = None
+        self._thread: TransferThread | None = None
+        self._async_loads: dict[str, LoadSpec] = {}
+        self._invalid: set[int] = set()
+
+    @abstractmethod
+    def make_store(self, context: ConnectorContext) -> BlockStore: ...
+
+    # ==== scheduler half ===================================================
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        self._tracked.setdefault(req_id, _Tracked(request))
+        self._local_tokens[req_id] = num_computed_tokens
+        if not self.is_consumer:
+            return 0, False
+        first = num_computed_tokens // self.block_size
+        # The last prompt token is always computed, so its block never loads.
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        if last <= first:
+            return 0, False
+        if _wants_remote_prefill(request):
+            # The producer says how many leading blocks it saved.
+            params = request.kv_transfer_params or {}
+            last = min(last, int(params.get("num_blocks", last)))
+            return max(0, last - first) * self.block_size, last > first
+        hits = self._stored_prefix(request, first, last)
+        if hits is None:
+            return None, False
+        return hits * self.block_size, self.load_async and hits > 0
+
+    def _stored_prefix(self, request: Request, first: int, last: int) -> int | None:
+        """Blocks first..last-1 present in the store, counted from `first`;
+        None while a lookup on the network is in flight."""
+        hashes = request.block_hashes[first:last]
+        if self.store.local_lookups:
+            return _leading_true(self.store.contains_many(hashes))
+        req_id = request.request_id
+        future = self._lookups.get(req_id)
+        if future is None:
+            if self._lookup_pool is None:
+                self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-lookup")
+            store = self.store
+            self._lookups[req_id] = self._lookup_pool.submit(
+                lambda: _leading_true(store.contains_many(hashes))
+            )
+            return None
+        if not future.done():
+            return None
+        return future.result()
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        tracked = self._tracked.setdefault(req_id, _Tracked(request))
+        local = self._local_tokens.pop(req_id, request.num_computed_tokens)
+        first = local // self.block_size
+        count = num_external_tokens // self.block_size
+        # What came from the cache or the store need not be saved again.
+        tracked.saved_blocks = first + count
+        if count == 0:
+            return
+        block_ids = blocks.get_block_ids()[first : first + count]
+        remote = _wants_remote_prefill(request)
+        self._pending_loads.append(
+            LoadSpec(
+                req_id,
+                block_ids,
+                request.block_hashes[first : first + count],
+                is_async=remote or self.load_async,
+                wait_for_producer=remote,
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
+        meta = StoreConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        self._track_blocks(scheduler_output)
+        if self.is_producer:
+            for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+                tracked = self._tracked.get(req_id)
+                if tracked is not None:
+                    meta.saves.extend(self._blocks_to_save(tracked, num_new))
+        return meta
+
+    def _track_blocks(self, so: SchedulerOutput) -> None:
+        for new in so.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids or [])
+            elif new_ids:
+                tracked.block_ids.extend(new_ids)
+
+    def _blocks_to_save(self, tracked: _Tracked, num_new: int) -> list[tuple[int, bytes]]:
+        request = tracked.request
+        full = (request.num_computed_tokens + num_new) // self.block_size
+        full = min(full, len(request.block_hashes), len(tracked.block_ids))
+        saves = []
+        for idx in range(tracked.saved_blocks, full):
+            block_hash = request.block_hashes[idx]
+            if block_hash in self._known:
+                self._known.move_to_end(block_hash)
+                continue
+            self._known[block_hash] = None
+            saves.append((tracked.block_ids[idx], block_hash))
+        tracked.saved_blocks = max(tracked.saved_blocks, full)
+        while len(self._known) > _KNOWN_CAPACITY:
+            self._known.popitem(last=False)
+        return saves
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        pass
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        tracked = self._tracked.pop(req_id, None)
+        self._local_tokens.pop(req_id, None)
+        future = self._lookups.pop(req_id, None)
+        if future is not None:
+            future.cancel()
+        params = request.kv_transfer_params or {}
+        if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        # The blocks were copied out when they were computed: nothing to hold.
+        saved = tracked.saved_blocks if tracked is not None else 0
+        assert self.context is not None
+        return False, {
+            "do_remote_prefill": True,
+            "kv_connector": self.context.config.kv_connector,
+            "remote_engine_id": self.context.engine_id,
+            "num_blocks": saved,
+        }
+
+    # ==== worker half ======================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._io = KVBlockIO(list(kv_caches.values()))
+        self._thread = TransferThread(self.store, self.codec, name="kv-transfer")
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        meta = self._metadata
+        if not isinstance(meta, StoreConnectorMetadata) or not meta.loads:
+            return
+        assert self._io is not None and self._thread is not None
+        for spec in meta.loads:
+            job = LoadJob(spec.req_id, spec.hashes, spec.block_ids)
+            if spec.is_async:
+                if spec.wait_for_producer:
+                    job.wait_until = time.monotonic() + self.load_wait_seconds
+                self._async_loads[spec.req_id] = spec
+                self._thread.submit_load(job)
+            else:
+                self._apply(load_blocks(self.store, self.codec, job))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # everything loads before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
+        pass  # everything saves after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._metadata
+        if not isinstance(meta, StoreConnectorMetadata) or not meta.saves:
+            return
+        assert self._io is not None and self._thread is not None
+        block_ids = [b for b, _ in meta.saves]
+        payloads = self._io.gather(block_ids)
+        self._thread.submit_save(SaveJob([h for _, h in meta.saves], payloads))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._thread is None:
+            return None, None
+        done: set[str] = set()
+        for result in self._thread.take_results():
+            self._async_loads.pop(result.req_id, None)
+            self._apply(result)
+            done.add(result.req_id)
+        return None, done or None
+
+    def _apply(self, result: LoadResult) -> None:
+        assert self._io is not None
+        if result.payloads:
+            self._io.scatter(list(result.payloads), list(result.payloads.values()))
+        self._invalid.update(result.failed_block_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def health(self) -> str | None:
+        return self._thread.health() if self._thread is not None else None
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+
+
+def _wants_remote_prefill(request: Request) -> bool:
+    params = request.kv_transfer_params
+    return bool(params and params.get("do_remote_prefill"))
+
+
+def _leading_true(flags: list[bool]) -> int:
+    for i, present in enumerate(flags):
+        if not present:
+            return i
+    return len(flags)
