@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 NODE_DIR := tests/integration/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup model protos node test lint typecheck unit demo bench clean
+.PHONY: setup model protos node redis test lint typecheck unit demo bench clean
 
 setup: $(STAMP) protos
 
@@ -66,7 +66,15 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(wildcard $(NODE_DIR)/package-lock.json
 	fi
 	@touch $(NODE_STAMP)
 
-test: lint typecheck model node
+# The connector tests start their own redis-server on a free loopback port.
+# Debian may lack it; as root we can add it (the package's own service is
+# not used).
+redis:
+	@command -v redis-server >/dev/null || { \
+	  echo "redis-server not found; installing redis-server (needs root)"; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server; }
+
+test: lint typecheck model node redis
 	$(VENV)/bin/pytest -q
 
 # Starts `tandem serve` on the default model, streams a few answers through
@@ -78,6 +86,7 @@ bench: model
 	$(PY) benchmarks/scheduler_bench.py
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/serving_bench.py
+	$(PY) benchmarks/kv_transfer_bench.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache service/gen $(NODE_DIR)/node_modules

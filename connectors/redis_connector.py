@@ -102,7 +102,7 @@ class RedisBlockStore:
             self._failed("load failed", e)
             return [None] * len(hashes)
         self.last_error = None
-        return [bytes(f) if f is not None else None for f in frames]
+        return [f if f is None or isinstance(f, bytes) else bytes(f) for f in frames]
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> bool:
         if not items:

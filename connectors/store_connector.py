@@ -92,10 +92,17 @@ class StoreConnector(KVConnectorBase):
         # scheduler half
         self._tracked: dict[str, _Tracked] = {}
         self._local_tokens: dict[str, int] = {}
-        self._lookups: dict[str, Future[int]] = {}
+        # request id -> (first block looked up, lookup of the stored run from it)
+        self._lookups: dict[str, tuple[int, Future[int]]] = {}
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._pending_loads: list[LoadSpec] = []
+        # Loads not yet reported done, to map invalid block ids to hashes.
+        self._inflight: dict[str, LoadSpec] = {}
+        # Stored blocks that failed to load: never loaded again until re-saved.
+        self._bad: OrderedDict[bytes, None] = OrderedDict()
+        # Requests whose load failed: no second remote-prefill attempt.
+        self._failed_reqs: set[str] = set()
         # worker half
         self._io: KVBlockIO | None = None
         self._thread: TransferThread | None = None
@@ -120,7 +127,7 @@ class StoreConnector(KVConnectorBase):
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
         if last <= first:
             return 0, False
-        if _wants_remote_prefill(request):
+        if self._wants_remote_prefill(request):
             # The producer says how many leading blocks it saved.
             params = request.kv_transfer_params or {}
             last = min(last, int(params.get("num_blocks", last)))
@@ -134,21 +141,28 @@ class StoreConnector(KVConnectorBase):
         """Blocks first..last-1 present in the store, counted from `first`;
         None while a lookup on the network is in flight."""
         hashes = request.block_hashes[first:last]
+        bad = next((i for i, h in enumerate(hashes) if h in self._bad), None)
+        if bad is not None:
+            hashes = hashes[:bad]
+            last = first + bad
         if self.store.local_lookups:
             return _leading_true(self.store.contains_many(hashes))
         req_id = request.request_id
-        future = self._lookups.get(req_id)
-        if future is None:
+        entry = self._lookups.get(req_id)
+        # A lookup from a smaller local hit still answers (the blocks it
+        # counted past `first` are what matter); one from a larger hit (the
+        # local blocks were evicted since) does not cover `first`: redo it.
+        if entry is None or entry[0] > first:
             if self._lookup_pool is None:
                 self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-lookup")
             store = self.store
-            self._lookups[req_id] = self._lookup_pool.submit(
-                lambda: _leading_true(store.contains_many(hashes))
-            )
+            future = self._lookup_pool.submit(lambda: _leading_true(store.contains_many(hashes)))
+            self._lookups[req_id] = (first, future)
             return None
+        start, future = entry
         if not future.done():
             return None
-        return future.result()
+        return max(0, min(last, start + future.result()) - first)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -164,20 +178,26 @@ class StoreConnector(KVConnectorBase):
         if count == 0:
             return
         block_ids = blocks.get_block_ids()[first : first + count]
-        remote = _wants_remote_prefill(request)
-        self._pending_loads.append(
-            LoadSpec(
-                req_id,
-                block_ids,
-                request.block_hashes[first : first + count],
-                is_async=remote or self.load_async,
-                wait_for_producer=remote,
-            )
+        remote = self._wants_remote_prefill(request)
+        spec = LoadSpec(
+            req_id,
+            block_ids,
+            request.block_hashes[first : first + count],
+            is_async=remote or self.load_async,
+            wait_for_producer=remote,
         )
+        self._pending_loads.append(spec)
+        self._inflight[req_id] = spec
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
         meta = StoreConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        # Synchronous loads of earlier steps were reported with their step's
+        # output; forget them before their block ids are reused.
+        current = {id(spec) for spec in meta.loads}
+        for req_id, spec in list(self._inflight.items()):
+            if not spec.is_async and id(spec) not in current:
+                del self._inflight[req_id]
         self._track_blocks(scheduler_output)
         if self.is_producer:
             for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -212,6 +232,7 @@ class StoreConnector(KVConnectorBase):
                 self._known.move_to_end(block_hash)
                 continue
             self._known[block_hash] = None
+            self._bad.pop(block_hash, None)  # this save replaces the bad copy
             saves.append((tracked.block_ids[idx], block_hash))
         tracked.saved_blocks = max(tracked.saved_blocks, full)
         while len(self._known) > _KNOWN_CAPACITY:
@@ -219,7 +240,22 @@ class StoreConnector(KVConnectorBase):
         return saves
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        pass
+        """Learn which stored blocks failed to load, so no request is sent
+        to load them again (a bad block would otherwise be looked up, loaded
+        and rejected forever); our next save of that block replaces it."""
+        invalid = connector_output.invalid_block_ids
+        done = connector_output.finished_recving or set()
+        for req_id, spec in list(self._inflight.items()):
+            bad = [h for b, h in zip(spec.block_ids, spec.hashes, strict=True) if b in invalid]
+            for block_hash in bad:
+                self._bad[block_hash] = None
+                self._known.pop(block_hash, None)
+            if bad:
+                self._failed_reqs.add(req_id)
+            if not spec.is_async or req_id in done:
+                del self._inflight[req_id]
+        while len(self._bad) > _KNOWN_CAPACITY:
+            self._bad.popitem(last=False)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -227,9 +263,11 @@ class StoreConnector(KVConnectorBase):
         req_id = request.request_id
         tracked = self._tracked.pop(req_id, None)
         self._local_tokens.pop(req_id, None)
-        future = self._lookups.pop(req_id, None)
-        if future is not None:
-            future.cancel()
+        self._inflight.pop(req_id, None)
+        self._failed_reqs.discard(req_id)
+        entry = self._lookups.pop(req_id, None)
+        if entry is not None:
+            entry[1].cancel()
         params = request.kv_transfer_params or {}
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
@@ -242,6 +280,13 @@ class StoreConnector(KVConnectorBase):
             "remote_engine_id": self.context.engine_id,
             "num_blocks": saved,
         }
+
+    def _wants_remote_prefill(self, request: Request) -> bool:
+        """A P/D consumer's first attempt; after a failed load the request
+        looks up like any other (and recomputes what is bad)."""
+        params = request.kv_transfer_params
+        wants = bool(params and params.get("do_remote_prefill"))
+        return wants and request.request_id not in self._failed_reqs
 
     # ==== worker half ======================================================
 
@@ -308,11 +353,6 @@ class StoreConnector(KVConnectorBase):
         if self._lookup_pool is not None:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
-
-
-def _wants_remote_prefill(request: Request) -> bool:
-    params = request.kv_transfer_params
-    return bool(params and params.get("do_remote_prefill"))
 
 
 def _leading_true(flags: list[bool]) -> int:

@@ -384,6 +384,12 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
+    def connector_health(self) -> str | None:
+        """Why the KV connector is not working (a dead or wedged transfer
+        thread), or None. Safe from any thread: it reads flags only."""
+        core = self._thread.core
+        return core.connector_health() if core is not None else None
+
     def add_failure_listener(self, listener: Callable[[BaseException], None]) -> None:
         """Called on the event loop if the engine thread fails (e.g. to turn
         health NOT_SERVING)."""

@@ -218,18 +218,21 @@ class _Workspace:
     one call). Fresh CPU tensors above glibc's mmap threshold (at most 32 MiB)
     are page-faulted in on every call, which measured 3-4x the copy itself
     (a 75 MiB gather: 65 ms fresh, 18 ms into a reused buffer). It keeps the
-    largest size seen; GPU allocations are cached by torch already."""
+    largest size seen; GPU allocations are cached by torch already.
+    Buffers made under inference mode cannot be written outside it, so each
+    mode has its own."""
 
     def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._buffers: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
 
     def take(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         numel = rows * cols
-        buffer = self._buffers.get(dtype)
+        key = (dtype, torch.is_inference_mode_enabled())
+        buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             # Some headroom so a slowly growing batch does not reallocate each step.
             size = numel if buffer is None else max(numel, buffer.numel() * 5 // 4)
-            buffer = self._buffers[dtype] = torch.empty(size, dtype=dtype)
+            buffer = self._buffers[key] = torch.empty(size, dtype=dtype)
         return buffer[:numel].view(rows, cols)
 
 

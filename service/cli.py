@@ -18,7 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 
@@ -151,6 +158,31 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         action="store_true",
         help="do not record KV cache events (SubscribeKvEvents then streams none)",
     )
+    k = p.add_argument_group("KV transfer (connectors, offloading, P/D)")
+    k.add_argument(
+        "--kv-transfer-config",
+        type=_kv_transfer_config,
+        help='the KV connector, as JSON: {"kv_connector": "redis|shm|multi|<plugin>", '
+        '"kv_role": "kv_producer|kv_consumer|kv_both", "kv_connector_extra_config": {...}} '
+        "(default: none)",
+    )
+    k.add_argument(
+        "--kv-offload",
+        choices=["shm", "redis", "shm,redis"],
+        help="shorthand for a kv_both connector: save computed blocks to shared memory, "
+        "Redis, or both (shm first), and load prefix hits back instead of recomputing",
+    )
+    k.add_argument(
+        "--kv-offload-redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="with --kv-offload redis: where (default: redis://127.0.0.1:6379/0)",
+    )
+    k.add_argument(
+        "--kv-offload-shm-bytes",
+        type=_bytes,
+        default=1 << 30,
+        help="with --kv-offload shm: size of the shared-memory pool (default: 1G)",
+    )
     n = p.add_argument_group("server")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     n.add_argument(
@@ -211,8 +243,47 @@ def _bytes(text: str) -> int:
         ) from None
 
 
+def _kv_transfer_config(text: str) -> KVTransferConfig:
+    try:
+        return KVTransferConfig.from_json(text)
+    except (ConfigError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kv_transfer_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
+    """--kv-transfer-config, or what --kv-offload stands for; checked
+    against --role (a prefill pod must save, a decode pod must load)."""
+    if args.kv_transfer_config is not None and args.kv_offload is not None:
+        raise ConfigError("--kv-offload and --kv-transfer-config: give one, not both")
+    config: KVTransferConfig | None = args.kv_transfer_config
+    if args.kv_offload is not None:
+        tiers: dict[str, tuple[str, dict[str, object]]] = {
+            "shm": ("shm", {"capacity_bytes": args.kv_offload_shm_bytes}),
+            "redis": ("redis", {"url": args.kv_offload_redis_url}),
+        }
+        chosen = [tiers[name] for name in args.kv_offload.split(",")]
+        if len(chosen) == 1:
+            config = KVTransferConfig(chosen[0][0], "kv_both", dict(chosen[0][1]))
+        else:
+            chain = [{"kv_connector": n, "kv_connector_extra_config": e} for n, e in chosen]
+            config = KVTransferConfig("multi", "kv_both", {"connectors": chain})
+    role = getattr(args, "role", "both")
+    if role != "both" and config is None:
+        raise ConfigError(f"--role {role} needs a KV connector (--kv-transfer-config)")
+    if role == "prefill" and config is not None and not config.is_producer:
+        raise ConfigError(
+            f"--role prefill needs kv_role kv_producer or kv_both, not {config.kv_role}"
+        )
+    if role == "decode" and config is not None and not config.is_consumer:
+        raise ConfigError(
+            f"--role decode needs kv_role kv_consumer or kv_both, not {config.kv_role}"
+        )
+    return config
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
+        kv_transfer=kv_transfer_from_args(args),
         model=ModelConfig(
             model=args.model,
             dtype=args.dtype,

@@ -69,12 +69,17 @@ class TandemServer:
         self.config = config
         self.metrics = ServiceMetrics()
         self.health = health.aio.HealthServicer()
-        self.servicer = GenerationServicer(role=config.role)
+        kv = engine_config.kv_transfer
+        self.servicer = GenerationServicer(
+            role=config.role, kv_connector=kv.kv_connector if kv is not None else ""
+        )
         self.engine: AsyncEngine | None = None
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
+        self._connector_watch: asyncio.Task[None] | None = None
+        self._draining = False
 
     async def start(self) -> int:
         """Listens, loads the model, then reports SERVING. Returns the port."""
@@ -108,12 +113,15 @@ class TandemServer:
         self.servicer.attach(self.engine)
         self.engine.add_failure_listener(self._on_engine_failure)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self.engine_config.kv_transfer is not None:
+            self._connector_watch = asyncio.get_running_loop().create_task(self._watch_connector())
         logger.info("serving %s (role %s)", self.engine.info.model_name, cfg.role)
         return self.port
 
     async def drain(self, grace: float | None = None) -> None:
         """Stops admitting, lets in-flight requests finish, then stops."""
         grace = self.config.drain_grace_seconds if grace is None else grace
+        self._draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.engine is not None:
             self.engine.begin_drain()
@@ -123,6 +131,8 @@ class TandemServer:
         await self.stop()
 
     async def stop(self) -> None:
+        if self._connector_watch is not None:
+            self._connector_watch.cancel()
         if self.engine is not None:
             await self.engine.shutdown()
         if self._server is not None:
@@ -137,6 +147,29 @@ class TandemServer:
         self._health_task = asyncio.get_running_loop().create_task(
             self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         )
+
+    async def _watch_connector(self, period: float = 1.0) -> None:
+        """NOT_SERVING while the KV connector's transfer thread is dead or
+        wedged (requests would wait on loads that never finish); SERVING
+        again if it recovers."""
+        engine = self.engine
+        assert engine is not None
+        broken = False
+        while True:
+            await asyncio.sleep(period)
+            problem = engine.connector_health()
+            if (problem is not None) == broken or self._draining or not engine.healthy:
+                continue
+            broken = problem is not None
+            if broken:
+                logger.error("KV connector unhealthy (%s): health NOT_SERVING", problem)
+            else:
+                logger.info("KV connector healthy again: health SERVING")
+            await self._set_health(
+                health_pb2.HealthCheckResponse.NOT_SERVING
+                if broken
+                else health_pb2.HealthCheckResponse.SERVING
+            )
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from engine.config import ConfigError
 from service import cli
 from service.server import ServerConfig
 
@@ -61,3 +62,73 @@ def test_invalid_server_config_names_the_field() -> None:
         ServerConfig(tls_cert=__import__("pathlib").Path("x.pem"))
     with pytest.raises(ValueError, match="max_waiting_requests"):
         ServerConfig(max_waiting_requests=0)
+
+
+def test_kv_transfer_config_flag() -> None:
+    config = cli.engine_config_from_args(
+        _serve_args(
+            "--kv-transfer-config",
+            '{"kv_connector": "redis", "kv_role": "kv_producer", '
+            '"kv_connector_extra_config": {"url": "redis://h:1/0"}}',
+            "--role",
+            "prefill",
+        )
+    )
+    assert config.kv_transfer is not None
+    assert config.kv_transfer.kv_connector == "redis"
+    assert config.kv_transfer.kv_role == "kv_producer"
+    assert config.kv_transfer.kv_connector_extra_config == {"url": "redis://h:1/0"}
+
+
+def test_bad_kv_transfer_config_names_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _serve_args("--kv-transfer-config", '{"kv_connector": "redis", "kv_rol": "kv_both"}')
+    assert "unknown keys ['kv_rol']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("offload", "connector"), [("shm", "shm"), ("redis", "redis"), ("shm,redis", "multi")]
+)
+def test_kv_offload_shorthand(offload: str, connector: str) -> None:
+    config = cli.engine_config_from_args(
+        _serve_args("--kv-offload", offload, "--kv-offload-redis-url", "redis://r:7/1")
+    )
+    kv = config.kv_transfer
+    assert kv is not None and kv.kv_connector == connector and kv.kv_role == "kv_both"
+    if connector == "multi":
+        tiers = kv.kv_connector_extra_config["connectors"]
+        assert [t["kv_connector"] for t in tiers] == ["shm", "redis"]
+        assert tiers[1]["kv_connector_extra_config"] == {"url": "redis://r:7/1"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--role", "decode"], "--role decode needs a KV connector"),
+        (
+            [
+                "--role",
+                "decode",
+                "--kv-transfer-config",
+                '{"kv_connector": "shm", "kv_role": "kv_producer"}',
+            ],
+            "--role decode needs kv_role kv_consumer or kv_both",
+        ),
+        (
+            [
+                "--role",
+                "prefill",
+                "--kv-transfer-config",
+                '{"kv_connector": "shm", "kv_role": "kv_consumer"}',
+            ],
+            "--role prefill needs kv_role kv_producer or kv_both",
+        ),
+        (
+            ["--kv-offload", "shm", "--kv-transfer-config", '{"kv_connector": "shm"}'],
+            "give one, not both",
+        ),
+    ],
+)
+def test_kv_role_mismatch_is_a_clear_error(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        cli.engine_config_from_args(_serve_args(*argv))

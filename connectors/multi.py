@@ -1,0 +1,163 @@
+"""MultiConnector: several connectors as tiers, e.g. shared memory, then Redis.
+
+Every tier saves what the engine computes (and what it loaded from another
+tier, so a block fetched from Redis is in shared memory next time). For a
+new request each tier says how many tokens it holds past the local prefix
+hit; the tier holding the most loads them (the earlier tier on a tie).
+
+Extra config: ``{"connectors": [{"kv_connector": "shm",
+"kv_connector_extra_config": {...}}, {"kv_connector": "redis", ...}]}``;
+each tier takes the multi connector's ``kv_role``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from connectors.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from engine.config import ConfigError, KVTransferConfig
+
+if TYPE_CHECKING:
+    from engine.kv_cache.events import KVCacheEvent
+    from engine.kv_cache.manager import KVCacheBlocks
+    from engine.outputs import KVConnectorOutput
+    from engine.request import Request
+    from engine.sched.output import SchedulerOutput
+
+
+@dataclass
+class MultiConnectorMetadata(KVConnectorMetadata):
+    per_tier: list[KVConnectorMetadata]
+
+
+class MultiConnector(KVConnectorBase):
+    def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
+        super().__init__(role, context)
+        from connectors.factory import create_connector
+
+        self.tiers = [
+            create_connector(role, replace(context, config=config))
+            for config in _tier_configs(context.config)
+        ]
+        self._chosen: dict[str, int] = {}  # request id -> tier that loads it
+
+    # ---- scheduler half -------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        answers = [t.get_num_new_matched_tokens(request, num_computed_tokens) for t in self.tiers]
+        if any(count is None for count, _ in answers):
+            return None, False
+        best = max(range(len(answers)), key=lambda i: (answers[i][0] or 0, -i))
+        self._chosen[request.request_id] = best
+        return answers[best]
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        chosen = self._chosen.pop(request.request_id, 0)
+        for i, tier in enumerate(self.tiers):
+            tier.update_state_after_alloc(
+                request, blocks, num_external_tokens if i == chosen else 0
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return MultiConnectorMetadata(
+            [t.build_connector_meta(scheduler_output) for t in self.tiers]
+        )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for tier in self.tiers:
+            tier.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._chosen.pop(request.request_id, None)
+        delay, params = False, None
+        for tier in self.tiers:
+            tier_delay, tier_params = tier.request_finished(request, block_ids)
+            delay = delay or tier_delay
+            params = params if params is not None else tier_params
+        return delay, params
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return [event for tier in self.tiers for event in tier.take_events()]
+
+    # ---- worker half ----------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        for tier in self.tiers:
+            tier.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        if isinstance(metadata, MultiConnectorMetadata):
+            for tier, meta in zip(self.tiers, metadata.per_tier, strict=True):
+                tier.bind_connector_metadata(meta)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        for tier in self.tiers:
+            tier.clear_connector_metadata()
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        for tier in self.tiers:
+            tier.start_load_kv(**kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for tier in self.tiers:
+            tier.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
+        for tier in self.tiers:
+            tier.save_kv_layer(layer_name, kv_layer, **kwargs)
+
+    def wait_for_save(self) -> None:
+        for tier in self.tiers:
+            tier.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        for tier in self.tiers:
+            s, r = tier.get_finished(finished_req_ids)
+            sending |= s or set()
+            recving |= r or set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return {b for tier in self.tiers for b in tier.get_block_ids_with_load_errors()}
+
+    def health(self) -> str | None:
+        return next((p for t in self.tiers if (p := t.health()) is not None), None)
+
+    def shutdown(self) -> None:
+        for tier in self.tiers:
+            tier.shutdown()
+
+
+def _tier_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
+    tiers = config.kv_connector_extra_config.get("connectors")
+    if not isinstance(tiers, list) or not tiers:
+        raise ConfigError(
+            "kv_connector_extra_config.connectors is invalid for the multi connector: "
+            "expected a non-empty list of {kv_connector, kv_connector_extra_config}"
+        )
+    out = []
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, dict) or "kv_connector" not in tier:
+            raise ConfigError(f"kv_connector_extra_config.connectors[{i}] lacks kv_connector")
+        out.append(
+            KVTransferConfig(
+                tier["kv_connector"], config.kv_role, tier.get("kv_connector_extra_config", {})
+            )
+        )
+    return out

@@ -1,0 +1,142 @@
+"""KVBlockIO: whole KV blocks copied between per-layer paged caches
+``[2, num_blocks, block_size, heads, head_dim]`` and per-block payloads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from connectors.base import KVLayout
+from connectors.block_codec import BlockCodec
+from connectors.kv_blocks import KVBlockIO
+
+NUM_LAYERS = 3
+NUM_BLOCKS = 10
+BLOCK_SIZE = 4
+HEADS = 2
+HEAD_DIM = 8
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def make_caches(dtype: torch.dtype, *, random: bool, seed: int = 0) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+    if not random:
+        return [torch.zeros(shape, dtype=dtype) for _ in range(NUM_LAYERS)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(NUM_LAYERS)]
+
+
+def expected_payload(caches: list[torch.Tensor], block: int) -> bytes:
+    """The documented payload: for each layer, K then V of the block."""
+    parts = [cache[kv, block].contiguous() for cache in caches for kv in (0, 1)]
+    return torch.stack(parts).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gather_then_scatter_reproduces_the_selected_blocks(dtype: torch.dtype) -> None:
+    """Blocks gathered (in an unordered selection) and scattered into the same
+    ids of a zeroed cache are bit-identical; every other block stays zero."""
+    src = make_caches(dtype, random=True)
+    dst = make_caches(dtype, random=False)
+    ids = [7, 2, 5, 0]
+    payloads = KVBlockIO(src).gather(ids)
+    KVBlockIO(dst).scatter(ids, payloads)
+    for layer_src, layer_dst in zip(src, dst, strict=True):
+        for block in range(NUM_BLOCKS):
+            if block in ids:
+                assert torch.equal(layer_dst[:, block], layer_src[:, block]), block
+            else:
+                assert not layer_dst[:, block].any(), block
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scatter_into_other_block_ids(dtype: torch.dtype) -> None:
+    """A payload is position-free: block 8 of one engine lands in block 1 of
+    another (as when a second engine loads a stored prefix)."""
+    src = make_caches(dtype, random=True, seed=1)
+    dst = make_caches(dtype, random=False)
+    src_ids, dst_ids = [8, 3, 9], [1, 6, 4]
+    KVBlockIO(dst).scatter(dst_ids, KVBlockIO(src).gather(src_ids))
+    moved = dict(zip(dst_ids, src_ids, strict=True))
+    for layer_src, layer_dst in zip(src, dst, strict=True):
+        for block in range(NUM_BLOCKS):
+            if block in moved:
+                assert torch.equal(layer_dst[:, block], layer_src[:, moved[block]])
+            else:
+                assert not layer_dst[:, block].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_payload_layout_and_size(dtype: torch.dtype) -> None:
+    """Each payload is [layer][K, V][block elements] in the cache dtype, of
+    the size BlockCodec expects for the same layout."""
+    caches = make_caches(dtype, random=True, seed=2)
+    io = KVBlockIO(caches)
+    ids = [4, 1]
+    payloads = io.gather(ids)
+    assert len(payloads) == len(ids)
+    layout = KVLayout(NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, str(dtype).removeprefix("torch."))
+    assert io.payload_bytes == BlockCodec("m", layout).payload_bytes
+    for block, payload in zip(ids, payloads, strict=True):
+        assert len(payload) == io.payload_bytes
+        assert bytes(payload) == expected_payload(caches, block)
+
+
+def test_gather_copies_out_of_the_cache() -> None:
+    """Payloads are copies: the cache may be overwritten right after gather
+    (the scheduler reuses the blocks) without changing what gets saved."""
+    caches = make_caches(torch.float32, random=True, seed=3)
+    payloads = KVBlockIO(caches).gather([3])
+    before = bytes(payloads[0])
+    for cache in caches:
+        cache.fill_(123.0)
+    assert bytes(payloads[0]) == before
+
+
+def test_scatter_accepts_bytes_and_single_blocks() -> None:
+    """Payloads that went through a store come back as bytes; one block at a
+    time works the same as a batch."""
+    src = make_caches(torch.bfloat16, random=True, seed=4)
+    dst = make_caches(torch.bfloat16, random=False)
+    src_io, dst_io = KVBlockIO(src), KVBlockIO(dst)
+    for block in (6, 0, 9):
+        dst_io.scatter([block], [bytes(p) for p in src_io.gather([block])])
+    for layer_src, layer_dst in zip(src, dst, strict=True):
+        assert torch.equal(layer_dst[:, [6, 0, 9]], layer_src[:, [6, 0, 9]])
+        assert not layer_dst[:, [1, 2, 3, 4, 5, 7, 8]].any()
+
+
+def test_scatter_overwrites_existing_contents() -> None:
+    """Scattering replaces whatever the block held (a stale reused block)."""
+    src = make_caches(torch.float32, random=True, seed=5)
+    dst = make_caches(torch.float32, random=True, seed=6)
+    untouched = [c.clone() for c in dst]
+    KVBlockIO(dst).scatter([2], KVBlockIO(src).gather([2]))
+    for layer_src, layer_dst, layer_old in zip(src, dst, untouched, strict=True):
+        assert torch.equal(layer_dst[:, 2], layer_src[:, 2])
+        keep = [b for b in range(NUM_BLOCKS) if b != 2]
+        assert torch.equal(layer_dst[:, keep], layer_old[:, keep])
+
+
+def test_payload_bytes_and_block_count() -> None:
+    io = KVBlockIO(make_caches(torch.float32, random=False))
+    assert io.num_blocks == NUM_BLOCKS
+    assert io.payload_bytes == NUM_LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 4
+    assert io.block_shape == (NUM_LAYERS, 2, BLOCK_SIZE * HEADS * HEAD_DIM)
+
+
+def test_no_layers_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one layer"):
+        KVBlockIO([])
+
+
+def test_payload_is_little_endian_float32() -> None:
+    """A float32 payload reads back with numpy as the cache's values (the
+    store format is the in-memory format)."""
+    caches = make_caches(torch.float32, random=True, seed=7)
+    (payload,) = KVBlockIO(caches).gather([5])
+    values = np.frombuffer(payload, dtype="<f4").reshape(NUM_LAYERS, 2, -1)
+    for layer, cache in enumerate(caches):
+        assert np.array_equal(values[layer, 0], cache[0, 5].flatten().numpy())
+        assert np.array_equal(values[layer, 1], cache[1, 5].flatten().numpy())
