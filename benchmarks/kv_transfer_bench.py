@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from connectors.base import KVLayout
-from connectors.block_codec import BlockCodec
+from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import KVBlockIO
 from connectors.redis_connector import RedisBlockStore
 from connectors.shm_connector import ShmBlockStore
@@ -67,15 +67,15 @@ class Case:
         self.nbytes = n * codec.frame_bytes
 
     def connector_save(self) -> None:
-        payloads = self.io.gather(self.block_ids)
-        if not save_blocks(self.store, self.codec, SaveJob(self.hashes, payloads)):
+        frames = self.io.gather_frames(self.block_ids, HEADER_BYTES)
+        if not save_blocks(self.store, self.codec, SaveJob(self.hashes, frames)):
             raise RuntimeError("save failed")
 
     def connector_load(self) -> None:
         result = load_blocks(self.store, self.codec, LoadJob("bench", self.hashes, self.block_ids))
         if result.failed_block_ids:
             raise RuntimeError(f"{len(result.failed_block_ids)} blocks failed to load")
-        self.io.scatter(list(result.payloads), list(result.payloads.values()))
+        result.apply(self.io)
 
 
 def _median_text(values: list[float]) -> str:

@@ -18,6 +18,8 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from connectors.base import KVLayout
@@ -74,6 +76,14 @@ class BlockCodec:
             xxhash.xxh3_64_intdigest(payload),
             bytes.fromhex(self.namespace[:16]),
         )
+
+    def seal(self, frames: npt.NDArray[np.uint8]) -> None:
+        """Write the header of each row of ``frames`` ([n, frame_bytes], the
+        payload already after HEADER_BYTES), in place."""
+        if frames.ndim != 2 or frames.shape[1] != self.frame_bytes:
+            raise ValueError(f"frames: expected rows of {self.frame_bytes} bytes")
+        for row in frames:
+            row[:HEADER_BYTES] = np.frombuffer(self.header(row[HEADER_BYTES:].data), np.uint8)
 
     def encode(self, payload: bytes | memoryview) -> bytes:
         return self.header(payload) + bytes(payload)

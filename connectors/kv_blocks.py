@@ -5,6 +5,12 @@ head_dim]``. A block's payload is every layer's K then V for that block,
 ``[num_layers, 2, block_size * heads * head_dim]``, contiguous: the unit a
 store keeps under one key. Gather and scatter touch each layer once for a
 whole batch of blocks, not once per block.
+
+The frame variants work on rows of one ``[n, header + payload]`` byte
+array, the payload after a header the caller fills: the store's frames are
+written by the gather itself and read by the scatter, with no copy between.
+On CPU each layer is one numpy ``take`` (gather) or fancy assignment
+(scatter) straight between the cache and the rows.
 """
 
 from __future__ import annotations
@@ -12,7 +18,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
+
+# Same-size integer types: numpy has no bfloat16, and a copy is a copy.
+_INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+Frames = npt.NDArray[np.uint8]
 
 
 class KVBlockIO:
@@ -24,27 +36,80 @@ class KVBlockIO:
         # Each layer as [2, num_blocks, elements of one block's K (or V)].
         self.layers = [c.view(2, self.num_blocks, -1) for c in kv_caches]
         self.dtype = first.dtype
+        self.itemsize = first.element_size()
         self.device = first.device
         self.block_shape = (len(kv_caches), 2, self.layers[0].shape[2])
-        self.payload_bytes = int(np.prod(self.block_shape)) * first.element_size()
+        self.payload_bytes = int(np.prod(self.block_shape)) * self.itemsize
+        # CPU: numpy views, block-major ([num_blocks, 2, E]), over the same memory.
+        self._np_layers = (
+            [
+                layer.view(_INT_VIEW[self.itemsize]).numpy().transpose(1, 0, 2)
+                for layer in self.layers
+            ]
+            if self.device.type == "cpu"
+            else None
+        )
+
+    # ---- frames ------------------------------------------------------------
+
+    def _payload_view(self, frames: Frames, header_bytes: int) -> npt.NDArray[np.generic]:
+        """The payload part of frame rows as [n, layers, 2, E] (a view)."""
+        n, row_bytes = frames.shape
+        if row_bytes != header_bytes + self.payload_bytes or frames.strides[1] != 1:
+            raise ValueError(
+                f"frames: rows of {row_bytes} bytes, expected {header_bytes + self.payload_bytes}"
+            )
+        isz = self.itemsize
+        layers, _, elems = self.block_shape
+        body = frames[:, header_bytes:].view(np.dtype(f"i{isz}") if isz > 1 else np.uint8)
+        return np.lib.stride_tricks.as_strided(
+            body,
+            shape=(n, layers, 2, elems),
+            strides=(frames.strides[0], 2 * elems * isz, elems * isz, isz),
+        )
+
+    def gather_frames(self, block_ids: Sequence[int], header_bytes: int) -> Frames:
+        """A new ``[n, header_bytes + payload]`` array holding the blocks'
+        payloads after an uninitialised header."""
+        n = len(block_ids)
+        frames: Frames = np.empty((n, header_bytes + self.payload_bytes), np.uint8)
+        payload = self._payload_view(frames, header_bytes)
+        if self._np_layers is not None:
+            ids = np.asarray(block_ids, np.int64)
+            for i, np_layer in enumerate(self._np_layers):
+                np.take(np_layer, ids, axis=0, out=payload[:, i], mode="clip")
+            return frames
+        ids_t = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        host = torch.from_numpy(payload)
+        for i, layer in enumerate(self.layers):
+            gathered = layer.index_select(1, ids_t).transpose(0, 1)
+            host[:, i].copy_(gathered.view(_INT_VIEW[self.itemsize]))
+        return frames
+
+    def scatter_frames(self, block_ids: Sequence[int], frames: Frames, header_bytes: int) -> None:
+        """Write frame rows (payload after the header) into the blocks."""
+        payload = self._payload_view(frames, header_bytes)
+        if self._np_layers is not None:
+            ids = np.asarray(block_ids, np.int64)
+            for i, np_layer in enumerate(self._np_layers):
+                np_layer[ids] = payload[:, i]
+            return
+        staging = torch.from_numpy(np.ascontiguousarray(payload)).to(self.device)
+        staging = staging.view(self.dtype)
+        ids_t = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for i, layer in enumerate(self.layers):
+            layer[:, ids_t] = staging[:, i].transpose(0, 1)
+
+    # ---- payloads ------------------------------------------------------------
 
     def gather(self, block_ids: Sequence[int]) -> list[memoryview]:
         """Copies of the blocks' KV, one payload per block (host memory)."""
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        staging = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype)
-        for layer_idx, layer in enumerate(self.layers):
-            staging[:, layer_idx] = layer.index_select(1, ids).transpose(0, 1)
-        flat = staging.view(torch.uint8).reshape(len(block_ids), -1).numpy()
-        return [memoryview(row) for row in flat]
+        frames = self.gather_frames(block_ids, 0)
+        return [memoryview(row) for row in frames]
 
     def scatter(self, block_ids: Sequence[int], payloads: Sequence[memoryview | bytes]) -> None:
         """Write payloads (as made by gather) into the blocks."""
-        n = len(block_ids)
-        raw = np.empty((n, self.payload_bytes), np.uint8)
+        frames: Frames = np.empty((len(block_ids), self.payload_bytes), np.uint8)
         for i, payload in enumerate(payloads):
-            raw[i] = np.frombuffer(payload, np.uint8)
-        staging = torch.from_numpy(raw).view(self.dtype).view(n, *self.block_shape)
-        staging = staging.to(self.device, non_blocking=True)
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for layer_idx, layer in enumerate(self.layers):
-            layer[:, ids] = staging[:, layer_idx].transpose(0, 1)
+            frames[i] = np.frombuffer(payload, np.uint8)
+        self.scatter_frames(block_ids, frames, 0)

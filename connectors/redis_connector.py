@@ -33,10 +33,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import redis
 
 from connectors.base import ConnectorContext
 from connectors.block_codec import BlockCodec
+from connectors.kv_blocks import Frames
 from connectors.store import BlockStore
 from connectors.store_connector import StoreConnector
 
@@ -93,18 +95,26 @@ class RedisBlockStore:
         self.last_error = None
         return found
 
-    def get_many(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+    def read_into(self, hashes: Sequence[bytes], frames: Frames) -> list[int]:
         if not hashes:
             return []
         try:
-            frames: list[Any] = self.client.mget([self._key(h) for h in hashes])
+            values: list[Any] = self.client.mget([self._key(h) for h in hashes])
         except redis.RedisError as e:
             self._failed("load failed", e)
-            return [None] * len(hashes)
+            return [-1] * len(hashes)
         self.last_error = None
-        return [f if f is None or isinstance(f, bytes) else bytes(f) for f in frames]
+        lengths = []
+        for row, value in zip(frames, values, strict=True):
+            if value is None:
+                lengths.append(-1)
+                continue
+            if len(value) == len(row):
+                row[:] = np.frombuffer(value, np.uint8)
+            lengths.append(len(value))
+        return lengths
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> bool:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> bool:
         if not items:
             return True
         try:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from connectors.base import ConnectorContext
 from connectors.block_codec import BlockCodec
+from connectors.kv_blocks import Frames
 from connectors.shm_pool import ShmBlockPool, ShmPoolConfig
 from connectors.store import BlockStore
 from connectors.store_connector import StoreConnector
@@ -53,10 +54,11 @@ class ShmBlockStore:
     def contains_many(self, hashes: Sequence[bytes]) -> list[bool]:
         return self.pool.contains_many(self._keys(hashes))
 
-    def get_many(self, hashes: Sequence[bytes]) -> list[bytes | None]:
-        return self.pool.get_many(self._keys(hashes))
+    def read_into(self, hashes: Sequence[bytes], frames: Frames) -> list[int]:
+        # One copy, shared memory to the row, under the pool's lock.
+        return self.pool.read_into(self._keys(hashes), [row.data for row in frames])
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> bool:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> bool:
         self.pool.put_many([(self.codec.digest_key(h), frame) for h, frame in items])
         return True
 

@@ -21,7 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from connectors.block_codec import BlockCodec, FrameError
+import numpy as np
+
+from connectors.block_codec import HEADER_BYTES, BlockCodec, FrameError
+from connectors.kv_blocks import Frames, KVBlockIO
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +40,13 @@ class BlockStore(Protocol):
 
     def contains_many(self, hashes: Sequence[bytes]) -> list[bool]: ...
 
-    def get_many(self, hashes: Sequence[bytes]) -> list[bytes | None]: ...
+    def read_into(self, hashes: Sequence[bytes], frames: Frames) -> list[int]:
+        """Copies each stored frame into its row of ``frames`` and returns
+        its length, or -1 if absent. A frame longer than a row is not copied
+        (its length still tells the caller it is unusable)."""
+        ...
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> bool:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> bool:
         """Stores the frames; False if the store could not take them."""
         ...
 
@@ -49,7 +56,7 @@ class BlockStore(Protocol):
 @dataclass
 class SaveJob:
     hashes: list[bytes]
-    payloads: list[memoryview]  # one per hash, the block's raw KV bytes
+    frames: Frames  # one frame per hash, a row each; save_blocks seals them
 
 
 @dataclass
@@ -63,10 +70,18 @@ class LoadJob:
 
 @dataclass
 class LoadResult:
+    """A load's verified frames (rows, in ``block_ids`` order) and the
+    blocks that failed."""
+
     req_id: str
-    # block id -> payload, for the blocks that loaded and verified.
-    payloads: dict[int, memoryview] = field(default_factory=dict)
+    block_ids: list[int] = field(default_factory=list)
+    frames: Frames = field(default_factory=lambda: np.empty((0, 0), np.uint8))
     failed_block_ids: list[int] = field(default_factory=list)
+
+    def apply(self, io: KVBlockIO) -> None:
+        """Write the verified frames into the cache (on the step thread)."""
+        if self.block_ids:
+            io.scatter_frames(self.block_ids, self.frames, HEADER_BYTES)
 
 
 def load_blocks(store: BlockStore, codec: BlockCodec, job: LoadJob) -> LoadResult:
@@ -74,24 +89,33 @@ def load_blocks(store: BlockStore, codec: BlockCodec, job: LoadJob) -> LoadResul
     still used: the scheduler recomputes from the first failed block, and
     whatever it finds valid stays in the prefix cache."""
     result = LoadResult(job.req_id)
-    frames = store.get_many(job.hashes)
-    for block_id, block_hash, frame in zip(job.block_ids, job.hashes, frames, strict=True):
-        if frame is None:
+    frames: Frames = np.empty((len(job.hashes), codec.frame_bytes), np.uint8)
+    lengths = store.read_into(job.hashes, frames)
+    good: list[int] = []
+    for i, (block_id, block_hash, length) in enumerate(
+        zip(job.block_ids, job.hashes, lengths, strict=True)
+    ):
+        if length < 0:
             result.failed_block_ids.append(block_id)
             continue
         try:
-            result.payloads[block_id] = codec.check(frame)
+            if length != codec.frame_bytes:
+                raise FrameError(f"frame of {length} bytes, expected {codec.frame_bytes}")
+            codec.check(frames[i].data)
         except FrameError as e:
             logger.warning("KV block %s is unusable (%s): recomputing it", block_hash.hex(), e)
             result.failed_block_ids.append(block_id)
+            continue
+        good.append(i)
+    result.block_ids = [job.block_ids[i] for i in good]
+    result.frames = frames if len(good) == len(job.hashes) else frames[good]
     return result
 
 
 def save_blocks(store: BlockStore, codec: BlockCodec, job: SaveJob) -> bool:
-    frames = [
-        (h, codec.encode(payload)) for h, payload in zip(job.hashes, job.payloads, strict=True)
-    ]
-    return store.put_many(frames)
+    """Seal the job's frames (headers and checksums) and store them."""
+    codec.seal(job.frames)
+    return store.put_many([(h, row.data) for h, row in zip(job.hashes, job.frames, strict=True)])
 
 
 class TransferThread:

@@ -33,7 +33,7 @@ from connectors.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from connectors.block_codec import BlockCodec
+from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import KVBlockIO
 from connectors.store import BlockStore, LoadJob, LoadResult, SaveJob, TransferThread, load_blocks
 
@@ -320,9 +320,9 @@ class StoreConnector(KVConnectorBase):
         if not isinstance(meta, StoreConnectorMetadata) or not meta.saves:
             return
         assert self._io is not None and self._thread is not None
-        block_ids = [b for b, _ in meta.saves]
-        payloads = self._io.gather(block_ids)
-        self._thread.submit_save(SaveJob([h for _, h in meta.saves], payloads))
+        frames = self._io.gather_frames([b for b, _ in meta.saves], HEADER_BYTES)
+        # Checksums on the transfer thread: the step only pays for the copy.
+        self._thread.submit_save(SaveJob([h for _, h in meta.saves], frames))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._thread is None:
@@ -336,8 +336,7 @@ class StoreConnector(KVConnectorBase):
 
     def _apply(self, result: LoadResult) -> None:
         assert self._io is not None
-        if result.payloads:
-            self._io.scatter(list(result.payloads), list(result.payloads.values()))
+        result.apply(self._io)
         self._invalid.update(result.failed_block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(sub)
+    _add_router(sub)
     _add_generate(sub)
     _add_status(sub)
     _add_bench(sub)
@@ -328,6 +329,53 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
     )
     asyncio.run(serve(engine_config_from_args(args), config))
+    return 0
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "router",
+        help="one Generation endpoint over prefill and decode pods",
+        description="Serves tandem.v1.Generation: each request is prefilled on a prefill pod "
+        "(its first token streams back at once) and decoded on a decode pod, which loads the "
+        "KV through the pods' connector. Pods are picked by load and, for decode, by the "
+        "longest cached prefix. With --decode only, whole requests go to that (colocated) "
+        "pool, prefix-aware.",
+    )
+    p.add_argument(
+        "--prefill", default="", help="prefill pod addresses, comma-separated (default: none)"
+    )
+    p.add_argument(
+        "--decode",
+        required=True,
+        help="decode (or colocated) pod addresses, comma-separated",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50050, help="port; 0 picks one (default: 50050)")
+    p.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=0.5,
+        help="how often pods are asked for their load (default: 0.5)",
+    )
+    p.set_defaults(run=_run_router)
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from service.router import RouterConfig, serve_router
+
+    config = RouterConfig(
+        prefill=_addresses(args.prefill),
+        decode=_addresses(args.decode),
+        host=args.host,
+        port=args.port,
+        poll_seconds=args.poll_seconds,
+    )
+    asyncio.run(serve_router(config))
     return 0
 
 

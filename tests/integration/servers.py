@@ -39,7 +39,9 @@ class ServerProcess:
         ready_timeout: float = 300.0,
         check_health: bool = True,
         metrics: bool = False,
+        command: str = "serve",
     ) -> None:
+        """`command`: the tandem subcommand ("serve", or "router")."""
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.args = list(args or [])
@@ -50,6 +52,7 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout = ready_timeout
         self.check_health = check_health
+        self.command = command
         self.log_path: Path | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -58,7 +61,8 @@ class ServerProcess:
 
         log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False)
         self.log_path = Path(log.name)
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), *self.args]
+        cmd = [sys.executable, "-m", "service.cli", self.command, "--port", str(self.port)]
+        cmd += self.args
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log)
         if self.check_health:
             self.wait_serving()

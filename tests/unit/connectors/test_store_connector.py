@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,12 +60,18 @@ class DictStore:
         self.lookups.append(list(hashes))
         return [h in self.frames for h in hashes]
 
-    def get_many(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+    def read_into(self, hashes: Sequence[bytes], frames: np.ndarray) -> list[int]:
         if self.fail_get is not None:
             raise self.fail_get
-        return [self.frames.get(h) for h in hashes]
+        lengths = []
+        for row, h in zip(frames, hashes, strict=True):
+            frame = self.frames.get(h)
+            if frame is not None and len(frame) == len(row):
+                row[:] = np.frombuffer(frame, np.uint8)
+            lengths.append(-1 if frame is None else len(frame))
+        return lengths
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> bool:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> bool:
         for h, frame in items:
             self.frames[h] = bytes(frame)
             self.puts.append(h)

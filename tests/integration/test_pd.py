@@ -1,0 +1,248 @@
+"""Prefill/decode disaggregation and routing, with real processes: a
+redis-server, `tandem serve --role prefill|decode` pods over the Redis or
+the shared-memory connector, `tandem router` in front, and the session's
+colocated server as the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator, Mapping
+
+import grpc
+import pytest
+
+from service.client import TandemClient, make_request
+from service.gen.tandem.v1 import generation_pb2 as pb
+from tests.integration.redis_server import REDIS_SERVER, RedisServer
+from tests.integration.servers import ServerProcess
+
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 6
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a prime number larger than ten.",
+    "What colour is the sky on a clear day?",
+    "How many legs does a spider have?",
+    "What is two plus two?",
+    "Which planet is known as the red planet?",
+    "What do bees make?",
+    "What is the boiling point of water in Celsius?",
+]
+PROMPTS = [SYSTEM + q for q in QUESTIONS] + [f"Tell me about the number {i}." for i in range(8)]
+
+# Several servers run at once: small KV caches keep them within memory.
+SMALL = ["--kv-cache-memory", "256M", "--max-model-len", "2048"]
+
+needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed")
+
+
+def _kv(connector: str, role: str, extra: Mapping[str, object]) -> list[str]:
+    config = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+async def _generate(target: str, prompt: str, max_tokens: int = 12) -> pb.GenerateResponse:
+    """All of one greedy request's chunks merged into one response (EOS
+    ignored: on plain text this model often ends at once, and then no
+    decode leg would run)."""
+    async with TandemClient(target) as client:
+        merged = pb.GenerateResponse()
+        async for chunk in client.stub.Generate(
+            make_request(text=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            timeout=120,
+        ):
+            merged.token_ids.extend(chunk.token_ids)
+            merged.text += chunk.text
+            if chunk.finish_reason:
+                merged.finish_reason = chunk.finish_reason
+                merged.usage.CopyFrom(chunk.usage)
+        return merged
+
+
+async def _generate_all(target: str, prompts: list[str]) -> list[pb.GenerateResponse]:
+    return list(await asyncio.gather(*(_generate(target, p) for p in prompts)))
+
+
+async def _status(target: str) -> pb.ServerStatus:
+    async with TandemClient(target) as client:
+        return await client.status()
+
+
+async def _wait_idle(target: str, timeout: float = 30.0) -> pb.ServerStatus:
+    """A pod's status once it holds no request and no KV block."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        status = await _status(target)
+        idle = not (status.num_running or status.num_waiting or status.kv_cache_usage)
+        if idle or asyncio.get_running_loop().time() > deadline:
+            return status
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def reference(server: ServerProcess) -> list[pb.GenerateResponse]:
+    """The colocated server's answers."""
+    return asyncio.run(_generate_all(server.target, PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not installed")
+    with RedisServer() as srv:
+        yield srv
+
+
+def _pd_stack(producer: list[str], consumer: list[str]) -> Iterator[tuple[str, str, str]]:
+    with (
+        ServerProcess(["--role", "prefill", *SMALL, *producer]) as prefill,
+        ServerProcess(["--role", "decode", *SMALL, *consumer]) as decode,
+        ServerProcess(
+            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+            command="router",
+        ) as router,
+    ):
+        yield router.target, prefill.target, decode.target
+
+
+@pytest.fixture(scope="module")
+def redis_pd(redis_server: RedisServer) -> Iterator[tuple[str, str, str]]:
+    extra = {"url": redis_server.url, "key_prefix": f"t{uuid.uuid4().hex[:6]}:"}
+    yield from _pd_stack(_kv("redis", "kv_producer", extra), _kv("redis", "kv_consumer", extra))
+
+
+@pytest.fixture(scope="module")
+def shm_pd() -> Iterator[tuple[str, str, str]]:
+    extra = {"pool_name": f"pd-{uuid.uuid4().hex[:8]}", "capacity_bytes": 256 << 20}
+    yield from _pd_stack(_kv("shm", "kv_producer", extra), _kv("shm", "kv_consumer", extra))
+
+
+def _check_parity(got: list[pb.GenerateResponse], want: list[pb.GenerateResponse]) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert list(g.token_ids) == list(w.token_ids), f"prompt {i}: {g.text!r} != {w.text!r}"
+        assert g.text == w.text
+        assert g.finish_reason == w.finish_reason
+        assert g.usage.prompt_tokens == w.usage.prompt_tokens
+        assert g.usage.completion_tokens == w.usage.completion_tokens
+
+
+@needs_redis
+def test_pd_over_redis_matches_colocated(
+    redis_pd: tuple[str, str, str],
+    redis_server: RedisServer,
+    reference: list[pb.GenerateResponse],
+) -> None:
+    router, prefill, decode = redis_pd
+    # The first prompt alone: the decode pod has nothing cached yet, so its
+    # cached tokens can only have come through Redis.
+    first = asyncio.run(_generate(router, PROMPTS[0]))
+    with redis_server.client() as client:
+        mgets = client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
+    assert mgets > 0, "the decode pod never read from Redis"
+    assert first.usage.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
+    got = asyncio.run(_generate_all(router, PROMPTS))
+    _check_parity([first], reference[:1])
+    _check_parity(got, reference)
+    for target in (prefill, decode):
+        status = asyncio.run(_wait_idle(target))
+        assert (status.num_running, status.num_waiting) == (0, 0)
+        assert status.kv_cache_usage == 0.0
+
+
+def test_pd_over_shared_memory_matches_colocated(
+    shm_pd: tuple[str, str, str], reference: list[pb.GenerateResponse]
+) -> None:
+    router, prefill, decode = shm_pd
+    first = asyncio.run(_generate(router, PROMPTS[0]))
+    assert first.usage.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
+    got = asyncio.run(_generate_all(router, PROMPTS))
+    _check_parity([first], reference[:1])
+    _check_parity(got, reference)
+    for target in (prefill, decode):
+        status = asyncio.run(_wait_idle(target))
+        assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_first_token_comes_from_the_prefill_leg(shm_pd: tuple[str, str, str]) -> None:
+    """The router streams the prefill pod's token as its own message, before
+    any of the decode leg's."""
+    router, _, _ = shm_pd
+
+    async def chunks() -> list[pb.GenerateResponse]:
+        async with TandemClient(router) as client:
+            call = client.stub.Generate(
+                make_request(
+                    text=SYSTEM + "Say hello.", max_tokens=8, temperature=0.0, ignore_eos=True
+                )
+            )
+            return [chunk async for chunk in call]
+
+    got = asyncio.run(chunks())
+    assert len(got[0].token_ids) == 1 and not got[0].finish_reason
+    assert len(got) >= 2 and got[-1].finish_reason
+    assert got[-1].usage.completion_tokens == sum(len(c.token_ids) for c in got)
+
+
+def test_client_cancel_at_the_router_frees_both_pods(shm_pd: tuple[str, str, str]) -> None:
+    router, prefill, decode = shm_pd
+
+    async def cancel_midway() -> int:
+        async with TandemClient(router) as client:
+            call = client.stub.Generate(
+                make_request(text=SYSTEM + "Count to one hundred.", max_tokens=400, ignore_eos=True)
+            )
+            seen = 0
+            async for chunk in call:
+                seen += len(chunk.token_ids)
+                if seen >= 4:
+                    call.cancel()
+                    break
+            return seen
+
+    assert asyncio.run(cancel_midway()) >= 4
+    for target in (prefill, decode):
+        status = asyncio.run(_wait_idle(target))
+        assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_router_passes_pod_errors_through(shm_pd: tuple[str, str, str]) -> None:
+    router, _, _ = shm_pd
+
+    async def bad() -> None:
+        async with TandemClient(router) as client:
+            async for _ in client.stub.Generate(
+                make_request(text="hi", max_tokens=4, temperature=-1.0)
+            ):
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(bad())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature" in (err.value.details() or "")
+
+
+def test_prefix_aware_routing_between_colocated_pods() -> None:
+    """Two idle colocated pods behind a router; pod B (the second, which a
+    load-only tie-break never picks) computed a long prefix. Requests sharing
+    it, sent to the router, all land on B."""
+    with (
+        ServerProcess(SMALL) as a,
+        ServerProcess(SMALL) as b,
+        ServerProcess(
+            ["--decode", f"{a.target},{b.target}", "--poll-seconds", "0.2"], command="router"
+        ) as router,
+    ):
+        prefix = "Here is a long shared preamble about routing requests. " * 12
+
+        async def run() -> tuple[pb.ServerStatus, pb.ServerStatus, pb.ServerStatus]:
+            await _generate(b.target, prefix + "First question?", max_tokens=4)
+            before = await _status(b.target)
+            await asyncio.sleep(1.0)  # the router follows B's KV events
+            for i in range(4):
+                await _generate(router.target, prefix + f"Question {i}?", max_tokens=4)
+            return await _status(a.target), before, await _status(b.target)
+
+        sa, b_before, b_after = asyncio.run(run())
+        assert sa.prefix_cache_queries == 0, "a request went to pod A"
+        assert b_after.prefix_cache_hits > b_before.prefix_cache_hits
