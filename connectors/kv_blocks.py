@@ -9,8 +9,9 @@ whole batch of blocks, not once per block.
 The frame variants work on rows of one ``[n, header + payload]`` byte
 array, the payload after a header the caller fills: the store's frames are
 written by the gather itself and read by the scatter, with no copy between.
-On CPU each layer is one numpy ``take`` (gather) or fancy assignment
-(scatter) straight between the cache and the rows.
+On CPU the compiled ``gather_kv_blocks`` / ``scatter_kv_blocks``
+(``kernels/csrc/kv_copy.cpp``) do one memcpy per block, layer and half,
+blocks across threads; without the extension, numpy copies row by row.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from kernels import cpu_kernels
 
 # Same-size integer types: numpy has no bfloat16, and a copy is a copy.
 _INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -40,13 +43,12 @@ class KVBlockIO:
         self.device = first.device
         self.block_shape = (len(kv_caches), 2, self.layers[0].shape[2])
         self.payload_bytes = int(np.prod(self.block_shape)) * self.itemsize
-        # CPU: numpy views, block-major ([num_blocks, 2, E]), over the same memory.
+        on_cpu = self.device.type == "cpu"
+        self._compiled = cpu_kernels.load() if on_cpu else None
+        # Without the extension: numpy views ([2, num_blocks, E]) of each layer.
         self._np_layers = (
-            [
-                layer.view(_INT_VIEW[self.itemsize]).numpy().transpose(1, 0, 2)
-                for layer in self.layers
-            ]
-            if self.device.type == "cpu"
+            [layer.view(_INT_VIEW[self.itemsize]).numpy() for layer in self.layers]
+            if on_cpu and self._compiled is None
             else None
         )
 
@@ -74,10 +76,16 @@ class KVBlockIO:
         n = len(block_ids)
         frames: Frames = np.empty((n, header_bytes + self.payload_bytes), np.uint8)
         payload = self._payload_view(frames, header_bytes)
+        if self._compiled is not None:
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            self._compiled.gather_kv_blocks(
+                torch.from_numpy(frames), header_bytes, self.layers, ids
+            )
+            return frames
         if self._np_layers is not None:
-            ids = np.asarray(block_ids, np.int64)
-            for i, np_layer in enumerate(self._np_layers):
-                np.take(np_layer, ids, axis=0, out=payload[:, i], mode="clip")
+            for j, block_id in enumerate(block_ids):
+                for i, np_layer in enumerate(self._np_layers):
+                    payload[j, i] = np_layer[:, block_id]
             return frames
         ids_t = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         host = torch.from_numpy(payload)
@@ -89,10 +97,16 @@ class KVBlockIO:
     def scatter_frames(self, block_ids: Sequence[int], frames: Frames, header_bytes: int) -> None:
         """Write frame rows (payload after the header) into the blocks."""
         payload = self._payload_view(frames, header_bytes)
+        if self._compiled is not None:
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            self._compiled.scatter_kv_blocks(
+                torch.from_numpy(frames), header_bytes, self.layers, ids
+            )
+            return
         if self._np_layers is not None:
-            ids = np.asarray(block_ids, np.int64)
-            for i, np_layer in enumerate(self._np_layers):
-                np_layer[ids] = payload[:, i]
+            for j, block_id in enumerate(block_ids):
+                for i, np_layer in enumerate(self._np_layers):
+                    np_layer[:, block_id] = payload[j, i]
             return
         staging = torch.from_numpy(np.ascontiguousarray(payload)).to(self.device)
         staging = staging.view(self.dtype)

@@ -30,7 +30,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "decode_attention.cpp", "fused_ops.cpp")
+_SOURCES = ("bindings.cpp", "decode_attention.cpp", "fused_ops.cpp", "kv_copy.cpp")
 
 # The head sizes the decode kernel is instantiated for (others use the torch path).
 HEAD_DIMS = (64, 128, 256)

@@ -12,6 +12,10 @@ void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache,
            at::Tensor sin_cache);
 void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
                   const c10::optional<at::Tensor>& bias);
+void gather_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
+                      at::Tensor block_ids);
+void scatter_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
+                       at::Tensor block_ids);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32)");
@@ -20,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate | up]");
   m.def("rope_", &rope_, "rotate-half RoPE in place at the given positions");
   m.def("small_linear", &small_linear, "out = x @ weight.T + bias for a few rows of x");
+  m.def("gather_kv_blocks", &gather_kv_blocks, "copy whole KV blocks into frame rows");
+  m.def("scatter_kv_blocks", &scatter_kv_blocks, "copy frame rows into whole KV blocks");
 }

@@ -10,6 +10,7 @@ import torch
 from connectors.base import KVLayout
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import KVBlockIO
+from kernels import cpu_kernels
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 10
@@ -140,3 +141,37 @@ def test_payload_is_little_endian_float32() -> None:
     for layer, cache in enumerate(caches):
         assert np.array_equal(values[layer, 0], cache[0, 5].flatten().numpy())
         assert np.array_equal(values[layer, 1], cache[1, 5].flatten().numpy())
+
+
+def test_compiled_and_numpy_copies_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ block copy (kernels/csrc/kv_copy.cpp) and the numpy fallback
+    produce the same frames, and both scatter them back exactly."""
+    caches = [torch.randn(2, 9, 16, 3, 64) for _ in range(4)]
+    ids = [7, 2, 5]
+    compiled = KVBlockIO(caches)
+    if compiled._compiled is None:
+        pytest.skip("no C++ toolchain: only the numpy path exists here")
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    fallback = KVBlockIO(caches)
+    assert fallback._compiled is None
+    frames = compiled.gather_frames(ids, 32)
+    np.testing.assert_array_equal(frames[:, 32:], fallback.gather_frames(ids, 32)[:, 32:])
+    for use_compiled in (True, False):
+        target = [torch.zeros_like(c) for c in caches]
+        dst = KVBlockIO(target)
+        if use_compiled:
+            dst._compiled = compiled._compiled
+        else:
+            assert dst._compiled is None and dst._np_layers is not None
+        dst.scatter_frames(ids, frames, 32)
+        for src, got in zip(caches, target, strict=True):
+            torch.testing.assert_close(got[:, ids], src[:, ids], rtol=0, atol=0)
+            assert not got[:, [0, 1, 3, 4, 6, 8]].any()
+
+
+def test_compiled_copy_rejects_a_block_outside_the_cache() -> None:
+    io = KVBlockIO([torch.zeros(2, 4, 16, 1, 8)])
+    if io._compiled is None:
+        pytest.skip("no C++ toolchain")
+    with pytest.raises(RuntimeError, match="block id 4 outside the cache"):
+        io.gather_frames([1, 4], 0)
