@@ -9,11 +9,13 @@ import asyncio
 import json
 import uuid
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import grpc
 import pytest
 
 from service.client import TandemClient, make_request
+from service.convert import dict_to_struct
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
 from tests.integration.servers import ServerProcess
@@ -246,3 +248,78 @@ def test_prefix_aware_routing_between_colocated_pods() -> None:
         sa, b_before, b_after = asyncio.run(run())
         assert sa.prefix_cache_queries == 0, "a request went to pod A"
         assert b_after.prefix_cache_hits > b_before.prefix_cache_hits
+
+
+async def _leg(
+    target: str, token_ids: list[int], max_tokens: int, params: dict[str, Any]
+) -> pb.GenerateResponse:
+    """One leg sent straight to a pod (as the router would), merged."""
+    async with TandemClient(target) as client:
+        request = make_request(
+            token_ids=token_ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
+        request.kv_transfer_params.CopyFrom(dict_to_struct(params))
+        merged = pb.GenerateResponse()
+        async for chunk in client.stub.Generate(request, timeout=120):
+            merged.token_ids.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                merged.usage.CopyFrom(chunk.usage)
+                merged.kv_transfer_params.CopyFrom(chunk.kv_transfer_params)
+        return merged
+
+
+@needs_redis
+def test_pd_faults_over_redis(
+    redis_server: RedisServer, server: ServerProcess, reference: list[pb.GenerateResponse]
+) -> None:
+    """A prefill pod killed after answering, a decode pod that never pulls,
+    and Redis gone mid-run: outputs stay those of the colocated server, and
+    no pod is left holding requests or blocks."""
+    extra = {"url": redis_server.url, "key_prefix": f"f{uuid.uuid4().hex[:6]}:"}
+    # Not a `with`: this prefill pod is killed, not drained.
+    pre = ServerProcess(["--role", "prefill", *SMALL, *_kv("redis", "kv_producer", extra)])
+    pre.__enter__()
+    try:
+        _faults(pre, redis_server, server, reference, extra)
+    finally:
+        if pre.proc is not None and pre.proc.poll() is None:
+            pre.proc.kill()
+            pre.proc.wait()
+
+
+def _faults(
+    pre: ServerProcess,
+    redis_server: RedisServer,
+    server: ServerProcess,
+    reference: list[pb.GenerateResponse],
+    extra: dict[str, str],
+) -> None:
+    with ServerProcess(["--role", "decode", *SMALL, *_kv("redis", "kv_consumer", extra)]) as dec:
+        ids = asyncio.run(_tokenize(server.target, PROMPTS[1]))
+        # The prefill answers, then dies (SIGKILL): its blocks are in Redis.
+        first = asyncio.run(_leg(pre.target, ids, 1, {"do_remote_decode": True}))
+        params = json.loads(json.dumps(dict(first.kv_transfer_params)))
+        assert params["do_remote_prefill"] is True
+        # A decode that never pulls: the prefill pod holds nothing meanwhile.
+        status = asyncio.run(_wait_idle(pre.target))
+        assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+        assert pre.proc is not None
+        pre.proc.kill()
+        pre.proc.wait()
+        rest = asyncio.run(_leg(dec.target, ids + list(first.token_ids), 11, params))
+        assert list(first.token_ids) + list(rest.token_ids) == list(reference[1].token_ids)
+        assert rest.usage.cached_tokens >= 16 * (len(ids) // 16 - 1)
+        # Redis gone: the decode pod's load fails and it recomputes.
+        redis_server.kill()
+        try:
+            again = asyncio.run(_leg(dec.target, ids + list(first.token_ids), 11, params))
+        finally:
+            redis_server.start()
+        assert list(again.token_ids) == list(rest.token_ids)
+        status = asyncio.run(_wait_idle(dec.target))
+        assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+
+
+async def _tokenize(target: str, text: str) -> list[int]:
+    async with TandemClient(target) as client:
+        return await client.tokenize(text)
