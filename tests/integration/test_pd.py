@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -303,6 +304,9 @@ def _faults(
         # A decode that never pulls: the prefill pod holds nothing meanwhile.
         status = asyncio.run(_wait_idle(pre.target))
         assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+        # Killed once its saves landed (a kill before that is the Redis-gone
+        # case below: the decode pod recomputes what is missing).
+        _wait_for_keys(redis_server, extra["key_prefix"], len(ids) // 16)
         assert pre.proc is not None
         pre.proc.kill()
         pre.proc.wait()
@@ -323,3 +327,11 @@ def _faults(
 async def _tokenize(target: str, text: str) -> list[int]:
     async with TandemClient(target) as client:
         return await client.tokenize(text)
+
+
+def _wait_for_keys(redis_server: RedisServer, prefix: str, count: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    with redis_server.client() as client:
+        while len(client.keys(f"{prefix}*")) < count:
+            assert time.monotonic() < deadline, f"fewer than {count} blocks saved to Redis"
+            time.sleep(0.05)
