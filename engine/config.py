@@ -217,6 +217,8 @@ class KVTransferConfig:
     kv_connector: str
     kv_role: KVRole = "kv_both"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    # A failed KV load: "recompute" the lost tokens, or "fail" the request.
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
 
     def __post_init__(self) -> None:
         _require(
@@ -226,6 +228,12 @@ class KVTransferConfig:
             "a connector name",
         )
         _require(self.kv_role in KV_ROLES, "kv_role", self.kv_role, " | ".join(KV_ROLES))
+        _require(
+            self.kv_load_failure_policy in ("recompute", "fail"),
+            "kv_load_failure_policy",
+            self.kv_load_failure_policy,
+            "'recompute' or 'fail'",
+        )
         _require(
             isinstance(self.kv_connector_extra_config, dict),
             "kv_connector_extra_config",
@@ -250,7 +258,7 @@ class KVTransferConfig:
             raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"kv_transfer_config={text!r} is invalid: expected a JSON object")
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(

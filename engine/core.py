@@ -46,7 +46,13 @@ class EngineCore:
             connector = create_connector(KVConnectorRole.SCHEDULER, context)
             self.worker_connector = create_connector(KVConnectorRole.WORKER, context)
             self.worker.runner.attach_connector(self.worker_connector)
-        self.scheduler = Scheduler(scheduler_config, cache_config, connector=connector)
+        kv = config.kv_transfer
+        self.scheduler = Scheduler(
+            scheduler_config,
+            cache_config,
+            connector=connector,
+            kv_load_failure_policy=kv.kv_load_failure_policy if kv is not None else "recompute",
+        )
         self.worker.runner.warmup()
         # Everything allocated so far lives as long as the engine: keep it
         # out of the cyclic GC's generations so steps don't pay to scan it.

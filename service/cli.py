@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from engine.config import (
@@ -168,6 +169,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "(default: none)",
     )
     k.add_argument(
+        "--kv-load-failure-policy",
+        choices=["recompute", "fail"],
+        help="when a KV load fails: recompute the lost tokens (the default), or end the "
+        "request with an error (UNAVAILABLE)",
+    )
+    k.add_argument(
         "--kv-offload",
         choices=["shm", "redis", "shm,redis"],
         help="shorthand for a kv_both connector: save computed blocks to shared memory, "
@@ -268,6 +275,11 @@ def kv_transfer_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
         else:
             chain = [{"kv_connector": n, "kv_connector_extra_config": e} for n, e in chosen]
             config = KVTransferConfig("multi", "kv_both", {"connectors": chain})
+    policy = getattr(args, "kv_load_failure_policy", None)
+    if policy is not None:
+        if config is None:
+            raise ConfigError("--kv-load-failure-policy needs a KV connector")
+        config = replace(config, kv_load_failure_policy=policy)
     role = getattr(args, "role", "both")
     if role != "both" and config is None:
         raise ConfigError(f"--role {role} needs a KV connector (--kv-transfer-config)")

@@ -3,7 +3,9 @@
 INVALID_ARGUMENT    InvalidRequestError: the message starts with the field
 RESOURCE_EXHAUSTED  QueueFullError: the waiting queue is at its bound
 UNAVAILABLE         EngineDrainingError (draining), EngineDeadError,
-                    EngineLoadingError (the model is still loading)
+                    EngineLoadingError (the model is still loading),
+                    RequestFailedError (the engine ended the request with an
+                    error: a KV load failed under --kv-load-failure-policy fail)
 UNAUTHENTICATED     raised by the API-key interceptor (service.auth)
 INTERNAL            anything else; logged with its traceback
 """
@@ -24,12 +26,17 @@ class EngineLoadingError(RuntimeError):
     """The model is still loading: no RPC but health can be served yet."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this request with an error; retrying may succeed."""
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineDrainingError, grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (EngineLoadingError, grpc.StatusCode.UNAVAILABLE),
+    (RequestFailedError, grpc.StatusCode.UNAVAILABLE),
 ]
 
 

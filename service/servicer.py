@@ -18,7 +18,7 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from service import convert
-from service.errors import EngineLoadingError, abort_with
+from service.errors import EngineLoadingError, RequestFailedError, abort_with
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -72,6 +72,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async for delta in stream:
                 # A slow reader gets what piled up meanwhile as one message.
                 deltas = [delta, *stream.drain_ready()]
+                last = deltas[-1]
+                if last.finished and last.finish_reason == "error":
+                    raise RequestFailedError(
+                        f"request {last.request_id} failed: {last.stop_reason or 'engine error'} "
+                        "(kv_load_failure_policy=fail); retry it"
+                    )
                 yield convert.generate_response(deltas, self._decode_one, want_logprobs)
         except asyncio.CancelledError:
             raise

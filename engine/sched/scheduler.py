@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.config import CacheConfig, ConfigError, SchedulerConfig
@@ -30,7 +30,7 @@ from engine.outputs import (
     KVConnectorOutput,
     ModelRunnerOutput,
 )
-from engine.request import Request, RequestStatus
+from engine.request import FinishReason, Request, RequestStatus
 from engine.sched.interface import SchedulerInterface
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.partial_prefill import Admission, PartialPrefillLimiter
@@ -70,7 +70,16 @@ class Scheduler(SchedulerInterface):
         cache_config: CacheConfig,
         connector: KVConnectorBase | None = None,
         log_stats: bool = True,
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
+        """`kv_load_failure_policy`: what a failed KV load does to its
+        requests: "recompute" the lost tokens, or "fail" them (an error)."""
+        if kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"kv_load_failure_policy={kv_load_failure_policy!r} is invalid: "
+                "expected 'recompute' or 'fail'"
+            )
+        self.kv_load_failure_policy = kv_load_failure_policy
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -543,10 +552,12 @@ class Scheduler(SchedulerInterface):
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         kv_output = model_runner_output.kv_connector_output
         recovered: set[str] = set()
+        outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
         if kv_output is not None and kv_output.invalid_block_ids:
             recovered = self._handle_invalid_blocks(kv_output.invalid_block_ids)
+        if self.kv_load_failure_policy == "fail" and (recovered or self.failed_recving_kv_req_ids):
+            kv_output = self._fail_kv_loads(recovered, kv_output, outputs)
 
-        outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running: set[Request] = set()
         stopped_preempted: set[Request] = set()
         requests = self.requests
@@ -700,6 +711,43 @@ class Scheduler(SchedulerInterface):
                 logger.warning("ignoring KV send completion for unknown request %s", req_id)
                 continue
             self._free_blocks(request)
+
+    def _fail_kv_loads(
+        self,
+        recovered: set[str],
+        kv_output: KVConnectorOutput | None,
+        outputs: defaultdict[int, list[EngineCoreOutput]],
+    ) -> KVConnectorOutput | None:
+        """Policy "fail": a request whose load lost blocks ends with an error
+        instead of recomputing. An asynchronous load is failed only once it
+        has finished, so nothing writes into blocks after they are freed.
+        Returns kv_output without those requests' load completions."""
+        finishing = set(kv_output.finished_recving or ()) if kv_output is not None else set()
+        done = finishing | self.finished_recving_kv_req_ids
+        failed = recovered | (self.failed_recving_kv_req_ids & done)
+        if not failed:
+            return kv_output
+        self.failed_recving_kv_req_ids -= failed
+        self.finished_recving_kv_req_ids -= failed
+        requests = [r for rid in failed if (r := self.requests.get(rid)) is not None]
+        logger.warning(
+            "KV load failed for %d request(s): kv_load_failure_policy=fail ends them",
+            len(requests),
+        )
+        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        for request in requests:
+            outputs[request.client_index].append(
+                EngineCoreOutput(
+                    request.request_id,
+                    [],
+                    FinishReason.ERROR,
+                    stop_reason="KV load failed",
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        if kv_output is None or not finishing & failed:
+            return kv_output
+        return replace(kv_output, finished_recving=finishing - failed)
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """Rewind requests whose loaded KV is invalid so it is recomputed.

@@ -335,3 +335,23 @@ def _wait_for_keys(redis_server: RedisServer, prefix: str, count: int, timeout: 
         while len(client.keys(f"{prefix}*")) < count:
             assert time.monotonic() < deadline, f"fewer than {count} blocks saved to Redis"
             time.sleep(0.05)
+
+
+@needs_redis
+def test_fail_policy_ends_a_failed_load_with_unavailable(
+    redis_server: RedisServer, server: ServerProcess
+) -> None:
+    """--kv-load-failure-policy fail: a decode leg whose blocks never arrive
+    ends with UNAVAILABLE (retryable) instead of recomputing, and the pod
+    keeps nothing."""
+    extra = {"url": redis_server.url, "key_prefix": "absent:", "load_wait_seconds": 0.5}
+    args = ["--role", "decode", *SMALL, *_kv("redis", "kv_consumer", extra)]
+    with ServerProcess([*args, "--kv-load-failure-policy", "fail"]) as dec:
+        ids = asyncio.run(_tokenize(server.target, PROMPTS[2]))
+        params = {"do_remote_prefill": True, "num_blocks": len(ids) // 16}
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(_leg(dec.target, ids, 4, params))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "KV load failed" in (err.value.details() or "")
+        status = asyncio.run(_wait_idle(dec.target))
+        assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)

@@ -132,3 +132,13 @@ def test_kv_offload_shorthand(offload: str, connector: str) -> None:
 def test_kv_role_mismatch_is_a_clear_error(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         cli.engine_config_from_args(_serve_args(*argv))
+
+
+def test_kv_load_failure_policy_flag() -> None:
+    config = cli.engine_config_from_args(
+        _serve_args("--kv-offload", "redis", "--kv-load-failure-policy", "fail")
+    )
+    assert config.kv_transfer is not None
+    assert config.kv_transfer.kv_load_failure_policy == "fail"
+    with pytest.raises(ConfigError, match="--kv-load-failure-policy needs a KV connector"):
+        cli.engine_config_from_args(_serve_args("--kv-load-failure-policy", "fail"))

@@ -28,6 +28,7 @@ def make_scheduler(
     policy: str = "fcfs",
     long_prefill_token_threshold: int = 0,
     connector: object = None,
+    kv_load_failure_policy: str = "recompute",
     **sched_kwargs: object,
 ) -> Scheduler:
     return Scheduler(
@@ -44,6 +45,7 @@ def make_scheduler(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
         ),
         connector=connector,  # type: ignore[arg-type]
+        kv_load_failure_policy=kv_load_failure_policy,
     )
 
 

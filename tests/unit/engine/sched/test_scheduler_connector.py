@@ -9,8 +9,9 @@ import pytest
 from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from engine.kv_cache.manager import KVCacheBlocks
 from engine.outputs import KVConnectorOutput
-from engine.request import Request, RequestStatus
+from engine.request import FinishReason, Request, RequestStatus
 from engine.sched.output import SchedulerOutput
+from engine.sched.scheduler import Scheduler
 from tests.unit.engine.sched.harness import (
     free_blocks,
     make_request,
@@ -279,3 +280,56 @@ def test_requests_are_hashed_for_a_connector_even_without_prefix_caching():
     plain = make_scheduler(prefix_caching=False)
     plain.add_request(make_request("r0", 40))
     assert plain.requests["r0"].block_hashes == []
+
+
+def _policy_fail_scheduler(conn: FakeConnector) -> Scheduler:
+    return make_scheduler(max_num_batched_tokens=256, connector=conn, kv_load_failure_policy="fail")
+
+
+def test_fail_policy_ends_a_request_whose_sync_load_failed():
+    conn = FakeConnector({"r0": 32})
+    sched = _policy_fail_scheduler(conn)
+    sched.add_request(make_request("r0", 50))
+    s1 = step(sched, kv_connector_output=KVConnectorOutput(invalid_block_ids={2}))
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in s1.outputs] == [
+        ("r0", FinishReason.ERROR, [])
+    ]
+    assert s1.outputs[0].stop_reason == "KV load failed"
+    assert "r0" not in sched.requests and free_blocks(sched) == 99
+    assert not sched.has_unfinished_requests()
+
+
+def test_fail_policy_waits_for_an_async_load_to_finish_before_failing_it():
+    """Blocks of a load still in flight must not be freed (the transfer would
+    write into reused blocks): the request fails when its load completes."""
+    conn = FakeConnector({"r0": 32}, load_async=True)
+    sched = _policy_fail_scheduler(conn)
+    sched.add_request(make_request("r0", 50))
+    step(sched)
+    s2 = step(sched, kv_connector_output=KVConnectorOutput(invalid_block_ids={2}))
+    assert s2.outputs == [] and "r0" in sched.requests
+    assert sched.requests["r0"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    s3 = step(sched, kv_connector_output=KVConnectorOutput(finished_recving={"r0"}))
+    assert [(o.request_id, o.finish_reason) for o in s3.outputs] == [("r0", FinishReason.ERROR)]
+    assert free_blocks(sched) == 99 and not sched.has_unfinished_requests()
+
+
+def test_fail_policy_with_completion_and_error_in_one_step():
+    conn = FakeConnector({"r0": 32, "r1": 0}, load_async=True)
+    sched = _policy_fail_scheduler(conn)
+    sched.add_request(make_request("r0", 50))
+    sched.add_request(make_request("r1", 20))
+    step(sched)
+    failed = KVConnectorOutput(finished_recving={"r0"}, invalid_block_ids={1})
+    s2 = step(sched, kv_connector_output=failed)
+    assert [(o.request_id, o.finish_reason) for o in s2.outputs if o.finished] == [
+        ("r0", FinishReason.ERROR)
+    ]
+    run_to_completion(sched)  # the other request is unharmed
+    assert sched.requests == {} or all(r.is_finished() for r in sched.requests.values())
+    assert free_blocks(sched) == 99
+
+
+def test_unknown_failure_policy_is_refused():
+    with pytest.raises(ValueError, match="kv_load_failure_policy='sometimes'"):
+        make_scheduler(kv_load_failure_policy="sometimes")
