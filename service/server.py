@@ -199,5 +199,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        # Stop the listening gRPC server before the loop closes (it would
+        # otherwise complain from its finalizer after the real error).
+        await server.stop()
+        raise
     await server.wait_stopped()
