@@ -85,6 +85,15 @@ class BlockCodec:
         for row in frames:
             row[:HEADER_BYTES] = np.frombuffer(self.header(row[HEADER_BYTES:].data), np.uint8)
 
+    def seal_rows(self, frames: npt.NDArray[np.uint8], rows: list[int]) -> None:
+        """Like seal, for the given rows of a larger array (rows at least
+        frame_bytes long; the frame is the first frame_bytes of each)."""
+        end = self.frame_bytes
+        for r in rows:
+            frames[r, :HEADER_BYTES] = np.frombuffer(
+                self.header(frames[r, HEADER_BYTES:end].data), np.uint8
+            )
+
     def encode(self, payload: bytes | memoryview) -> bytes:
         return self.header(payload) + bytes(payload)
 

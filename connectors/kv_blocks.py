@@ -28,6 +28,7 @@ from kernels import cpu_kernels
 _INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 Frames = npt.NDArray[np.uint8]
+_NO_ROWS = torch.empty(0, dtype=torch.int64)  # frame row j for block j
 
 
 class KVBlockIO:
@@ -79,7 +80,7 @@ class KVBlockIO:
         if self._compiled is not None:
             ids = torch.tensor(block_ids, dtype=torch.int64)
             self._compiled.gather_kv_blocks(
-                torch.from_numpy(frames), header_bytes, self.layers, ids
+                torch.from_numpy(frames), header_bytes, self.layers, ids, _NO_ROWS
             )
             return frames
         if self._np_layers is not None:
@@ -100,7 +101,7 @@ class KVBlockIO:
         if self._compiled is not None:
             ids = torch.tensor(block_ids, dtype=torch.int64)
             self._compiled.scatter_kv_blocks(
-                torch.from_numpy(frames), header_bytes, self.layers, ids
+                torch.from_numpy(frames), header_bytes, self.layers, ids, _NO_ROWS
             )
             return
         if self._np_layers is not None:
@@ -113,6 +114,39 @@ class KVBlockIO:
         ids_t = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for i, layer in enumerate(self.layers):
             layer[:, ids_t] = staging[:, i].transpose(0, 1)
+
+    # ---- chosen rows of a larger frame array (a shared-memory pool) --------
+
+    @property
+    def copies_rows(self) -> bool:
+        """Whether gather_rows / scatter_rows are available (compiled, CPU)."""
+        return self._compiled is not None
+
+    def gather_rows(
+        self, block_ids: Sequence[int], frames: Frames, rows: Sequence[int], header_bytes: int
+    ) -> None:
+        """Block block_ids[j]'s payload into frames[rows[j]], after the header."""
+        assert self._compiled is not None, "gather_rows needs the compiled CPU kernels"
+        self._compiled.gather_kv_blocks(
+            torch.from_numpy(frames),
+            header_bytes,
+            self.layers,
+            torch.tensor(block_ids, dtype=torch.int64),
+            torch.tensor(rows, dtype=torch.int64),
+        )
+
+    def scatter_rows(
+        self, block_ids: Sequence[int], frames: Frames, rows: Sequence[int], header_bytes: int
+    ) -> None:
+        """frames[rows[j]]'s payload into block block_ids[j]."""
+        assert self._compiled is not None, "scatter_rows needs the compiled CPU kernels"
+        self._compiled.scatter_kv_blocks(
+            torch.from_numpy(frames),
+            header_bytes,
+            self.layers,
+            torch.tensor(block_ids, dtype=torch.int64),
+            torch.tensor(rows, dtype=torch.int64),
+        )
 
     # ---- payloads ------------------------------------------------------------
 

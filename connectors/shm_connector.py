@@ -20,16 +20,19 @@ Extra config (``kv_connector_extra_config``):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from connectors.base import ConnectorContext
-from connectors.block_codec import BlockCodec
-from connectors.kv_blocks import Frames
+from connectors.block_codec import HEADER_BYTES, BlockCodec, FrameError
+from connectors.kv_blocks import Frames, KVBlockIO
 from connectors.shm_pool import ShmBlockPool, ShmPoolConfig
-from connectors.store import BlockStore
+from connectors.store import BlockStore, LoadJob, LoadResult
 from connectors.store_connector import StoreConnector
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
+
+logger = logging.getLogger(__name__)
 
 
 class ShmBlockStore:
@@ -61,6 +64,45 @@ class ShmBlockStore:
     def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> bool:
         self.pool.put_many([(self.codec.digest_key(h), frame) for h, frame in items])
         return True
+
+    # ---- zero-copy paths (the step thread, compiled block copies) -----------
+
+    def save_direct(self, io: KVBlockIO, hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Copy blocks from the cache straight into pool slots and seal them
+        there: one copy and one checksum pass, under the pool lock."""
+        codec = self.codec
+
+        def fill(data: Frames, indices: list[int], slots: list[int]) -> None:
+            io.gather_rows([block_ids[i] for i in indices], data, slots, HEADER_BYTES)
+            codec.seal_rows(data, slots)
+
+        self.pool.write_with(self._keys(hashes), codec.frame_bytes, fill)
+
+    def load_direct(self, io: KVBlockIO, job: LoadJob) -> LoadResult:
+        """Verify blocks in the pool and copy them straight into the cache,
+        under the pool lock. Absent or bad blocks are reported failed."""
+        codec = self.codec
+        good: list[int] = []
+
+        def use(data: Frames, indices: list[int], slots: list[int], lengths: list[int]) -> None:
+            rows = []
+            for i, slot, length in zip(indices, slots, lengths, strict=True):
+                try:
+                    codec.check(data[slot, :length].data)
+                except FrameError as e:
+                    logger.warning("KV block %s is unusable (%s)", job.hashes[i].hex(), e)
+                    continue
+                good.append(i)
+                rows.append(slot)
+            if rows:
+                io.scatter_rows([job.block_ids[i] for i in good], data, rows, HEADER_BYTES)
+
+        self.pool.read_with(self._keys(job.hashes), use)
+        kept = set(good)
+        return LoadResult(
+            job.req_id,
+            failed_block_ids=[b for i, b in enumerate(job.block_ids) if i not in kept],
+        )
 
     def close(self) -> None:
         self.pool.close()

@@ -233,6 +233,67 @@ class ShmBlockPool:
             _touch(views, slots[slots >= 0])
         return [int(n) for n in lengths]
 
+    def read_with(
+        self,
+        keys: Sequence[bytes],
+        use: Callable[[npt.NDArray[np.uint8], list[int], list[int], list[int]], None],
+    ) -> list[int]:
+        """Zero-copy reads: under the lock, ``use(data, indices, slots,
+        lengths)`` gets the pool's data rows ([num_slots, slot_bytes], shared
+        memory) and, for the present keys, their indices in ``keys``, their
+        slots and their blob lengths. The
+        view is valid only during the call. Returns the blob lengths (-1 for
+        an absent key). Hits are marked recently used. Blocks on the pool
+        lock, for as long as ``use`` runs."""
+        checked = _validate_keys(keys)
+        if not checked:
+            return []
+        with self._locked() as views:
+            slots = _lookup(views, checked)
+            lengths = _blob_lengths(views, slots)
+            hits = np.flatnonzero(slots >= 0)
+            if hits.size:
+                use(views.data, hits.tolist(), slots[hits].tolist(), lengths[hits].tolist())
+            _touch(views, slots[hits])
+        return [int(n) for n in lengths]
+
+    def write_with(
+        self,
+        keys: Sequence[bytes],
+        size: int,
+        fill: Callable[[npt.NDArray[np.uint8], list[int], list[int]], None],
+    ) -> int:
+        """Zero-copy writes: the keys not yet present get slots (evicting the
+        least recently used), and under the lock ``fill(data, indices,
+        slots)`` writes their ``size``-byte blobs straight into the data rows.
+        Present keys are only touched. The slots become visible only after
+        ``fill`` returns, so a reader never sees a half-written blob. Returns
+        how many were written. Blocks on the pool lock while ``fill`` runs."""
+        if not 0 < size <= self.config.slot_bytes:
+            raise ValueError(f"size={size} is invalid: expected 1..{self.config.slot_bytes}")
+        checked = _validate_keys(keys)
+        unique = list(dict.fromkeys(checked))
+        if not unique:
+            return 0
+        with self._locked() as views:
+            slots = _lookup(views, unique)
+            present = slots >= 0
+            _touch(views, slots[present])
+            new = np.flatnonzero(~present)[-self.config.num_slots :]
+            victims, evicted = _pick_victims(views, int(new.size))
+            if not new.size:
+                return 0
+            views.state[victims] = _FREE  # invisible until filled
+            index_of = {key: i for i, key in enumerate(checked)}
+            fill(views.data, [index_of[unique[i]] for i in new.tolist()], victims.tolist())
+            for slot, i in zip(victims.tolist(), new.tolist(), strict=True):
+                views.keys[slot] = np.frombuffer(unique[i], dtype="<u8")
+                views.lengths[slot] = size
+                views.last_used[slot] = _tick(views, 1)
+                views.state[slot] = _FULL
+            views.meta["evictions"] += evicted
+        return int(new.size)
+
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Each key's blob, or None if absent. Blocks on the pool lock."""
         scratch = np.empty((len(keys), self.config.slot_bytes), dtype=np.uint8)
@@ -807,7 +868,28 @@ def _attach(config: ShmPoolConfig) -> _PoolState:
         _unlock_and_close(fd)
         raise
     fcntl.flock(fd, fcntl.LOCK_UN)
+    _populate(data)
     return _PoolState(config.name, fd, header, data, views, attachment)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; not in Python 3.11's mmap module
+_PAGE = 4096
+
+
+def _populate(segment: SharedMemory) -> None:
+    """Map every page of the data segment into this process now, without
+    changing its contents. Otherwise each first touch of a page, by every
+    process, is a fault inside a copy: measured 0.8 GB/s for saves into
+    untouched slots against 4-6 GB/s once mapped."""
+    mapping = getattr(segment, "_mmap", None)
+    try:
+        if mapping is None:
+            raise OSError("no mmap")
+        mapping.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        # Older kernels: a read of one byte per page maps it (tmpfs pages
+        # map writable on a read fault).
+        int(np.frombuffer(_buffer(segment), np.uint8)[::_PAGE].sum())
 
 
 def _detach(state: _PoolState) -> None:

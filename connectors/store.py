@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -109,6 +109,37 @@ def load_blocks(store: BlockStore, codec: BlockCodec, job: LoadJob) -> LoadResul
         good.append(i)
     result.block_ids = [job.block_ids[i] for i in good]
     result.frames = frames if len(good) == len(job.hashes) else frames[good]
+    return result
+
+
+@runtime_checkable
+class DirectStore(Protocol):
+    """A store in this process's memory (shared memory) that copies between
+    the cache and its slots itself: no staging frames, no transfer thread."""
+
+    def save_direct(
+        self, io: KVBlockIO, hashes: Sequence[bytes], block_ids: Sequence[int]
+    ) -> None: ...
+
+    def load_direct(self, io: KVBlockIO, job: LoadJob) -> LoadResult: ...
+
+
+def direct_store(store: BlockStore, io: KVBlockIO) -> DirectStore | None:
+    """The store's zero-copy side, where it has one and the compiled block
+    copies are built."""
+    return store if isinstance(store, DirectStore) and io.copies_rows else None
+
+
+def load_into_cache(
+    store: BlockStore, codec: BlockCodec, io: KVBlockIO, job: LoadJob
+) -> LoadResult:
+    """A synchronous load: on return the good blocks are in the cache; the
+    result lists the failed ones."""
+    direct = direct_store(store, io)
+    if direct is not None:
+        return direct.load_direct(io, job)
+    result = load_blocks(store, codec, job)
+    result.apply(io)
     return result
 
 

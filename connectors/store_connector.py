@@ -35,7 +35,15 @@ from connectors.base import (
 )
 from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import KVBlockIO
-from connectors.store import BlockStore, LoadJob, LoadResult, SaveJob, TransferThread, load_blocks
+from connectors.store import (
+    BlockStore,
+    LoadJob,
+    LoadResult,
+    SaveJob,
+    TransferThread,
+    direct_store,
+    load_into_cache,
+)
 
 if TYPE_CHECKING:
     from engine.kv_cache.manager import KVCacheBlocks
@@ -307,7 +315,8 @@ class StoreConnector(KVConnectorBase):
                 self._async_loads[spec.req_id] = spec
                 self._thread.submit_load(job)
             else:
-                self._apply(load_blocks(self.store, self.codec, job))
+                result = load_into_cache(self.store, self.codec, self._io, job)
+                self._invalid.update(result.failed_block_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # everything loads before the forward
@@ -320,9 +329,15 @@ class StoreConnector(KVConnectorBase):
         if not isinstance(meta, StoreConnectorMetadata) or not meta.saves:
             return
         assert self._io is not None and self._thread is not None
-        frames = self._io.gather_frames([b for b, _ in meta.saves], HEADER_BYTES)
+        block_ids = [b for b, _ in meta.saves]
+        hashes = [h for _, h in meta.saves]
+        direct = direct_store(self.store, self._io)
+        if direct is not None:
+            direct.save_direct(self._io, hashes, block_ids)  # one copy, in place
+            return
+        frames = self._io.gather_frames(block_ids, HEADER_BYTES)
         # Checksums on the transfer thread: the step only pays for the copy.
-        self._thread.submit_save(SaveJob([h for _, h in meta.saves], frames))
+        self._thread.submit_save(SaveJob(hashes, frames))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._thread is None:

@@ -22,6 +22,7 @@ torch's extension directory, keyed by the sources). If it cannot be built,
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -49,13 +50,23 @@ def load() -> ModuleType | None:
     return module
 
 
+def _extension_name() -> str:
+    """Named after its sources: checkouts of different Tandem versions on one
+    machine share torch's extension cache, and one must never load (or
+    rebuild over) another's module."""
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((_CSRC / name).read_bytes())
+    return f"tandem_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
 def _build() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
         logger.info("loading Tandem's CPU kernels (built on first use: ~1 min)")
         module: ModuleType = load_extension(
-            name="tandem_cpu_kernels",
+            name=_extension_name(),
             sources=[str(_CSRC / name) for name in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],

@@ -13,9 +13,9 @@ void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache,
 void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
                   const c10::optional<at::Tensor>& bias);
 void gather_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
-                      at::Tensor block_ids);
+                      at::Tensor block_ids, at::Tensor frame_rows);
 void scatter_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
-                       at::Tensor block_ids);
+                       at::Tensor block_ids, at::Tensor frame_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32)");

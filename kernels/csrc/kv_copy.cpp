@@ -21,13 +21,25 @@ struct Plan {
 };
 
 Plan make_plan(const std::vector<at::Tensor>& layers, const at::Tensor& frames,
-               int64_t offset, const at::Tensor& block_ids) {
+               int64_t offset, const at::Tensor& block_ids, const at::Tensor& frame_rows) {
   TORCH_CHECK(!layers.empty(), "kv copy: no layers");
   TORCH_CHECK(frames.dim() == 2 && frames.scalar_type() == at::kByte && frames.stride(1) == 1,
               "kv copy: frames must be uint8 [n, frame_bytes] with contiguous rows");
   TORCH_CHECK(block_ids.dim() == 1 && block_ids.scalar_type() == at::kLong &&
-                  block_ids.is_contiguous() && block_ids.size(0) == frames.size(0),
-              "kv copy: block_ids must be int64 [n], one per frame row");
+                  block_ids.is_contiguous(),
+              "kv copy: block_ids must be int64 [n]");
+  if (frame_rows.numel() == 0) {
+    TORCH_CHECK(block_ids.size(0) == frames.size(0), "kv copy: one frame row per block id");
+  } else {
+    TORCH_CHECK(frame_rows.dim() == 1 && frame_rows.scalar_type() == at::kLong &&
+                    frame_rows.is_contiguous() && frame_rows.size(0) == block_ids.size(0),
+                "kv copy: frame_rows must be int64 [n], one per block id");
+    const int64_t* rows = frame_rows.data_ptr<int64_t>();
+    for (int64_t j = 0; j < frame_rows.size(0); ++j) {
+      TORCH_CHECK(rows[j] >= 0 && rows[j] < frames.size(0), "kv copy: frame row ", rows[j],
+                  " outside the frames (", frames.size(0), " rows)");
+    }
+  }
   const auto& first = layers[0];
   Plan plan;
   const int64_t item = first.element_size();
@@ -54,16 +66,17 @@ Plan make_plan(const std::vector<at::Tensor>& layers, const at::Tensor& frames,
 
 template <bool kToFrames>
 void copy_blocks(at::Tensor frames, int64_t offset, const std::vector<at::Tensor>& layers,
-                 at::Tensor block_ids) {
-  const Plan plan = make_plan(layers, frames, offset, block_ids);
+                 at::Tensor block_ids, at::Tensor frame_rows) {
+  const Plan plan = make_plan(layers, frames, offset, block_ids, frame_rows);
   const int64_t n = block_ids.size(0);
   const int64_t* ids = block_ids.data_ptr<int64_t>();
+  const int64_t* rows_of = frame_rows.numel() ? frame_rows.data_ptr<int64_t>() : nullptr;
   uint8_t* rows = frames.data_ptr<uint8_t>();
   const int64_t row_stride = frames.stride(0);
   const int64_t num_layers = static_cast<int64_t>(plan.bases.size());
 #pragma omp parallel for schedule(static) if (n > 1)
   for (int64_t j = 0; j < n; ++j) {
-    uint8_t* frame = rows + j * row_stride + offset;
+    uint8_t* frame = rows + (rows_of ? rows_of[j] : j) * row_stride + offset;
     for (int64_t l = 0; l < num_layers; ++l) {
       for (int64_t h = 0; h < 2; ++h) {
         uint8_t* cache = plan.bases[l] + h * plan.half_stride + ids[j] * plan.block_stride;
@@ -80,12 +93,13 @@ void copy_blocks(at::Tensor frames, int64_t offset, const std::vector<at::Tensor
 
 }  // namespace
 
+// frame_rows: which row of `frames` each block uses (empty: row j for block j).
 void gather_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
-                      at::Tensor block_ids) {
-  copy_blocks<true>(frames, offset, layers, block_ids);
+                      at::Tensor block_ids, at::Tensor frame_rows) {
+  copy_blocks<true>(frames, offset, layers, block_ids, frame_rows);
 }
 
 void scatter_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
-                       at::Tensor block_ids) {
-  copy_blocks<false>(frames, offset, layers, block_ids);
+                       at::Tensor block_ids, at::Tensor frame_rows) {
+  copy_blocks<false>(frames, offset, layers, block_ids, frame_rows);
 }
