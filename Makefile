@@ -82,11 +82,12 @@ test: lint typecheck model node redis
 demo: model
 	$(PY) -m service.demo
 
-bench: model
+bench: model redis
 	$(PY) benchmarks/scheduler_bench.py
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/serving_bench.py
 	$(PY) benchmarks/kv_transfer_bench.py
+	$(PY) benchmarks/pd_bench.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache service/gen $(NODE_DIR)/node_modules
