@@ -115,6 +115,8 @@ class StoreConnector(KVConnectorBase):
         self._io: KVBlockIO | None = None
         self._thread: TransferThread | None = None
         self._async_loads: dict[str, LoadSpec] = {}
+        # Requests that finished while their async load ran.
+        self._orphaned: set[str] = set()
         self._invalid: set[int] = set()
 
     @abstractmethod
@@ -271,18 +273,22 @@ class StoreConnector(KVConnectorBase):
         req_id = request.request_id
         tracked = self._tracked.pop(req_id, None)
         self._local_tokens.pop(req_id, None)
-        self._inflight.pop(req_id, None)
+        spec = self._inflight.pop(req_id, None)
         self._failed_reqs.discard(req_id)
         entry = self._lookups.pop(req_id, None)
         if entry is not None:
             entry[1].cancel()
+        # Finished (aborted) while its asynchronous load still runs: the
+        # blocks stay allocated until the worker reports the load over (in
+        # finished_sending), so the transfer never writes into reused blocks.
+        # Saves hold nothing: the blocks were copied out when computed.
+        delay_free = spec is not None and spec.is_async
         params = request.kv_transfer_params or {}
         if not (self.is_producer and params.get("do_remote_decode")):
-            return False, None
-        # The blocks were copied out when they were computed: nothing to hold.
+            return delay_free, None
         saved = tracked.saved_blocks if tracked is not None else 0
         assert self.context is not None
-        return False, {
+        return delay_free, {
             "do_remote_prefill": True,
             "kv_connector": self.context.config.kv_connector,
             "remote_engine_id": self.context.engine_id,
@@ -340,14 +346,22 @@ class StoreConnector(KVConnectorBase):
         self._thread.submit_save(SaveJob(hashes, frames))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests finished while loading whose load is now over: their
+        blocks may go; requests whose load finished)."""
         if self._thread is None:
             return None, None
+        self._orphaned |= finished_req_ids & self._async_loads.keys()
         done: set[str] = set()
+        released: set[str] = set()
         for result in self._thread.take_results():
             self._async_loads.pop(result.req_id, None)
+            if result.req_id in self._orphaned:
+                self._orphaned.discard(result.req_id)
+                released.add(result.req_id)  # nobody waits for these blocks
+                continue
             self._apply(result)
             done.add(result.req_id)
-        return None, done or None
+        return released or None, done or None
 
     def _apply(self, result: LoadResult) -> None:
         assert self._io is not None

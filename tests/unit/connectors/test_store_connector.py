@@ -845,3 +845,57 @@ def test_request_with_a_bad_stored_block_still_finishes(load_async: bool, bad_bl
     assert produced == {"r1": [7, 7, 7]}
     assert free_blocks(sched) == 63
     assert not sched.waiting and not sched.running
+
+
+class SlowLoadStore(DictStore):
+    """Loads wait for ``load_gate``: a transfer still running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load_gate = threading.Event()
+
+    def read_into(self, hashes: Sequence[bytes], frames: np.ndarray) -> list[int]:
+        assert self.load_gate.wait(TIMEOUT)
+        return super().read_into(hashes, frames)
+
+
+def test_abort_during_an_async_load_holds_the_blocks_until_it_ends() -> None:
+    """A request aborted while its blocks load keeps them allocated until
+    the transfer is over (finished_sending), so the load can never write
+    into blocks another request got meanwhile; then every block is free."""
+    store = SlowLoadStore()
+    sched_conn = make_connector(store, load_async=True)
+    worker = Worker(store, num_blocks=64, load_async=True)
+    sched = make_scheduler(block_size=BS, num_blocks=64, connector=sched_conn)
+    request = make_request("r1", prompt_of(4 * BS + 2), max_tokens=3)
+    for h in request.block_hashes:
+        store.frames[h] = worker.codec.encode(bytes(worker.codec.payload_bytes))
+    sched.add_request(request)
+    try:
+        so = sched.schedule()  # admitted: the async load is issued
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert isinstance(so.kv_connector_metadata, StoreConnectorMetadata)
+        worker.run_step(so.kv_connector_metadata)
+        sched.update_from_output(so, ModelRunnerOutput([], {}, []))
+        held = 63 - free_blocks(sched)
+        assert held == 4
+        sched.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+        assert 63 - free_blocks(sched) == held, "blocks freed while the load runs"
+        store.load_gate.set()
+        released: set[str] = set()
+        for _ in range(500):
+            so = sched.schedule()
+            sending, recving = worker.conn.get_finished(so.finished_req_ids)
+            assert not recving, "an aborted request's load reported as received"
+            output = ModelRunnerOutput([], {}, [], kv_connector_output=KVConnectorOutput(sending))
+            sched.update_from_output(so, output)
+            released |= sending or set()
+            if released:
+                break
+            time.sleep(0.005)
+        assert released == {"r1"}
+        assert free_blocks(sched) == 63
+    finally:
+        store.load_gate.set()
+        sched_conn.shutdown()
+        worker.conn.shutdown()
