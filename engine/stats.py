@@ -42,5 +42,8 @@ class SchedulerStats:
     num_free_blocks: int = 0
     # Cumulative since start.
     num_preemptions: int = 0
+    # KV transfer completions for requests that were not waiting for them
+    # (late, duplicate or unknown): logged, counted, otherwise ignored.
+    num_ignored_kv_completions: int = 0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     connector_prefix_cache_stats: PrefixCacheStats | None = None

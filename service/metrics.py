@@ -78,7 +78,23 @@ class ServiceMetrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.connector_queries = Counter(
+            "tandem_kv_connector_queries",
+            "Prompt tokens of requests that asked the KV connector",
+            registry=r,
+        )
+        self.connector_hits = Counter(
+            "tandem_kv_connector_hits",
+            "Prompt tokens loaded through the KV connector instead of computed",
+            registry=r,
+        )
+        self.ignored_completions = Counter(
+            "tandem_kv_transfer_ignored_completions",
+            "Late, duplicate or unknown KV transfer completions (logged and ignored)",
+            registry=r,
+        )
         self._last_preemptions = 0
+        self._last_ignored = 0
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Starts the HTTP endpoint (a daemon thread) at http://host:port/metrics."""
@@ -95,6 +111,13 @@ class ServiceMetrics:
         # The scheduler's count is cumulative; the counter takes increments.
         self.preemptions.inc(max(0, stats.num_preemptions - self._last_preemptions))
         self._last_preemptions = stats.num_preemptions
+        ignored = stats.num_ignored_kv_completions
+        self.ignored_completions.inc(max(0, ignored - self._last_ignored))
+        self._last_ignored = ignored
+        connector = stats.connector_prefix_cache_stats
+        if connector is not None:
+            self.connector_queries.inc(connector.queries)
+            self.connector_hits.inc(connector.hits)
 
     def on_engine_step(self, seconds: float) -> None:
         self.step.observe(seconds)

@@ -80,6 +80,7 @@ class Scheduler(SchedulerInterface):
                 "expected 'recompute' or 'fail'"
             )
         self.kv_load_failure_policy = kv_load_failure_policy
+        self.num_ignored_kv_completions = 0
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -703,12 +704,14 @@ class Scheduler(SchedulerInterface):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 logger.warning("ignoring KV load completion for unknown request %s", req_id)
+                self.num_ignored_kv_completions += 1
                 continue
             self.finished_recving_kv_req_ids.add(req_id)
         for req_id in kv_output.finished_sending or ():
             request = self.requests.get(req_id)
             if request is None or not request.is_finished():
                 logger.warning("ignoring KV send completion for unknown request %s", req_id)
+                self.num_ignored_kv_completions += 1
                 continue
             self._free_blocks(request)
 
@@ -843,6 +846,7 @@ class Scheduler(SchedulerInterface):
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
             num_preemptions=self.num_preemptions,
+            num_ignored_kv_completions=self.num_ignored_kv_completions,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             connector_prefix_cache_stats=connector_stats,
         )

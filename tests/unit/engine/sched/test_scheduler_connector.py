@@ -171,6 +171,9 @@ def test_late_duplicate_or_unknown_completions_are_ignored(caplog):
     assert free_blocks(sched) == 99
     assert "ignoring KV send completion for unknown request" in caplog.text
     assert "ignoring KV load completion for unknown request nobody" in caplog.text
+    # nobody (load), then r0 again and ghost (sends): counted for metrics.
+    stats = sched.make_stats()
+    assert stats is not None and stats.num_ignored_kv_completions == 3
 
 
 def test_abort_while_loading_frees_the_blocks():
