@@ -103,6 +103,8 @@ class EngineStatus:
     uptime_seconds: float = 0.0
     draining: bool = False
     recent_step_ms_p50: float = 0.0
+    kv_connector_queries: int = 0
+    kv_connector_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -517,6 +519,10 @@ class AsyncEngine:
         s.num_preemptions = stats.num_preemptions
         s.prefix_cache_queries += stats.prefix_cache_stats.queries
         s.prefix_cache_hits += stats.prefix_cache_stats.hits
+        connector = stats.connector_prefix_cache_stats
+        if connector is not None:
+            s.kv_connector_queries += connector.queries
+            s.kv_connector_hits += connector.hits
         if self.observer is not None:
             self.observer.on_step(stats)
 

@@ -526,6 +526,11 @@ async def _status(args: argparse.Namespace) -> int:
         f"prefix     {status.prefix_cache_hits}/{status.prefix_cache_queries} tokens hit "
         f"({status.prefix_cache_hit_rate:.1%}); preemptions {status.num_preemptions}"
     )
+    if info.kv_connector:
+        print(
+            f"connector  {status.kv_connector_hits}/{status.kv_connector_queries} prompt tokens "
+            "loaded instead of computed"
+        )
     print(f"uptime     {status.uptime_seconds:.0f} s{'; draining' if status.draining else ''}")
     return 0
 

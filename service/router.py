@@ -239,6 +239,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 total.prefix_cache_queries += status.prefix_cache_queries
                 total.prefix_cache_hits += status.prefix_cache_hits
                 total.num_preemptions += status.num_preemptions
+                total.kv_connector_queries += status.kv_connector_queries
+                total.kv_connector_hits += status.kv_connector_hits
         if total.prefix_cache_queries:
             total.prefix_cache_hit_rate = total.prefix_cache_hits / total.prefix_cache_queries
         return total

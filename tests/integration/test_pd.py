@@ -144,6 +144,8 @@ def test_pd_over_redis_matches_colocated(
         mgets = client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
     assert mgets > 0, "the decode pod never read from Redis"
     assert first.usage.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
+    # The decode pod's own counters say the prompt came through the connector.
+    assert asyncio.run(_status(decode)).kv_connector_hits >= first.usage.cached_tokens
     got = asyncio.run(_generate_all(router, PROMPTS))
     _check_parity([first], reference[:1])
     _check_parity(got, reference)
@@ -159,6 +161,8 @@ def test_pd_over_shared_memory_matches_colocated(
     router, prefill, decode = shm_pd
     first = asyncio.run(_generate(router, PROMPTS[0]))
     assert first.usage.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
+    # The decode pod's own counters say the prompt came through the connector.
+    assert asyncio.run(_status(decode)).kv_connector_hits >= first.usage.cached_tokens
     got = asyncio.run(_generate_all(router, PROMPTS))
     _check_parity([first], reference[:1])
     _check_parity(got, reference)
