@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.config import CacheConfig, ConfigError, SchedulerConfig
@@ -556,8 +556,6 @@ class Scheduler(SchedulerInterface):
         outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
         if kv_output is not None and kv_output.invalid_block_ids:
             recovered = self._handle_invalid_blocks(kv_output.invalid_block_ids)
-        if self.kv_load_failure_policy == "fail" and (recovered or self.failed_recving_kv_req_ids):
-            kv_output = self._fail_kv_loads(recovered, kv_output, outputs)
 
         stopped_running: set[Request] = set()
         stopped_preempted: set[Request] = set()
@@ -615,6 +613,9 @@ class Scheduler(SchedulerInterface):
             self.waiting.remove_requests(stopped_preempted)
         if kv_output is not None:
             self._update_from_kv_xfer_finished(kv_output)
+        # After the completions: the connector then knows which loads are over.
+        if self.kv_load_failure_policy == "fail" and (recovered or self.failed_recving_kv_req_ids):
+            self._fail_kv_loads(recovered, outputs)
         return self._package_outputs(outputs)
 
     @staticmethod
@@ -716,20 +717,14 @@ class Scheduler(SchedulerInterface):
             self._free_blocks(request)
 
     def _fail_kv_loads(
-        self,
-        recovered: set[str],
-        kv_output: KVConnectorOutput | None,
-        outputs: defaultdict[int, list[EngineCoreOutput]],
-    ) -> KVConnectorOutput | None:
+        self, recovered: set[str], outputs: defaultdict[int, list[EngineCoreOutput]]
+    ) -> None:
         """Policy "fail": a request whose load lost blocks ends with an error
         instead of recomputing. An asynchronous load is failed only once it
-        has finished, so nothing writes into blocks after they are freed.
-        Returns kv_output without those requests' load completions."""
-        finishing = set(kv_output.finished_recving or ()) if kv_output is not None else set()
-        done = finishing | self.finished_recving_kv_req_ids
-        failed = recovered | (self.failed_recving_kv_req_ids & done)
+        has finished, so nothing writes into blocks after they are freed."""
+        failed = recovered | (self.failed_recving_kv_req_ids & self.finished_recving_kv_req_ids)
         if not failed:
-            return kv_output
+            return
         self.failed_recving_kv_req_ids -= failed
         self.finished_recving_kv_req_ids -= failed
         requests = [r for rid in failed if (r := self.requests.get(rid)) is not None]
@@ -748,9 +743,6 @@ class Scheduler(SchedulerInterface):
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
-        if kv_output is None or not finishing & failed:
-            return kv_output
-        return replace(kv_output, finished_recving=finishing - failed)
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """Rewind requests whose loaded KV is invalid so it is recomputed.

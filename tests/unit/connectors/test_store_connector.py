@@ -899,3 +899,29 @@ def test_abort_during_an_async_load_holds_the_blocks_until_it_ends() -> None:
         store.load_gate.set()
         sched_conn.shutdown()
         worker.conn.shutdown()
+
+
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
+def test_fail_policy_frees_every_block_of_the_failed_request(load_async: bool) -> None:
+    """kv_load_failure_policy=fail with this connector: the request ends (no
+    tokens) and, once its load is over, holds no block; none is held back
+    waiting for a completion that was already reported."""
+    store = DictStore()
+    sched_conn = make_connector(store, load_async=load_async)
+    worker = Worker(store, num_blocks=64, load_async=load_async)
+    sched = make_scheduler(
+        block_size=BS, num_blocks=64, connector=sched_conn, kv_load_failure_policy="fail"
+    )
+    request = make_request("r1", prompt_of(4 * BS + 2), max_tokens=3)
+    for i, h in enumerate(request.block_hashes):
+        frame = worker.codec.encode(bytes(worker.codec.payload_bytes))
+        store.frames[h] = corrupt_flip(frame, worker.codec) if i == 0 else frame
+    sched.add_request(request)
+    try:
+        produced = run_engine(sched, worker)
+    finally:
+        sched_conn.shutdown()
+        worker.conn.shutdown()
+    assert produced == {"r1": []}
+    assert request.status == RequestStatus.FINISHED_ERROR
+    assert free_blocks(sched) == 63
