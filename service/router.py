@@ -202,23 +202,27 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     continue
         return pb.AbortResponse(aborted_request_ids=sorted(aborted))
 
+    async def _forwarded(
+        self, method: str, message: object, context: grpc.aio.ServicerContext
+    ) -> object:
+        """A unary RPC answered by a decode pod; its failure ends this call."""
+        try:
+            return await self._unary(method, message)
+        except _LegFailed as e:
+            await context.abort(e.code, e.details)
+            raise  # context.abort raises; this keeps the type checker informed
+
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        try:
-            resp = await self._unary("Tokenize", request)
-        except _LegFailed as e:
-            await context.abort(e.code, e.details)
+        resp = await self._forwarded("Tokenize", request, context)
         assert isinstance(resp, pb.TokenizeResponse)
         return resp
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        try:
-            info = await self._unary("GetModelInfo", request)
-        except _LegFailed as e:
-            await context.abort(e.code, e.details)
+        info = await self._forwarded("GetModelInfo", request, context)
         assert isinstance(info, pb.ModelInfo)
         info.role = "router"
         return info

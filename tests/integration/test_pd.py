@@ -359,3 +359,20 @@ def test_fail_policy_ends_a_failed_load_with_unavailable(
         assert "KV load failed" in (err.value.details() or "")
         status = asyncio.run(_wait_idle(dec.target))
         assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_router_forwards_tokenize_and_model_info(shm_pd: tuple[str, str, str]) -> None:
+    router, _, decode = shm_pd
+
+    async def ask() -> tuple[pb.ModelInfo, list[int], list[int]]:
+        async with TandemClient(router) as via_router, TandemClient(decode) as direct:
+            info = await via_router.model_info()
+            return (
+                info,
+                await via_router.tokenize("Hello there"),
+                await direct.tokenize("Hello there"),
+            )
+
+    info, routed, direct = asyncio.run(ask())
+    assert info.role == "router" and info.model_name
+    assert routed == direct and routed
