@@ -74,6 +74,11 @@ class KVConnectorBase(ABC):
 
     # ---- scheduler role -------------------------------------------------
 
+    def request_added(self, request: Request) -> None:  # noqa: B027
+        """A request entered the scheduler (optional): e.g. a pull connector
+        starts its handshake and heartbeats for a remote prefill at once,
+        not when the request reaches the head of the queue. Must not block."""
+
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -150,6 +155,12 @@ class KVConnectorBase(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call."""
         return set()
+
+    def side_channel_payload(self) -> bytes | None:
+        """What peers fetch over this pod's gRPC side channel
+        (``tandem.v1.KVTransfer/GetHandshake``), or None without one.
+        Called from the service's threads: must be thread-safe."""
+        return None
 
     def health(self) -> str | None:
         """None while the connector works; otherwise why it does not (a

@@ -22,6 +22,7 @@ _BUILTIN = {
     "redis": "connectors.redis_connector:RedisConnector",
     "shm": "connectors.shm_connector:SharedMemoryConnector",
     "multi": "connectors.multi:MultiConnector",
+    "nixl": "connectors.nixl_connector:NixlConnector",
 }
 _registered: dict[str, type[KVConnectorBase]] = {}
 

@@ -49,6 +49,10 @@ class MultiConnector(KVConnectorBase):
 
     # ---- scheduler half -------------------------------------------------
 
+    def request_added(self, request: Request) -> None:
+        for tier in self.tiers:
+            tier.request_added(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -136,6 +140,9 @@ class MultiConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return {b for tier in self.tiers for b in tier.get_block_ids_with_load_errors()}
 
+    def side_channel_payload(self) -> bytes | None:
+        return next((p for t in self.tiers if (p := t.side_channel_payload()) is not None), None)
+
     def health(self) -> str | None:
         return next((p for t in self.tiers if (p := t.health()) is not None), None)
 
@@ -156,8 +163,10 @@ def _tier_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
         if not isinstance(tier, dict) or "kv_connector" not in tier:
             raise ConfigError(f"kv_connector_extra_config.connectors[{i}] lacks kv_connector")
         out.append(
-            KVTransferConfig(
-                tier["kv_connector"], config.kv_role, tier.get("kv_connector_extra_config", {})
+            replace(
+                config,
+                kv_connector=tier["kv_connector"],
+                kv_connector_extra_config=tier.get("kv_connector_extra_config", {}),
             )
         )
     return out

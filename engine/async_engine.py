@@ -392,6 +392,13 @@ class AsyncEngine:
         core = self._thread.core
         return core.connector_health() if core is not None else None
 
+    def side_channel_payload(self) -> bytes | None:
+        """The KV connector's handshake for its peers, or None. Safe from
+        any thread: the connector computed it when the engine started."""
+        core = self._thread.core
+        connector = core.worker_connector if core is not None else None
+        return connector.side_channel_payload() if connector is not None else None
+
     def add_failure_listener(self, listener: Callable[[BaseException], None]) -> None:
         """Called on the event loop if the engine thread fails (e.g. to turn
         health NOT_SERVING)."""

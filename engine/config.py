@@ -8,7 +8,7 @@ the value given and what was expected.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
@@ -219,6 +219,11 @@ class KVTransferConfig:
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     # A failed KV load: "recompute" the lost tokens, or "fail" the request.
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # Pull transfers (NIXL): how long a producer keeps a finished request's
+    # blocks for its consumer without a heartbeat, and at most in all; the
+    # consumer gives up a transfer (and recomputes) after kv_transfer_timeout.
+    kv_lease_seconds: float = 30.0
+    kv_transfer_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         _require(
@@ -234,6 +239,9 @@ class KVTransferConfig:
             self.kv_load_failure_policy,
             "'recompute' or 'fail'",
         )
+        for name in ("kv_lease_seconds", "kv_transfer_timeout"):
+            value = getattr(self, name)
+            _require(isinstance(value, int | float) and value > 0, name, value, "seconds > 0")
         _require(
             isinstance(self.kv_connector_extra_config, dict),
             "kv_connector_extra_config",
@@ -258,7 +266,7 @@ class KVTransferConfig:
             raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"kv_transfer_config={text!r} is invalid: expected a JSON object")
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(

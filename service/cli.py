@@ -175,6 +175,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "request with an error (UNAVAILABLE)",
     )
     k.add_argument(
+        "--kv-lease-seconds",
+        type=float,
+        help="pull transfers (nixl): how long a prefill pod keeps a finished request's "
+        "blocks for its decode pod without a heartbeat (default: 30)",
+    )
+    k.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        help="pull transfers (nixl): a prefill pod frees blocks nobody fetched, and a decode "
+        "pod gives up a transfer and recomputes, after this many seconds (default: 120)",
+    )
+    k.add_argument(
         "--kv-offload",
         choices=["shm", "redis", "shm,redis"],
         help="shorthand for a kv_both connector: save computed blocks to shared memory, "
@@ -275,11 +287,16 @@ def kv_transfer_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
         else:
             chain = [{"kv_connector": n, "kv_connector_extra_config": e} for n, e in chosen]
             config = KVTransferConfig("multi", "kv_both", {"connectors": chain})
-    policy = getattr(args, "kv_load_failure_policy", None)
-    if policy is not None:
+    overrides = {
+        name: value
+        for name in ("kv_load_failure_policy", "kv_lease_seconds", "kv_transfer_timeout")
+        if (value := getattr(args, name, None)) is not None
+    }
+    if overrides:
         if config is None:
-            raise ConfigError("--kv-load-failure-policy needs a KV connector")
-        config = replace(config, kv_load_failure_policy=policy)
+            flags = ", ".join("--" + name.replace("_", "-") for name in overrides)
+            raise ConfigError(f"{flags} needs a KV connector")
+        config = replace(config, **overrides)
     role = getattr(args, "role", "both")
     if role != "both" and config is None:
         raise ConfigError(f"--role {role} needs a KV connector (--kv-transfer-config)")

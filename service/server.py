@@ -25,8 +25,10 @@ from engine.config import ConfigError, EngineConfig
 from service.auth import ApiKeyInterceptor
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+from service.gen.tandem.v1 import kv_transfer_pb2_grpc
 from service.metrics import ServiceMetrics
 from service.servicer import GenerationServicer
+from service.side_channel import KVTransferServicer, with_side_channel
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class TandemServer:
         self.servicer = GenerationServicer(
             role=config.role, kv_connector=kv.kv_connector if kv is not None else ""
         )
+        self.side_channel = KVTransferServicer()
         self.engine: AsyncEngine | None = None
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -88,6 +91,7 @@ class TandemServer:
         server = grpc.aio.server(interceptors=interceptors)
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self.side_channel, server)  # type: ignore[no-untyped-call]
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
         address = f"{cfg.host}:{cfg.port}"
@@ -106,11 +110,12 @@ class TandemServer:
             self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             logger.info("metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
         self.engine = await AsyncEngine.create(
-            self.engine_config,
+            with_side_channel(self.engine_config, cfg.host, self.port),
             max_waiting_requests=cfg.max_waiting_requests,
             observer=self.metrics,
         )
         self.servicer.attach(self.engine)
+        self.side_channel.engine = self.engine
         self.engine.add_failure_listener(self._on_engine_failure)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.engine_config.kv_transfer is not None:

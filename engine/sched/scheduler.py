@@ -153,6 +153,8 @@ class Scheduler(SchedulerInterface):
             request.block_hashes = self.block_hasher(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        if self.connector is not None:
+            self.connector.request_added(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
@@ -194,6 +196,12 @@ class Scheduler(SchedulerInterface):
 
     def has_finished_requests(self) -> bool:
         return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        # self.requests also holds finished requests whose blocks a connector
+        # still sends (delay_free): the engine keeps stepping, so the worker
+        # keeps polling, until it reports them in finished_sending.
+        return bool(self.requests) or self.has_finished_requests()
 
     def get_request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)

@@ -142,3 +142,27 @@ def test_kv_load_failure_policy_flag() -> None:
     assert config.kv_transfer.kv_load_failure_policy == "fail"
     with pytest.raises(ConfigError, match="--kv-load-failure-policy needs a KV connector"):
         cli.engine_config_from_args(_serve_args("--kv-load-failure-policy", "fail"))
+
+
+def test_kv_lease_and_transfer_timeout_flags() -> None:
+    nixl = '{"kv_connector": "nixl", "kv_role": "kv_producer"}'
+    config = cli.engine_config_from_args(
+        _serve_args(
+            "--role",
+            "prefill",
+            "--kv-transfer-config",
+            nixl,
+            "--kv-lease-seconds",
+            "5",
+            "--kv-transfer-timeout",
+            "9.5",
+        )
+    )
+    assert config.kv_transfer is not None
+    assert (config.kv_transfer.kv_lease_seconds, config.kv_transfer.kv_transfer_timeout) == (5, 9.5)
+    with pytest.raises(ConfigError, match="--kv-lease-seconds needs a KV connector"):
+        cli.engine_config_from_args(_serve_args("--kv-lease-seconds", "5"))
+    with pytest.raises(ConfigError, match=r"kv_lease_seconds=0\.0 is invalid: expected seconds"):
+        cli.engine_config_from_args(
+            _serve_args("--kv-transfer-config", nixl, "--kv-lease-seconds", "0")
+        )

@@ -1,0 +1,261 @@
+"""NixlConnector: prefill and decode pods move KV blocks with one-sided READs.
+
+How one request goes (P/D through the router):
+
+1. Prefill pod (kv_producer): the request (``do_remote_decode``, max_tokens
+   1) finishes; ``request_finished`` keeps its blocks (delay_free) and
+   returns kv_transfer_params naming this engine's NIXL agent, its side
+   channel (the pod's gRPC address), the request's id and its prompt
+   blocks. The worker holds them under a lease (see ``nixl_worker``).
+2. Decode pod (kv_consumer): when the request arrives the worker starts the
+   handshake with the producer (``GetHandshake`` over gRPC, cached per peer
+   incarnation) and heartbeats for it. The scheduler parks it in
+   WAITING_FOR_REMOTE_KVS with blocks allocated for the prompt blocks it
+   lacks; the worker posts one READ of every layer's K and V of those
+   blocks; when NIXL reports it done the request is in ``finished_recving``
+   and the producer, notified by the READ itself, frees its copy.
+3. Anything failing on the way is reported through
+   ``get_block_ids_with_load_errors`` and recomputed on the decode pod.
+
+Extra config (``kv_connector_extra_config``): ``side_channel_host`` and
+``side_channel_port`` (where peers reach this pod's gRPC server; ``tandem
+serve`` fills them in from --host/--port), ``handshake_timeout`` (seconds,
+default 10). The lease and transfer timeout are ``--kv-lease-seconds`` and
+``--kv-transfer-timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from connectors.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from connectors.nixl_handshake import PeerInfo, compat_facts, compat_hash, fetch_peer_info
+from connectors.nixl_worker import NixlWorker, RecvSpec, RemoteSource
+from engine.request import RequestStatus
+
+if TYPE_CHECKING:
+    from engine.kv_cache.manager import KVCacheBlocks
+    from engine.outputs import KVConnectorOutput
+    from engine.request import Request
+    from engine.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class NixlConnectorMetadata(KVConnectorMetadata):
+    holds: list[str] = field(default_factory=list)  # producer: keep these for a consumer
+    expects: list[tuple[str, RemoteSource]] = field(default_factory=list)  # consumer
+    recvs: list[RecvSpec] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)  # consumer: no READ will come
+
+
+class NixlConnector(KVConnectorBase):
+    def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
+        super().__init__(role, context)
+        config = context.config
+        extra = config.kv_connector_extra_config
+        self.block_size = context.layout.block_size
+        self.is_producer = config.is_producer
+        self.is_consumer = config.is_consumer
+        self.agent_name = f"tandem-{context.engine_id}"
+        host = str(extra.get("side_channel_host", "127.0.0.1"))
+        self.address = f"{host}:{extra.get('side_channel_port', 50051)}"
+        self.compat = compat_facts(context.model_name, context.layout)
+        self.compat_hash = compat_hash(self.compat)
+        self.handshake_timeout = float(extra.get("handshake_timeout", 10.0))
+        # scheduler half
+        self._meta = NixlConnectorMetadata()
+        self._sources: dict[str, RemoteSource | None] = {}
+        self._local_tokens: dict[str, int] = {}
+        self._inflight: dict[str, RecvSpec] = {}
+        self._failed: set[str] = set()
+        # worker half
+        self.worker: NixlWorker | None = None
+        self._payload: bytes | None = None
+
+    # ==== scheduler half ===================================================
+
+    def request_added(self, request: Request) -> None:
+        source = self._source(request)
+        if source is not None:
+            self._meta.expects.append((request.request_id, source))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        source = self._source(request)
+        if source is None or request.request_id in self._failed:
+            return 0, False
+        self._local_tokens[request.request_id] = num_computed_tokens
+        # Every prompt token the producer computed, partial last block too;
+        # the request's last token is always computed here.
+        last = min(source.num_tokens, len(source.block_ids) * self.block_size)
+        count = max(0, min(last, request.num_tokens - 1) - num_computed_tokens)
+        return count, count > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        source = self._source(request)
+        local = self._local_tokens.pop(req_id, 0)
+        if source is None:
+            return
+        if num_external_tokens == 0:
+            self._meta.ended.append(req_id)  # all local: the producer may free
+            return
+        first = local // self.block_size
+        end = -(-(local + num_external_tokens) // self.block_size)
+        spec = RecvSpec(
+            req_id,
+            source,
+            local_ids=list(blocks.get_block_ids()[first:end]),
+            remote_ids=list(source.block_ids[first:end]),
+        )
+        self._meta.recvs.append(spec)
+        self._inflight[req_id] = spec
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+        meta, self._meta = self._meta, NixlConnectorMetadata()
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = connector_output.invalid_block_ids
+        for req_id in connector_output.finished_recving or ():
+            spec = self._inflight.pop(req_id, None)
+            if spec is not None and invalid.intersection(spec.local_ids):
+                self._failed.add(req_id)  # recompute; never read again
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._local_tokens.pop(req_id, None)
+        self._failed.discard(req_id)
+        if self._sources.pop(req_id, None) is not None:
+            self._meta.ended.append(req_id)
+        # A READ under way writes into these blocks: they wait for it.
+        delay_free = self._inflight.pop(req_id, None) is not None
+        params = request.kv_transfer_params or {}
+        if self.is_producer and params.get("do_remote_decode"):
+            return self._offer(request, block_ids)
+        return delay_free, None
+
+    def _offer(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Producer: keep a finished request's prompt blocks (the last one
+        partial) for the consumer; kv_transfer_params say where they are."""
+        if request.status not in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        ):
+            return False, None  # aborted or failed: nobody will read
+        computed = request.num_computed_tokens
+        held = min(-(-computed // self.block_size), len(block_ids))
+        params = {
+            "do_remote_prefill": True,
+            "kv_connector": "nixl",
+            "remote_engine_id": self.context.engine_id if self.context else "",
+            "remote_agent": self.agent_name,
+            "remote_address": self.address,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": block_ids[:held],
+            "remote_num_tokens": min(computed, held * self.block_size),
+            "remote_compat": self.compat_hash,
+            "num_blocks": held,
+        }
+        if held == 0:
+            return False, params
+        self._meta.holds.append(request.request_id)
+        return True, params
+
+    def _source(self, request: Request) -> RemoteSource | None:
+        """Where a consumer request's KV is; None if it reads nothing (not
+        a remote prefill, or malformed params). Compatibility is checked at
+        the handshake, which names what differs."""
+        req_id = request.request_id
+        if req_id in self._sources:
+            return self._sources[req_id]
+        params = request.kv_transfer_params or {}
+        source = None
+        if self.is_consumer and params.get("do_remote_prefill") and params.get("remote_agent"):
+            try:
+                source = RemoteSource.from_params(params)
+            except ValueError as e:
+                logger.error("request %s: %s; recomputing its prompt", req_id, e)
+        self._sources[req_id] = source
+        return source
+
+    # ==== worker half ======================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from connectors.nixl_endpoint import NixlEndpoint
+
+        assert self.context is not None
+        endpoint = NixlEndpoint(self.agent_name, list(kv_caches.values()))
+        config = self.context.config
+        self.worker = NixlWorker(
+            endpoint,
+            self.compat,
+            lease=config.kv_lease_seconds,
+            timeout=config.kv_transfer_timeout,
+            fetch=self._fetch,
+        )
+        self._payload = PeerInfo(
+            agent_name=self.agent_name,
+            agent_metadata=endpoint.metadata(),
+            num_blocks=endpoint.num_blocks,
+            half_bytes=endpoint.half_bytes,
+            layer_addrs=endpoint.layer_addrs,
+            compat=self.compat,
+        ).to_bytes()
+
+    def _fetch(self, address: str) -> PeerInfo:
+        return fetch_peer_info(address, self.handshake_timeout)
+
+    def side_channel_payload(self) -> bytes | None:
+        return self._payload
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        meta = self._metadata
+        if self.worker is None or not isinstance(meta, NixlConnectorMetadata):
+            return
+        now = time.monotonic()
+        for req_id in meta.holds:
+            self.worker.hold(req_id, now)
+        for req_id, source in meta.expects:
+            self.worker.expect(req_id, source)
+        for spec in meta.recvs:
+            self.worker.receive(spec, now)
+        for req_id in meta.ended:
+            self.worker.end(req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # READs are asynchronous: the request waits, the forward does not
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
+        pass  # the consumer reads; the producer only keeps its blocks
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        sending, recving = self.worker.poll(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_invalid() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,316 @@
+"""The worker half of NixlConnector: leases on the producer, READs on the consumer.
+
+Producer (prefill pod): a finished do_remote_decode request's blocks are
+*held*. The hold ends when the consumer's READ completes (NIXL delivers the
+READ's notification, ``done:<id>``), when the consumer rejects the request
+(``reject:<id>``), when the lease lapses (no ``hb:<id>`` heartbeat for
+``lease`` seconds), or ``timeout`` seconds after it began whatever the
+heartbeats say. Either way the request is reported in ``finished_sending``
+and the scheduler frees its blocks: none is stranded.
+
+Consumer (decode pod): for each request that will read, the peer's handshake
+starts as soon as the request arrives (``awaiting``) and heartbeats go out
+every ``lease / 3`` seconds until the READ is over. A READ is posted once the
+blocks are allocated (``recvs``) and polled every step. Any failure (peer
+unreachable or incompatible, peer restarted, transfer error, ``timeout``)
+reports the request's blocks as invalid, and the scheduler recomputes them.
+
+All NIXL calls run on the engine thread; only the gRPC handshake runs on a
+helper thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from connectors.nixl_endpoint import NixlEndpoint, Peer
+from connectors.nixl_handshake import PeerInfo, incompatibility
+
+logger = logging.getLogger(__name__)
+
+# A failed handshake is retried (for a new request) after this long.
+HANDSHAKE_RETRY_SECONDS = 5.0
+# A done/reject that beats the hold it is about is kept this long.
+EARLY_NOTIF_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """Where a consumer request's KV is: the producer's kv_transfer_params."""
+
+    address: str  # the producer's side channel (its gRPC host:port)
+    agent_name: str
+    request_id: str  # the producer's id for the request
+    block_ids: tuple[int, ...]  # its prompt blocks, in order (the last may be partial)
+    num_tokens: int  # prompt tokens those blocks hold
+    compat_hash: str
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> RemoteSource:
+        """Raises ValueError naming the missing or malformed key."""
+        try:
+            return cls(
+                address=str(params["remote_address"]),
+                agent_name=str(params["remote_agent"]),
+                request_id=str(params["remote_request_id"]),
+                block_ids=tuple(int(b) for b in params["remote_block_ids"]),
+                num_tokens=int(params["remote_num_tokens"]),
+                compat_hash=str(params["remote_compat"]),
+            )
+        except KeyError as e:
+            raise ValueError(f"kv_transfer_params lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"kv_transfer_params is malformed: {e}") from None
+
+
+@dataclass
+class RecvSpec:
+    req_id: str
+    source: RemoteSource
+    local_ids: list[int]
+    remote_ids: list[int]
+
+
+@dataclass
+class _Hold:
+    lease_until: float
+    hard_until: float
+
+
+@dataclass
+class _Read:
+    spec: RecvSpec
+    deadline: float
+    handle: Any = None
+
+
+@dataclass
+class _PeerSlot:
+    """What we know of the engine at one address."""
+
+    peer: Peer | None = None
+    future: Future[PeerInfo] | None = None
+    error: str | None = None
+    error_at: float = 0.0
+    # Agent names a fetch was started for: a source naming one of these
+    # that the fetch did not find is from a gone incarnation.
+    asked: set[str] = field(default_factory=set)
+
+
+class NixlWorker:
+    def __init__(
+        self,
+        endpoint: NixlEndpoint,
+        compat: dict[str, Any],
+        lease: float,
+        timeout: float,
+        fetch: Callable[[str], PeerInfo],
+    ) -> None:
+        self.endpoint = endpoint
+        self.compat = compat
+        self.lease = lease
+        self.timeout = timeout
+        self._fetch = fetch
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="nixl-handshake")
+        # producer
+        self.holds: dict[str, _Hold] = {}
+        self._early: dict[str, float] = {}
+        self.ignored_notifs = 0
+        # consumer
+        self.awaiting: dict[str, RemoteSource] = {}
+        self.reads: dict[str, _Read] = {}
+        self.slots: dict[str, _PeerSlot] = {}
+        self._invalid: set[int] = set()
+        self._next_heartbeat = 0.0
+
+    # ---- instructions from the scheduler half -----------------------------
+
+    def hold(self, req_id: str, now: float) -> None:
+        self.holds[req_id] = _Hold(now + self.lease, now + self.timeout)
+
+    def expect(self, req_id: str, source: RemoteSource) -> None:
+        """A request will read from ``source``: handshake now, heartbeat on."""
+        self.awaiting[req_id] = source
+        self._resolve(source, time.monotonic())
+
+    def receive(self, spec: RecvSpec, now: float) -> None:
+        self.awaiting.setdefault(spec.req_id, spec.source)
+        self.reads[spec.req_id] = _Read(spec, deadline=now + self.timeout)
+
+    def end(self, req_id: str) -> None:
+        """No READ will come for ``req_id`` (finished, or nothing to load):
+        tell the producer to free, unless a READ is under way."""
+        source = self.awaiting.pop(req_id, None)
+        if source is not None and req_id not in self.reads:
+            self._tell(source, b"reject")
+
+    # ---- polled every step --------------------------------------------------
+
+    def poll(self, finished: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving). ``finished``: requests the
+        scheduler finished this step; a READ of theirs is abandoned or, if
+        under way, waited for, then reported in finished_sending."""
+        now = time.monotonic()
+        sending = self._poll_holds(now)
+        done, released = self._poll_reads(now, finished)
+        if now >= self._next_heartbeat:
+            self._heartbeat()
+            self._next_heartbeat = now + self.lease / 3
+        return sending | released, done
+
+    def take_invalid(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    # ---- producer -------------------------------------------------------------
+
+    def _poll_holds(self, now: float) -> set[str]:
+        released: set[str] = set()
+        for message in self.endpoint.take_notifs():
+            kind, _, ids = message.decode(errors="replace").partition(":")
+            for req_id in ids.split(","):
+                self._on_notif(kind, req_id, now, released)
+        for req_id, when in list(self._early.items()):
+            if req_id in self.holds:
+                released.add(req_id)
+            elif now - when > EARLY_NOTIF_SECONDS:
+                del self._early[req_id]
+        for req_id, hold in self.holds.items():
+            if now >= min(hold.lease_until, hold.hard_until):
+                why = "lease lapsed" if now < hold.hard_until else "transfer timeout"
+                logger.warning("freeing KV blocks of %s nobody fetched (%s)", req_id, why)
+                released.add(req_id)
+        for req_id in released:
+            self.holds.pop(req_id, None)
+            self._early.pop(req_id, None)
+        return released
+
+    def _on_notif(self, kind: str, req_id: str, now: float, released: set[str]) -> None:
+        hold = self.holds.get(req_id)
+        if kind in ("done", "reject") and hold is not None:
+            released.add(req_id)
+        elif kind == "hb" and hold is not None:
+            hold.lease_until = min(now + self.lease, hold.hard_until)
+        elif kind in ("done", "reject"):
+            self._early[req_id] = now  # its hold may arrive next step
+        else:
+            self.ignored_notifs += 1
+            logger.info("ignoring NIXL notification %s:%s (no such hold)", kind, req_id)
+
+    # ---- consumer -------------------------------------------------------------
+
+    def _poll_reads(self, now: float, finished: set[str]) -> tuple[set[str], set[str]]:
+        done: set[str] = set()
+        released: set[str] = set()
+        for req_id, read in list(self.reads.items()):
+            orphan = req_id in finished or req_id not in self.awaiting
+            outcome = self._advance(read, now, abandon=orphan)
+            if outcome is None:
+                continue
+            del self.reads[req_id]
+            self.awaiting.pop(req_id, None)
+            if outcome != "DONE":
+                self._tell(read.spec.source, b"reject")
+                if not orphan:  # nobody computes with an orphan's blocks
+                    logger.warning("KV transfer for %s failed (%s): recomputing", req_id, outcome)
+                    self._invalid.update(read.spec.local_ids)
+            (released if orphan else done).add(req_id)
+        return done, released
+
+    def _advance(self, read: _Read, now: float, abandon: bool) -> str | None:
+        """None while the READ is pending; else "DONE" or why it failed."""
+        if read.handle is None:
+            if abandon:
+                return "request finished before its transfer"
+            peer = self._resolve(read.spec.source, now)
+            if isinstance(peer, str):
+                return peer
+            if peer is None:
+                return "handshake timed out" if now >= read.deadline else None
+            return self._post(read, peer)
+        state = self.endpoint.state(read.handle)
+        if state == "PROC" and now < read.deadline:
+            return None
+        if not self.endpoint.release(read.handle):
+            return None  # NIXL still owns the blocks: try again next step
+        read.handle = None
+        return {"DONE": "DONE", "ERR": "transfer error"}.get(state, "transfer timed out")
+
+    def _post(self, read: _Read, peer: Peer) -> str | None:
+        spec = read.spec
+        notif = b"done:" + spec.source.request_id.encode()
+        try:
+            read.handle = self.endpoint.read(peer, spec.local_ids, spec.remote_ids, notif)
+        except Exception as e:
+            return f"posting the READ failed: {e}"
+        return None
+
+    def _resolve(self, source: RemoteSource, now: float) -> Peer | str | None:
+        """The peer holding ``source``'s blocks; None while the handshake
+        runs; a string saying why it cannot be had."""
+        slot = self.slots.setdefault(source.address, _PeerSlot())
+        if slot.future is not None:
+            if not slot.future.done():
+                return None
+            self._finish_handshake(source.address, slot, now)
+        if slot.peer is not None and slot.peer.info.agent_name == source.agent_name:
+            return slot.peer
+        if source.agent_name in slot.asked:
+            if slot.error is not None:
+                return slot.error
+            current = slot.peer.info.agent_name if slot.peer is not None else "none"
+            return f"peer {source.address} restarted: {source.agent_name} gone, now {current}"
+        if slot.error is not None and now - slot.error_at < HANDSHAKE_RETRY_SECONDS:
+            return slot.error
+        slot.asked.add(source.agent_name)
+        slot.error = None
+        slot.future = self._pool.submit(self._fetch, source.address)
+        return None
+
+    def _finish_handshake(self, address: str, slot: _PeerSlot, now: float) -> None:
+        future, slot.future = slot.future, None
+        assert future is not None
+        try:
+            info = future.result()
+            problem = incompatibility(self.compat, info.compat)
+            if problem is not None:
+                raise ValueError(f"incompatible KV cache: {problem}")
+            if slot.peer is not None:
+                self.endpoint.remove_peer(slot.peer.info.agent_name)
+                slot.peer = None
+            slot.peer = self.endpoint.add_peer(info)
+            logger.info("NIXL handshake with %s done (agent %s)", address, info.agent_name)
+        except Exception as e:
+            slot.error, slot.error_at = f"NIXL peer {address} refused: {e}", now
+            logger.error("%s", slot.error)
+
+    def _heartbeat(self) -> None:
+        by_agent: dict[str, list[str]] = {}
+        for source in self.awaiting.values():
+            by_agent.setdefault(source.agent_name, []).append(source.request_id)
+        for agent, ids in by_agent.items():
+            if any(
+                s.peer is not None and s.peer.info.agent_name == agent for s in self.slots.values()
+            ):
+                self.endpoint.notify(agent, b"hb:" + ",".join(ids).encode())
+
+    def _tell(self, source: RemoteSource, kind: bytes) -> None:
+        slot = self.slots.get(source.address)
+        peer = slot.peer if slot is not None else None
+        if peer is not None and peer.info.agent_name == source.agent_name:
+            self.endpoint.notify(source.agent_name, kind + b":" + source.request_id.encode())
+
+    def health(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for read in self.reads.values():
+            if read.handle is not None:
+                self.endpoint.release(read.handle)
+        self.endpoint.close()

@@ -1,0 +1,196 @@
+"""Prefill/decode disaggregation over NixlConnector, with real processes:
+`tandem serve --role prefill|decode` pods whose NIXL agents (UCX over host
+memory) READ KV blocks from each other, `tandem router` in front, and the
+session's colocated server as the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from service.convert import struct_to_dict
+from service.gen.tandem.v1 import generation_pb2 as pb
+from tests.integration.servers import ServerProcess
+from tests.integration.test_pd import (
+    PROMPTS,
+    SMALL,
+    _check_parity,
+    _generate,
+    _generate_all,
+    _kv,
+    _leg,
+    _status,
+    _tokenize,
+    _wait_idle,
+)
+
+pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
+
+PRODUCER = _kv("nixl", "kv_producer", {})
+CONSUMER = _kv("nixl", "kv_consumer", {})
+# The decode pods get a smaller cache than the prefill pods: peers with
+# different block counts must still find each other's blocks.
+DECODE_SMALL = ["--kv-cache-memory", "192M", "--max-model-len", "2048"]
+
+
+def _idle(target: str) -> None:
+    status = asyncio.run(_wait_idle(target))
+    assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+
+
+@pytest.fixture(scope="module")
+def reference(server: ServerProcess) -> list[pb.GenerateResponse]:
+    return asyncio.run(_generate_all(server.target, PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def nixl_pd() -> Iterator[tuple[str, str, str]]:
+    with (
+        ServerProcess(["--role", "prefill", *SMALL, *PRODUCER]) as prefill,
+        ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as decode,
+        ServerProcess(
+            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+            command="router",
+        ) as router,
+    ):
+        yield router.target, prefill.target, decode.target
+
+
+def test_pd_over_nixl_matches_colocated(
+    nixl_pd: tuple[str, str, str], reference: list[pb.GenerateResponse]
+) -> None:
+    router, prefill, decode = nixl_pd
+    first = asyncio.run(_generate(router, PROMPTS[0]))
+    # The decode pod computed only the token the prefill pod sampled: every
+    # prompt token's KV came over NIXL.
+    assert first.usage.cached_tokens == first.usage.prompt_tokens
+    assert asyncio.run(_status(decode)).kv_connector_hits == first.usage.prompt_tokens
+    got = asyncio.run(_generate_all(router, PROMPTS))
+    _check_parity([first], reference[:1])
+    _check_parity(got, reference)
+    # Every hold was released by the READ's notification (the lease is 30 s).
+    _idle(prefill)
+    _idle(decode)
+
+
+def _prefill_leg(target: str, ids: list[int]) -> tuple[list[int], dict[str, Any]]:
+    """The router's first leg, sent straight to a prefill pod: (its one
+    token, the kv_transfer_params for the decode leg)."""
+    first = asyncio.run(_leg(target, ids, 1, {"do_remote_decode": True}))
+    params = struct_to_dict(first.kv_transfer_params)
+    assert params["do_remote_prefill"] is True and params["kv_connector"] == "nixl"
+    return list(first.token_ids), params
+
+
+def _decode_leg(
+    target: str, ids: list[int], first: list[int], params: dict[str, Any]
+) -> pb.GenerateResponse:
+    return asyncio.run(_leg(target, ids + first, 11, params))
+
+
+def _handshakes(proc: ServerProcess, address: str) -> int:
+    assert proc.log_path is not None
+    log = proc.log_path.read_text(errors="replace")
+    return len(re.findall(rf"NIXL handshake with {re.escape(address)} done", log))
+
+
+def test_prefill_pod_killed_before_the_read(
+    server: ServerProcess, reference: list[pb.GenerateResponse]
+) -> None:
+    """The decode pod cannot reach the prefill pod's blocks: it recomputes,
+    and the answer is unchanged."""
+    ids = asyncio.run(_tokenize(server.target, PROMPTS[1]))
+    pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
+    pre.__enter__()  # not a `with`: it is killed, not drained
+    try:
+        with ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec:
+            first, params = _prefill_leg(pre.target, ids)
+            assert pre.proc is not None
+            pre.proc.kill()
+            pre.proc.wait()
+            rest = _decode_leg(dec.target, ids, first, params)
+            assert first + list(rest.token_ids) == list(reference[1].token_ids)
+            assert rest.usage.cached_tokens == 0  # all recomputed
+            assert "NIXL peer 127.0.0.1" in dec.log() and "refused" in dec.log()
+            _idle(dec.target)
+    finally:
+        if pre.proc is not None and pre.proc.poll() is None:
+            pre.proc.kill()
+            pre.proc.wait()
+
+
+def test_prefill_frees_blocks_nobody_reads() -> None:
+    """A decode pod that never reads: the prefill pod holds the blocks for
+    the lease, then frees them."""
+    lease = ["--kv-lease-seconds", "2", "--kv-transfer-timeout", "30"]
+    with ServerProcess(["--role", "prefill", *SMALL, *PRODUCER, *lease]) as pre:
+        ids = asyncio.run(_tokenize(pre.target, PROMPTS[2]))
+        _, params = _prefill_leg(pre.target, ids)
+        assert len(params["remote_block_ids"]) == -(-len(ids) // 16)
+        held = asyncio.run(_status(pre.target))
+        assert held.kv_cache_usage > 0, "the prefill pod let the blocks go at once"
+        start = time.monotonic()
+        _idle(pre.target)
+        assert time.monotonic() - start < 15
+        assert "freeing KV blocks of" in pre.log() and "lease lapsed" in pre.log()
+
+
+def test_restarted_peers_are_handshaken_again(
+    server: ServerProcess, reference: list[pb.GenerateResponse]
+) -> None:
+    """A decode pod restarted (a new one handshakes afresh) and a prefill pod
+    restarted on the same address (a new incarnation: the decode pod's
+    cached entry is stale and is fetched again)."""
+    ids = asyncio.run(_tokenize(server.target, PROMPTS[3]))
+    want = list(reference[3].token_ids)
+    pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
+    with pre:
+        address = pre.target
+        for _ in range(2):  # the second decode pod is the restarted one
+            with ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec:
+                first, params = _prefill_leg(pre.target, ids)
+                rest = _decode_leg(dec.target, ids, first, params)
+                assert first + list(rest.token_ids) == want
+                assert rest.usage.cached_tokens == len(ids)
+                assert _handshakes(dec, address) == 1
+        _idle(pre.target)
+        with ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec:
+            first, params = _prefill_leg(pre.target, ids)
+            _decode_leg(dec.target, ids, first, params)
+            pre.terminate()
+            again = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
+            again.port, again.target = pre.port, pre.target
+            with again:
+                # Another prompt: this decode pod has the first one cached.
+                ids = asyncio.run(_tokenize(server.target, PROMPTS[5]))
+                first, params2 = _prefill_leg(again.target, ids)
+                assert params2["remote_agent"] != params["remote_agent"]
+                rest = _decode_leg(dec.target, ids, first, params2)
+                assert first + list(rest.token_ids) == list(reference[5].token_ids)
+                assert rest.usage.cached_tokens == len(ids)
+                assert _handshakes(dec, address) == 2
+                _idle(again.target)
+
+
+def test_mismatched_block_size_is_refused(
+    server: ServerProcess, reference: list[pb.GenerateResponse]
+) -> None:
+    """A prefill pod with 32-token blocks and a decode pod with 16: the
+    handshake refuses, naming the difference, and the decode pod recomputes."""
+    ids = asyncio.run(_tokenize(server.target, PROMPTS[4]))
+    with (
+        ServerProcess(["--role", "prefill", *SMALL, "--block-size", "32", *PRODUCER]) as pre,
+        ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec,
+    ):
+        first, params = _prefill_leg(pre.target, ids)
+        rest = _decode_leg(dec.target, ids, first, params)
+        assert first + list(rest.token_ids) == list(reference[4].token_ids)
+        assert rest.usage.cached_tokens == 0
+        assert "incompatible KV cache: block_size: peer 32, here 16" in dec.log()
+        _idle(dec.target)
+        _idle(pre.target)  # the decode pod's reject freed the blocks

@@ -1,0 +1,1 @@
+"""Tests of the Helm chart (helm/tandem), rendered with Helm's own library."""
