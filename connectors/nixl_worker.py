@@ -158,8 +158,8 @@ class NixlWorker:
         now = time.monotonic()
         sending = self._poll_holds(now)
         done, released = self._poll_reads(now, finished)
-        if now >= self._next_heartbeat:
-            self._heartbeat()
+        if self.awaiting and now >= self._next_heartbeat:
+            self._heartbeat(now)
             self._next_heartbeat = now + self.lease / 3
         return sending | released, done
 
@@ -289,15 +289,17 @@ class NixlWorker:
             slot.error, slot.error_at = f"NIXL peer {address} refused: {e}", now
             logger.error("%s", slot.error)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, now: float) -> None:
+        """One hb message per producer naming every request still to read
+        from it (resolving a handshake that finished meanwhile)."""
         by_agent: dict[str, list[str]] = {}
         for source in self.awaiting.values():
+            peer = self._resolve(source, now)
+            if not isinstance(peer, Peer):
+                continue
             by_agent.setdefault(source.agent_name, []).append(source.request_id)
         for agent, ids in by_agent.items():
-            if any(
-                s.peer is not None and s.peer.info.agent_name == agent for s in self.slots.values()
-            ):
-                self.endpoint.notify(agent, b"hb:" + ",".join(ids).encode())
+            self.endpoint.notify(agent, b"hb:" + ",".join(ids).encode())
 
     def _tell(self, source: RemoteSource, kind: bytes) -> None:
         slot = self.slots.get(source.address)

@@ -387,6 +387,13 @@ def _add_router(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         default=0.5,
         help="how often pods are asked for their load (default: 0.5)",
     )
+    p.add_argument(
+        "--resolve-seconds",
+        type=float,
+        default=5.0,
+        help="how often a pool address that is a DNS name (e.g. a Kubernetes headless "
+        "Service) is resolved again into one pod per address (default: 5)",
+    )
     p.set_defaults(run=_run_router)
 
 
@@ -403,6 +410,7 @@ def _run_router(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         poll_seconds=args.poll_seconds,
+        resolve_seconds=args.resolve_seconds,
     )
     asyncio.run(serve_router(config))
     return 0

@@ -5,13 +5,20 @@ KV usage) and, for decode and colocated pods, followed through
 SubscribeKvEvents: the set of block hashes it holds, as llm-d's and
 Dynamo's routers keep it. `PodPool.pick` prefers the pod holding the
 longest prefix of a prompt's block hashes, then the least loaded.
+
+A pool address whose host is a DNS name (a Kubernetes headless Service)
+stands for every address it resolves to: one pod each, re-resolved every few
+seconds. An IP literal (or any other gRPC target) is one pod, used as given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
-from collections.abc import Sequence
+import re
+import socket
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,7 +31,7 @@ from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # a pod is itself, whatever its fields say
 class Pod:
     address: str
     channel: grpc.aio.Channel
@@ -34,6 +41,7 @@ class Pod:
     block_size: int = 0
     blocks: set[bytes] = field(default_factory=set)
     in_flight: int = 0
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)  # its polling and events
 
     def prefix_blocks(self, hashes: Sequence[bytes]) -> int:
         for i, block_hash in enumerate(hashes):
@@ -52,35 +60,169 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
     return hashes
 
 
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+"""(host, port) -> the host's IP addresses; [] if it has none, OSError if
+DNS could not answer."""
+
+# A gRPC target's address with a DNS name: "name:port".
+_NAME_PORT = re.compile(r"([A-Za-z0-9.-]+):([0-9]+)")
+# How long a retired pod's open calls may go on. It may be draining: Kubernetes
+# takes a terminating pod out of DNS first, and its drain ends them sooner.
+RETIRE_GRACE_SECONDS = 3600.0
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """The default `Resolver`: getaddrinfo in the event loop's executor (it blocks)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return []  # NXDOMAIN: a headless Service with no ready pod
+        raise
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def dns_name(address: str) -> tuple[str, int] | None:
+    """(host, port) when `address` is "name:port" with a DNS name; None for an
+    IP literal or any other gRPC target."""
+    match = _NAME_PORT.fullmatch(address)
+    if match is None:
+        return None
+    try:
+        ipaddress.ip_address(match[1])
+        return None
+    except ValueError:
+        return match[1], int(match[2])
+
+
+def _pod_address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 class PodPool:
     """Pods of one kind (prefill, or decode/colocated). Start with `start()`,
     stop with `close()`."""
 
     def __init__(
-        self, name: str, addresses: Sequence[str], *, follow_kv_events: bool, poll_seconds: float
+        self,
+        name: str,
+        addresses: Sequence[str],
+        *,
+        follow_kv_events: bool,
+        poll_seconds: float,
+        resolve_seconds: float = 5.0,
+        resolver: Resolver = resolve_host,
     ) -> None:
         self.name = name
-        self.pods = []
-        for address in addresses:
-            channel = open_channel(address)
-            stub = pb_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
-            self.pods.append(Pod(address, channel, stub))
         self.follow_kv_events = follow_kv_events
         self.poll_seconds = poll_seconds
-        self._tasks: list[asyncio.Task[None]] = []
+        self.resolve_seconds = resolve_seconds
+        self._resolver = resolver
+        # Per address given, its pods by their own address; in the order given,
+        # which `pick` keeps among equals.
+        self._by_address: dict[str, dict[str, Pod]] = {}
+        self._names: dict[str, tuple[str, int]] = {}
+        for address in addresses:
+            name_port = dns_name(address)
+            if name_port is None:
+                self._by_address[address] = {address: self._new_pod(address)}
+            else:
+                self._by_address[address] = {}
+                self._names[address] = name_port
+        self.pods: list[Pod] = []
+        self._list_pods()
+        self._unresolved: set[str] = set()  # names already logged as resolving to nothing
+        self._retiring: list[Pod] = []
+        self._resolving: asyncio.Task[None] | None = None
+        self._started = False
 
     def start(self) -> None:
+        self._started = True
         for pod in self.pods:
-            self._tasks.append(asyncio.create_task(self._poll(pod)))
-            if self.follow_kv_events:
-                self._tasks.append(asyncio.create_task(self._follow(pod)))
+            self._start_pod(pod)
+        if self._names:
+            self._resolving = asyncio.create_task(self._track_dns())
 
     async def close(self) -> None:
-        for task in self._tasks:
+        pods = [*self.pods, *self._retiring]
+        tasks = [task for pod in pods for task in pod.tasks]
+        if self._resolving is not None:
+            tasks.append(self._resolving)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for pod in self.pods:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for pod in pods:
             await pod.channel.close()
+
+    async def resolve(self) -> None:
+        """Resolve each DNS name once: a pod for each new address, and the
+        pods of addresses gone retired."""
+        for address, (host, port) in self._names.items():
+            try:
+                ips = await self._resolver(host, port)
+            except (OSError, UnicodeError) as e:
+                # DNS did not answer (or the name is no DNS name: UnicodeError): keep the
+                # pods we know, if any; their polling tells their health.
+                self._log_unresolved(address, f"cannot be resolved ({e})")
+                continue
+            if not ips:
+                self._log_unresolved(address, "resolves to no address")
+            elif address in self._unresolved:
+                self._unresolved.discard(address)
+                logger.info("%s address %s resolves again", self.name, address)
+            self._update(address, [_pod_address(ip, port) for ip in ips])
+        self._list_pods()
+
+    def _log_unresolved(self, address: str, why: str) -> None:
+        if address not in self._unresolved:
+            self._unresolved.add(address)
+            logger.warning("%s address %s %s: no pod from it for now", self.name, address, why)
+
+    def _update(self, address: str, wanted: list[str]) -> None:
+        pods = self._by_address[address]
+        for pod_address in wanted:
+            if pod_address not in pods:
+                logger.info("%s pod %s added (%s)", self.name, pod_address, address)
+                pods[pod_address] = pod = self._new_pod(pod_address)
+                if self._started:
+                    self._start_pod(pod)
+        for pod_address in [a for a in pods if a not in wanted]:
+            logger.info("%s pod %s retired (gone from %s)", self.name, pod_address, address)
+            self._retire(pods.pop(pod_address))
+
+    def _list_pods(self) -> None:
+        # A new list, not an update: a caller going through the old one (awaiting
+        # each pod) is not disturbed.
+        self.pods = [pod for pods in self._by_address.values() for pod in pods.values()]
+
+    def _new_pod(self, address: str) -> Pod:
+        channel = open_channel(address)
+        stub = pb_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
+        return Pod(address, channel, stub)
+
+    def _start_pod(self, pod: Pod) -> None:
+        pod.tasks.append(asyncio.create_task(self._poll(pod)))
+        if self.follow_kv_events:
+            pod.tasks.append(asyncio.create_task(self._follow(pod)))
+
+    def _retire(self, pod: Pod) -> None:
+        """Stop following the pod; its channel closes once the calls on it
+        (requests picked before) have ended."""
+        pod.healthy = False
+        for task in pod.tasks:
+            task.cancel()
+        self._retiring.append(pod)
+        pod.tasks.append(asyncio.create_task(self._close_retired(pod, list(pod.tasks))))
+
+    async def _close_retired(self, pod: Pod, tasks: list[asyncio.Task[None]]) -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await pod.channel.close(grace=RETIRE_GRACE_SECONDS)
+        self._retiring.remove(pod)
+
+    async def _track_dns(self) -> None:
+        while True:
+            await self.resolve()
+            await asyncio.sleep(self.resolve_seconds)
 
     @property
     def any_healthy(self) -> bool:

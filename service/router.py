@@ -17,6 +17,9 @@ decode sample it again) keeps a sampled first token and what follows it
 consistent. Without a prefill pool (``--decode`` only: a colocated pool)
 the router forwards whole requests, prefix-aware.
 
+A pool address with a DNS name (a Kubernetes headless Service) stands for
+every pod it resolves to, re-resolved every ``resolve_seconds`` (service/pods.py).
+
 A client that cancels or disconnects cancels both legs (each pod aborts its
 request and frees its blocks). A pod error ends the call with that pod's
 status.
@@ -52,10 +55,14 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50050
     poll_seconds: float = 0.5
+    resolve_seconds: float = 5.0  # how often pool addresses with DNS names are resolved
 
     def __post_init__(self) -> None:
         if not self.decode:
             raise ValueError("decode: the router needs at least one decode (or colocated) pod")
+        for name in ("poll_seconds", "resolve_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected seconds > 0")
 
 
 class _LegFailed(Exception):
@@ -198,7 +205,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 try:
                     resp = await pod.stub.Abort(request, timeout=5.0)
                     aborted.update(resp.aborted_request_ids)
-                except grpc.aio.AioRpcError:
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: pod retired
                     continue
         return pb.AbortResponse(aborted_request_ids=sorted(aborted))
 
@@ -236,7 +243,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             for pod in pool.pods:
                 try:
                     status = await pod.stub.GetServerStatus(request, timeout=5.0)
-                except grpc.aio.AioRpcError:
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: pod retired
                     continue
                 total.num_running += status.num_running
                 total.num_waiting += status.num_waiting
@@ -282,13 +289,21 @@ class TandemRouter:
         self.config = config
         self.prefill = (
             PodPool(
-                "prefill", config.prefill, follow_kv_events=False, poll_seconds=config.poll_seconds
+                "prefill",
+                config.prefill,
+                follow_kv_events=False,
+                poll_seconds=config.poll_seconds,
+                resolve_seconds=config.resolve_seconds,
             )
             if config.prefill
             else None
         )
         self.decode = PodPool(
-            "decode", config.decode, follow_kv_events=True, poll_seconds=config.poll_seconds
+            "decode",
+            config.decode,
+            follow_kv_events=True,
+            poll_seconds=config.poll_seconds,
+            resolve_seconds=config.resolve_seconds,
         )
         self.servicer = RouterServicer(self.prefill, self.decode)
         self.health = health.aio.HealthServicer()

@@ -376,3 +376,17 @@ def test_router_forwards_tokenize_and_model_info(shm_pd: tuple[str, str, str]) -
     info, routed, direct = asyncio.run(ask())
     assert info.role == "router" and info.model_name
     assert routed == direct and routed
+
+
+def test_router_resolves_pool_names_into_pods(server: ServerProcess) -> None:
+    """A pool address with a DNS name (a headless Service in Kubernetes;
+    localhost here) stands for the pods it resolves to; a name resolving to
+    nothing only adds no pod."""
+    port = server.target.rpartition(":")[2]
+    decode = f"localhost:{port},tandem-nowhere.invalid:{port}"
+    with ServerProcess(["--decode", decode, "--poll-seconds", "0.2"], command="router") as router:
+        got = asyncio.run(_generate(router.target, PROMPTS[0]))
+        log = router.log()
+    _check_parity([got], [asyncio.run(_generate(server.target, PROMPTS[0]))])
+    assert f"added (localhost:{port})" in log
+    assert f"tandem-nowhere.invalid:{port} resolves to no address" in log

@@ -1,0 +1,231 @@
+"""NixlWorker over two real NIXL agents (UCX, host memory) in one process.
+
+The handshake fetch is injected (the gRPC side channel is covered by
+tests/integration/test_nixl.py); everything else is the real thing: READs
+between two registered caches with different block counts, notifications,
+leases and heartbeats, refusals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from connectors.base import KVLayout
+from connectors.nixl_handshake import (
+    IncompatiblePeerError,
+    PeerInfo,
+    compat_facts,
+    incompatibility,
+)
+from connectors.nixl_worker import RecvSpec, RemoteSource
+
+nixl_endpoint = pytest.importorskip("connectors.nixl_endpoint")
+pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
+
+from connectors.nixl_endpoint import (  # noqa: E402
+    NixlEndpoint,
+    descriptor_indices,
+    descriptor_table,
+)
+from connectors.nixl_worker import NixlWorker  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+COMPAT = compat_facts("test-model", LAYOUT)
+ADDRESS = "10.0.0.1:50051"  # never dialled: the fetch is injected
+
+
+def _caches(num_blocks: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return [torch.randn(shape, generator=gen) for _ in range(LAYOUT.num_layers)]
+
+
+class Pair:
+    """A producer (8 blocks) and a consumer (6 blocks) worker."""
+
+    def __init__(self, lease: float = 5.0, timeout: float = 30.0) -> None:
+        self.prod_caches = _caches(8, 1)
+        self.cons_caches = _caches(6, 2)
+        prod = NixlEndpoint(f"prod-{id(self)}", self.prod_caches)
+        cons = NixlEndpoint(f"cons-{id(self)}", self.cons_caches)
+        self.info = PeerInfo(
+            prod.name, prod.metadata(), prod.num_blocks, prod.half_bytes, prod.layer_addrs, COMPAT
+        )
+        self.fetches = 0
+        self.serve: Callable[[], PeerInfo] = lambda: self.info
+        self.producer = NixlWorker(prod, COMPAT, lease, timeout, fetch=self._never)
+        self.consumer = NixlWorker(cons, COMPAT, lease, timeout, fetch=self._fetch)
+
+    def _fetch(self, address: str) -> PeerInfo:
+        assert address == ADDRESS
+        self.fetches += 1
+        return self.serve()
+
+    def _never(self, address: str) -> PeerInfo:
+        raise AssertionError("the producer never fetches")
+
+    def source(self, req: str = "r1", agent: str | None = None) -> RemoteSource:
+        return RemoteSource(ADDRESS, agent or self.info.agent_name, req, (5, 3, 7), 12, "h")
+
+    def pump(
+        self, until: Callable[[], bool], seconds: float = 5.0, finished: set[str] | None = None
+    ) -> tuple[set[str], set[str], set[str]]:
+        """Polls both workers until `until()` or `seconds`; returns (producer
+        finished_sending, consumer finished_sending, consumer finished_recving)."""
+        sent: set[str] = set()
+        released: set[str] = set()
+        done: set[str] = set()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            released_now, done_now = self.consumer.poll(finished or set())
+            released |= released_now
+            done |= done_now
+            sent |= self.producer.poll(set())[0]
+            if until():
+                break
+            time.sleep(0.01)
+        return sent, released, done
+
+    def close(self) -> None:
+        self.producer.close()
+        self.consumer.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def _block(caches: list[torch.Tensor], block: int) -> torch.Tensor:
+    return torch.stack([c[:, block] for c in caches])
+
+
+def test_descriptor_table_and_indices_address_every_layer_and_half() -> None:
+    table = descriptor_table([1000, 5000], num_blocks=3, half_bytes=10)
+    assert table.shape == (12, 3)
+    # layer 1, V half, block 2: entry (1 * 2 + 1) * 3 + 2 = 11
+    assert tuple(table[11]) == (5000 + 3 * 10 + 2 * 10, 10, 0)
+    idx = descriptor_indices([2, 0], num_layers=2, num_blocks=3)
+    assert idx.dtype == np.int32
+    assert list(idx) == [2, 0, 5, 3, 8, 6, 11, 9]
+    with pytest.raises(ValueError, match=r"out of range 0\.\.2"):
+        descriptor_indices([3], num_layers=2, num_blocks=3)
+
+
+def test_read_copies_the_blocks_and_frees_the_producer(pair: Pair) -> None:
+    pair.producer.hold("r1", time.monotonic())
+    source = pair.source()
+    pair.consumer.expect("r1", source)
+    pair.consumer.receive(RecvSpec("r1", source, [0, 4], [5, 3]), time.monotonic())
+    sent, released, done = pair.pump(lambda: bool(pair.producer.holds == {}))
+    assert done == {"r1"} and not released
+    assert sent == {"r1"}, "the READ's notification did not release the hold"
+    assert pair.consumer.take_invalid() == set()
+    for local, remote in ((0, 5), (4, 3)):
+        assert torch.equal(_block(pair.cons_caches, local), _block(pair.prod_caches, remote))
+    assert pair.fetches == 1
+
+
+def test_heartbeats_keep_a_hold_past_its_lease_until_the_consumer_rejects() -> None:
+    pair = Pair(lease=0.3, timeout=30.0)
+    try:
+        pair.producer.hold("r1", time.monotonic())
+        pair.consumer.expect("r1", pair.source())
+        sent, _, _ = pair.pump(lambda: False, seconds=1.2)
+        assert sent == set() and "r1" in pair.producer.holds
+        pair.consumer.end("r1")  # e.g. the request was aborted before its READ
+        sent, _, _ = pair.pump(lambda: "r1" not in pair.producer.holds, seconds=2.0)
+        assert sent == {"r1"}
+    finally:
+        pair.close()
+
+
+def test_a_hold_lapses_without_heartbeats_and_at_the_transfer_timeout() -> None:
+    pair = Pair(lease=0.2, timeout=0.6)
+    try:
+        now = time.monotonic()
+        pair.producer.hold("silent", now)
+        pair.producer.hold("beating", now)
+        pair.consumer.expect("beating", pair.source("beating"))
+        sent, _, _ = pair.pump(lambda: "silent" not in pair.producer.holds, seconds=2.0)
+        lapsed = time.monotonic() - now
+        assert sent == {"silent"} and 0.2 <= lapsed < 0.6
+        sent, _, _ = pair.pump(lambda: not pair.producer.holds, seconds=2.0)
+        assert sent == {"beating"} and time.monotonic() - now >= 0.6
+    finally:
+        pair.close()
+
+
+def test_a_done_that_beats_its_hold_still_releases_it(pair: Pair) -> None:
+    pair.consumer.expect("r1", pair.source())
+    pair.pump(lambda: pair.consumer.slots[ADDRESS].peer is not None)
+    pair.consumer.end("r1")  # sends reject:r1 before the producer holds r1
+    pair.pump(lambda: "r1" in pair.producer._early, seconds=2.0)
+    pair.producer.hold("r1", time.monotonic())
+    sent, _, _ = pair.pump(lambda: not pair.producer.holds, seconds=2.0)
+    assert sent == {"r1"}
+
+
+def test_unknown_notifications_are_counted_not_fatal(pair: Pair) -> None:
+    pair.consumer.expect("ghost", pair.source("ghost"))
+    pair.pump(lambda: pair.producer.ignored_notifs > 0, seconds=3.0)  # its heartbeat
+    assert pair.producer.ignored_notifs >= 1 and not pair.producer.holds
+
+
+def test_an_incompatible_peer_is_refused_and_the_blocks_recomputed(pair: Pair) -> None:
+    pair.serve = lambda: replace(pair.info, compat={**COMPAT, "block_size": 32})
+    source = pair.source()
+    pair.consumer.receive(RecvSpec("r1", source, [0, 1], [5, 3]), time.monotonic())
+    _, released, done = pair.pump(lambda: "r1" not in pair.consumer.reads)
+    assert done == {"r1"} and not released
+    assert pair.consumer.take_invalid() == {0, 1}
+    error = pair.consumer.slots[ADDRESS].error or ""
+    assert "incompatible KV cache: block_size: peer 32, here 4" in error
+
+
+def test_a_request_from_a_gone_incarnation_fails_after_one_refetch(pair: Pair) -> None:
+    source = pair.source(agent="prod-before-restart")
+    pair.consumer.receive(RecvSpec("r1", source, [2], [5]), time.monotonic())
+    _, _, done = pair.pump(lambda: "r1" not in pair.consumer.reads)
+    assert done == {"r1"} and pair.consumer.take_invalid() == {2}
+    assert pair.fetches == 1  # fetched for it once, found another agent
+    # A request naming the current incarnation reads without a new handshake.
+    good = pair.source("r2")
+    pair.consumer.receive(RecvSpec("r2", good, [1], [7]), time.monotonic())
+    _, _, done = pair.pump(lambda: "r2" not in pair.consumer.reads)
+    assert done == {"r2"} and pair.consumer.take_invalid() == set()
+    assert pair.fetches == 1
+
+
+def test_a_request_finished_before_its_read_is_released_not_failed(pair: Pair) -> None:
+    def slow() -> PeerInfo:
+        time.sleep(0.3)
+        return pair.info
+
+    pair.serve = slow  # a slow handshake: the request finishes first
+    source = pair.source()
+    pair.consumer.receive(RecvSpec("r1", source, [0], [5]), time.monotonic())
+    _, released, done = pair.pump(lambda: "r1" not in pair.consumer.reads, finished={"r1"})
+    assert released == {"r1"} and not done
+    assert pair.consumer.take_invalid() == set()
+
+
+def test_handshake_facts_name_each_difference() -> None:
+    ours = compat_facts("m", LAYOUT)
+    theirs = {**ours, "block_size": 16, "dtype": "bfloat16"}
+    assert incompatibility(ours, ours) is None
+    assert incompatibility(ours, theirs) == (
+        "block_size: peer 16, here 4; dtype: peer 'bfloat16', here 'float32'"
+    )
+    info = PeerInfo("a", b"\x00meta", 3, 64, (1, 2), ours)
+    assert PeerInfo.from_bytes(info.to_bytes()) == info
+    with pytest.raises(IncompatiblePeerError, match="malformed NIXL handshake"):
+        PeerInfo.from_bytes(b'{"agent_name": "a"}')
