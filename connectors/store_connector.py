@@ -100,8 +100,8 @@ class StoreConnector(KVConnectorBase):
         # scheduler half
         self._tracked: dict[str, _Tracked] = {}
         self._local_tokens: dict[str, int] = {}
-        # request id -> (first block looked up, lookup of the stored run from it)
-        self._lookups: dict[str, tuple[int, Future[int]]] = {}
+        # request id -> (first block looked up, its hashes, which are stored)
+        self._lookups: dict[str, tuple[int, list[bytes], Future[list[bool]]]] = {}
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._pending_loads: list[LoadSpec] = []
@@ -156,7 +156,7 @@ class StoreConnector(KVConnectorBase):
             hashes = hashes[:bad]
             last = first + bad
         if self.store.local_lookups:
-            return _leading_true(self.store.contains_many(hashes))
+            return self._present_prefix(hashes, self.store.contains_many(hashes))
         req_id = request.request_id
         entry = self._lookups.get(req_id)
         # A lookup from a smaller local hit still answers (the blocks it
@@ -165,14 +165,23 @@ class StoreConnector(KVConnectorBase):
         if entry is None or entry[0] > first:
             if self._lookup_pool is None:
                 self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-lookup")
-            store = self.store
-            future = self._lookup_pool.submit(lambda: _leading_true(store.contains_many(hashes)))
-            self._lookups[req_id] = (first, future)
+            future = self._lookup_pool.submit(self.store.contains_many, hashes)
+            self._lookups[req_id] = (first, hashes, future)
             return None
-        start, future = entry
+        start, asked, future = entry
         if not future.done():
             return None
-        return max(0, min(last, start + future.result()) - first)
+        found = self._present_prefix(asked, future.result())
+        return max(0, min(last, start + found) - first)
+
+    def _present_prefix(self, hashes: list[bytes], present: list[bool]) -> int:
+        """How many leading blocks the store holds. A block it lacks is
+        forgotten as saved (a store restarted empty, an eviction), so the
+        next time it is computed it is saved again."""
+        for block_hash, here in zip(hashes, present, strict=True):
+            if not here:
+                self._known.pop(block_hash, None)
+        return _leading_true(present)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -277,7 +286,7 @@ class StoreConnector(KVConnectorBase):
         self._failed_reqs.discard(req_id)
         entry = self._lookups.pop(req_id, None)
         if entry is not None:
-            entry[1].cancel()
+            entry[2].cancel()
         # Finished (aborted) while its asynchronous load still runs: the
         # blocks stay allocated until the worker reports the load over (in
         # finished_sending), so the transfer never writes into reused blocks.

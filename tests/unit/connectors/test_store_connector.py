@@ -399,7 +399,7 @@ def test_each_block_hash_is_saved_once(
     id it occupies. A second request with the same prompt (from the local
     prefix cache, or recomputed without one) lists none of the shared blocks
     again; only its own new blocks."""
-    _store, conn = saving
+    store, conn = saving
     sched = make_scheduler(
         block_size=BS,
         num_blocks=64,
@@ -412,6 +412,7 @@ def test_each_block_hash_is_saved_once(
     sched.add_request(first)
     per_step, _ = run_collecting_saves(sched)
     listed = [s for step_saves in per_step for s in step_saves]
+    store_blocks(store, first, range(5))  # what the worker did with them
     # 4 blocks + 2 prompt tokens, 6 computed output tokens: five full blocks.
     assert [h for _, h in listed] == first.block_hashes[:5]
     assert len({h for _, h in listed}) == 5
@@ -430,6 +431,22 @@ def test_each_block_hash_is_saved_once(
     assert second.block_hashes[4] != first.block_hashes[4]
     assert listed_again == [second.block_hashes[4]]
     assert free_blocks(sched) == 63
+
+
+def test_blocks_the_store_lost_are_saved_again(saving: tuple[DictStore, DictConnector]) -> None:
+    """The store restarted empty (or evicted): a lookup that finds a block
+    missing forgets it was saved, so computing it again saves it again."""
+    store, conn = saving
+    sched = make_scheduler(block_size=BS, num_blocks=64, connector=conn, prefix_caching=False)
+    prompt = prompt_of(4 * BS + 2)
+    sched.add_request(make_request("r1", prompt, max_tokens=1))
+    first, _ = run_collecting_saves(sched)
+    saved = [h for step_saves in first for _, h in step_saves]
+    assert len(saved) == 4
+    store.frames.clear()
+    sched.add_request(make_request("r2", prompt, max_tokens=1))
+    again, _ = run_collecting_saves(sched)
+    assert [h for step_saves in again for _, h in step_saves] == saved
 
 
 def test_consumer_only_saves_nothing() -> None:
