@@ -216,6 +216,8 @@ class NixlConnector(KVConnectorBase):
             half_bytes=endpoint.half_bytes,
             layer_addrs=endpoint.layer_addrs,
             compat=self.compat,
+            mem_type=endpoint.mem_type,
+            device_id=endpoint.device_id,
         ).to_bytes()
 
     def _fetch(self, address: str) -> PeerInfo:

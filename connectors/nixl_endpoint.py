@@ -86,7 +86,8 @@ class NixlEndpoint:
         self.num_blocks = int(first.shape[1])
         self.half_bytes = first[0, 0].numel() * first.element_size()
         self.mem_type = "VRAM" if first.is_cuda else "DRAM"
-        device_id = (first.device.index or 0) if first.is_cuda else 0
+        self.device_id = (first.device.index or 0) if first.is_cuda else 0
+        device_id = self.device_id
         self.agent = nixl_agent(
             agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         )
@@ -106,8 +107,10 @@ class NixlEndpoint:
         name = self.agent.add_remote_agent(info.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
         try:
-            table = descriptor_table(info.layer_addrs, info.num_blocks, info.half_bytes)
-            dlist = self.agent.prep_xfer_dlist(name, table, self.mem_type)
+            table = descriptor_table(
+                info.layer_addrs, info.num_blocks, info.half_bytes, info.device_id
+            )
+            dlist = self.agent.prep_xfer_dlist(name, table, info.mem_type)
         except Exception:
             self.agent.remove_remote_agent(name)
             raise

@@ -74,6 +74,8 @@ class PeerInfo:
     half_bytes: int  # bytes of one block's K (or V) in one layer
     layer_addrs: tuple[int, ...]  # where each layer's cache tensor starts
     compat: dict[str, Any]
+    mem_type: str = "DRAM"  # "VRAM" for a cache on a GPU
+    device_id: int = 0  # that GPU's index
 
     def to_bytes(self) -> bytes:
         data = asdict(self)

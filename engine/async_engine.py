@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -103,6 +103,7 @@ class EngineStatus:
     uptime_seconds: float = 0.0
     draining: bool = False
     recent_step_ms_p50: float = 0.0
+    recent_token_step_ms_p50: float = 0.0
     kv_connector_queries: int = 0
     kv_connector_hits: int = 0
 
@@ -289,6 +290,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._subscribers: set[KvEventSubscription] = set()
         self._step_seconds: deque[float] = deque(maxlen=128)
+        # (step seconds, tokens it produced after a request's first): the
+        # token-weighted step time, what inter-token latency is compared with.
+        self._token_steps: deque[tuple[float, int]] = deque(maxlen=128)
         self._failure_listeners: list[Callable[[BaseException], None]] = []
         self._idle = asyncio.Event()
         self._idle.set()
@@ -380,6 +384,8 @@ class AsyncEngine:
         status.uptime_seconds = time.monotonic() - self._started
         if self._step_seconds:
             status.recent_step_ms_p50 = statistics.median(self._step_seconds) * 1e3
+        if self._token_steps:
+            status.recent_token_step_ms_p50 = _weighted_median(self._token_steps) * 1e3
         return status
 
     @property
@@ -463,6 +469,7 @@ class AsyncEngine:
             if self.observer is not None:
                 self.observer.on_engine_step(step_seconds)
         now = time.monotonic()
+        later_tokens = 0
         for engine_outputs in outputs.values():
             if engine_outputs.scheduler_stats is not None:
                 self._record_stats(engine_outputs.scheduler_stats)
@@ -473,7 +480,11 @@ class AsyncEngine:
             if stop_matched:
                 self._commands.put("abort", (stop_matched, RequestStatus.FINISHED_STOPPED))
             for out in results:
+                # A request's first token ends its TTFT, not an inter-token gap.
+                later_tokens += min(len(out.new_token_ids), len(out.token_ids) - 1)
                 self._deliver(out, now)
+        if step_seconds > 0 and later_tokens > 0:
+            self._token_steps.append((step_seconds, later_tokens))
         self._check_idle()
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
@@ -579,3 +590,15 @@ class KvEventSubscription:
     def close(self) -> None:
         self._engine._subscribers.discard(self)
         self._queue.put_nowait(None)
+
+
+def _weighted_median(samples: Iterable[tuple[float, int]]) -> float:
+    """The value below which half the total weight lies."""
+    ordered = sorted(samples)
+    half = sum(weight for _, weight in ordered) / 2
+    seen = 0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= half:
+            return value
+    return ordered[-1][0]

@@ -78,12 +78,15 @@ class RateResult:
     itl: list[float]
     e2e: list[float]
     server_step_ms_p50: float = math.nan
+    # Each step counted once per inter-token gap it ended (the ITL's reference).
+    server_token_step_ms_p50: float = math.nan
 
     def summary(self) -> dict[str, float]:
         out: dict[str, float] = {
             "rate": self.rate,
             "throughput_tok_s": self.throughput,
             "server_step_p50_ms": self.server_step_ms_p50,
+            "server_token_step_p50_ms": self.server_token_step_ms_p50,
         }
         for name in ("ttft", "itl", "e2e"):
             values = getattr(self, name)
@@ -204,7 +207,9 @@ async def bench_service(
                 prompts = make_prompts(args, vocab, i)
                 result = await run_rate(client, prompts, rate, args.max_tokens, args.seed + i)
                 # The server's own step times (its last 128 steps: this round's).
-                result.server_step_ms_p50 = (await client.status()).recent_step_ms_p50
+                status = await client.status()
+                result.server_step_ms_p50 = status.recent_step_ms_p50
+                result.server_token_step_ms_p50 = status.recent_token_step_ms_p50
                 results.append(result)
     finally:
         if proc is not None:
@@ -272,11 +277,15 @@ def run(args: argparse.Namespace) -> int:
         report["offline"] = offline
         ratio = saturated.throughput / offline["throughput_tok_s"]
         itl_p50 = saturated.summary()["itl_p50_ms"]
-        overhead = itl_p50 - saturated.server_step_ms_p50
+        # ITL is per token, so the step time it is compared with is per token
+        # too: a step serving 64 streams counts 64 times, a tail step with one
+        # stream left once.
+        overhead = itl_p50 - saturated.server_token_step_ms_p50
         step_ratio = saturated.server_step_ms_p50 / offline["decode_step_p50_ms"]
         report["service_vs_offline"] = {
             "throughput_ratio": ratio,
-            "itl_minus_server_step_ms": overhead,
+            "itl_minus_server_token_step_ms": overhead,
+            "itl_minus_server_step_ms": itl_p50 - saturated.server_step_ms_p50,
             "server_step_vs_offline_step": step_ratio,
         }
         print(
@@ -285,8 +294,10 @@ def run(args: argparse.Namespace) -> int:
         )
         print(
             f"service at rate {saturated.rate:g}: {ratio:.1%} of offline throughput; ITL p50 "
-            f"{itl_p50:.1f} ms - server step p50 {saturated.server_step_ms_p50:.1f} ms = "
-            f"per-token overhead {overhead:+.2f} ms; server step / offline step {step_ratio:.2f}"
+            f"{itl_p50:.1f} ms - server step p50 per token "
+            f"{saturated.server_token_step_ms_p50:.1f} ms = per-token overhead {overhead:+.2f} ms "
+            f"(per step: {saturated.server_step_ms_p50:.1f} ms); server step / offline step "
+            f"{step_ratio:.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report["raw"] = [asdict(r) for r in results]

@@ -207,6 +207,7 @@ def server_status(status: EngineStatus) -> pb.ServerStatus:
         uptime_seconds=status.uptime_seconds,
         draining=status.draining,
         recent_step_ms_p50=status.recent_step_ms_p50,
+        recent_token_step_ms_p50=status.recent_token_step_ms_p50,
         kv_connector_queries=status.kv_connector_queries,
         kv_connector_hits=status.kv_connector_hits,
     )

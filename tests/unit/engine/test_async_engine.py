@@ -20,6 +20,7 @@ from engine.async_engine import (
     QueueFullError,
     _Commands,
     _EngineThread,
+    _weighted_median,
 )
 from engine.config import EngineConfig
 from engine.input_processor import InvalidRequestError
@@ -110,6 +111,30 @@ def test_stream_delivers_every_step_then_finishes() -> None:
         await engine.shutdown()
 
     asyncio.run(go())
+
+
+def test_token_weighted_step_time_counts_each_inter_token_gap() -> None:
+    """Each step counts once per token it gave a request that already had
+    one: "a" (3 tokens) ends two gaps, "b" (1 token) none."""
+
+    async def go() -> None:
+        engine = await _engine(ScriptedCore())
+        streams = [engine.submit(_request(engine, "a", 3)), engine.submit(_request(engine, "b", 1))]
+        for stream in streams:
+            async for _ in stream:
+                pass
+        assert sum(weight for _, weight in engine._token_steps) == 2
+        assert engine.status().recent_token_step_ms_p50 > 0
+        await engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_weighted_median() -> None:
+    assert _weighted_median([(1.0, 1), (5.0, 1), (3.0, 1)]) == 3.0
+    # One step serving 64 streams outweighs three tail steps serving one.
+    assert _weighted_median([(0.30, 64), (0.05, 1), (0.05, 1), (0.05, 1)]) == 0.30
+    assert _weighted_median([(2.0, 1), (1.0, 1)]) == 1.0
 
 
 def test_duplicate_ids_queue_bound_and_draining_are_refused() -> None:
