@@ -118,6 +118,12 @@ class NixlEndpoint:
         self.peers[info.agent_name] = peer
         return peer
 
+    def add_notify_only(self, info: PeerInfo) -> None:
+        """Loads a peer's agent to send it messages only (a peer refused
+        for transfers must still hear that its blocks are not wanted)."""
+        if info.agent_name not in self.peers:
+            self.agent.add_remote_agent(info.agent_metadata)
+
     def remove_peer(self, agent_name: str) -> None:
         peer = self.peers.pop(agent_name, None)
         if peer is None:

@@ -94,6 +94,8 @@ class _PeerSlot:
     """What we know of the engine at one address."""
 
     peer: Peer | None = None
+    # A peer refused for transfers (incompatible) is still told "reject".
+    notify_only: str | None = None
     future: Future[PeerInfo] | None = None
     error: str | None = None
     error_at: float = 0.0
@@ -279,6 +281,8 @@ class NixlWorker:
             info = future.result()
             problem = incompatibility(self.compat, info.compat)
             if problem is not None:
+                self.endpoint.add_notify_only(info)
+                slot.notify_only = info.agent_name
                 raise ValueError(f"incompatible KV cache: {problem}")
             if slot.peer is not None:
                 self.endpoint.remove_peer(slot.peer.info.agent_name)
@@ -303,8 +307,10 @@ class NixlWorker:
 
     def _tell(self, source: RemoteSource, kind: bytes) -> None:
         slot = self.slots.get(source.address)
-        peer = slot.peer if slot is not None else None
-        if peer is not None and peer.info.agent_name == source.agent_name:
+        if slot is None:
+            return
+        known = {slot.notify_only, slot.peer.info.agent_name if slot.peer else None}
+        if source.agent_name in known:
             self.endpoint.notify(source.agent_name, kind + b":" + source.request_id.encode())
 
     def health(self) -> str | None:

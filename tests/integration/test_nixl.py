@@ -31,11 +31,15 @@ from tests.integration.test_pd import (
 
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
 
+Stack = tuple[ServerProcess, ServerProcess, ServerProcess]  # router, prefill, decode
 PRODUCER = _kv("nixl", "kv_producer", {})
 CONSUMER = _kv("nixl", "kv_consumer", {})
 # The decode pods get a smaller cache than the prefill pods: peers with
 # different block counts must still find each other's blocks.
 DECODE_SMALL = ["--kv-cache-memory", "192M", "--max-model-len", "2048"]
+# A short lease, so the never-read test need not wait 30 s; the decode pod's
+# heartbeats (every second) keep every hold it means to read.
+LEASE = ["--kv-lease-seconds", "3"]
 
 
 def _idle(target: str) -> None:
@@ -49,22 +53,22 @@ def reference(server: ServerProcess) -> list[pb.GenerateResponse]:
 
 
 @pytest.fixture(scope="module")
-def nixl_pd() -> Iterator[tuple[str, str, str]]:
+def nixl_pd() -> Iterator[tuple[ServerProcess, ServerProcess, ServerProcess]]:
     with (
-        ServerProcess(["--role", "prefill", *SMALL, *PRODUCER]) as prefill,
+        ServerProcess(["--role", "prefill", *SMALL, *PRODUCER, *LEASE]) as prefill,
         ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as decode,
         ServerProcess(
             ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
             command="router",
         ) as router,
     ):
-        yield router.target, prefill.target, decode.target
+        yield router, prefill, decode
 
 
 def test_pd_over_nixl_matches_colocated(
-    nixl_pd: tuple[str, str, str], reference: list[pb.GenerateResponse]
+    nixl_pd: Stack, reference: list[pb.GenerateResponse]
 ) -> None:
-    router, prefill, decode = nixl_pd
+    router, prefill, decode = (p.target for p in nixl_pd)
     first = asyncio.run(_generate(router, PROMPTS[0]))
     # The decode pod computed only the token the prefill pod sampled: every
     # prompt token's KV came over NIXL.
@@ -99,98 +103,100 @@ def _handshakes(proc: ServerProcess, address: str) -> int:
     return len(re.findall(rf"NIXL handshake with {re.escape(address)} done", log))
 
 
-def test_prefill_pod_killed_before_the_read(
-    server: ServerProcess, reference: list[pb.GenerateResponse]
-) -> None:
+# Prompts no pod has seen: the stack's decode pod has PROMPTS cached, and a
+# local prefix hit would leave nothing to read. They differ from the first
+# block on, so no block hash is shared.
+FRESH = [
+    f"Note {i}. " + "A long preamble about serving language models in two pools. " * 5 + q
+    for i, q in enumerate(["Why split prefill?", "What is a lease?", "Who frees?", "Why?"])
+]
+
+
+def _want(server: ServerProcess, prompt: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, the colocated server's 12 greedy tokens)."""
+    ids = asyncio.run(_tokenize(server.target, prompt))
+    return ids, list(asyncio.run(_generate(server.target, prompt)).token_ids)
+
+
+def test_prefill_frees_blocks_nobody_reads(nixl_pd: Stack) -> None:
+    """A decode pod that never reads: the prefill pod holds the blocks for
+    the lease (3 s in this stack), then frees them."""
+    prefill = nixl_pd[1].target
+    ids = asyncio.run(_tokenize(prefill, FRESH[0]))
+    _, params = _prefill_leg(prefill, ids)
+    assert len(params["remote_block_ids"]) == -(-len(ids) // 16)
+    held = asyncio.run(_status(prefill))
+    assert held.kv_cache_usage > 0, "the prefill pod let the blocks go at once"
+    start = time.monotonic()
+    _idle(prefill)
+    assert time.monotonic() - start < 20
+
+
+def test_prefill_pod_killed_before_the_read(server: ServerProcess, nixl_pd: Stack) -> None:
     """The decode pod cannot reach the prefill pod's blocks: it recomputes,
     and the answer is unchanged."""
-    ids = asyncio.run(_tokenize(server.target, PROMPTS[1]))
+    decode = nixl_pd[2].target
+    ids, want = _want(server, FRESH[1])
     pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
     pre.__enter__()  # not a `with`: it is killed, not drained
     try:
-        with ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec:
-            first, params = _prefill_leg(pre.target, ids)
-            assert pre.proc is not None
-            pre.proc.kill()
-            pre.proc.wait()
-            rest = _decode_leg(dec.target, ids, first, params)
-            assert first + list(rest.token_ids) == list(reference[1].token_ids)
-            assert rest.usage.cached_tokens == 0  # all recomputed
-            assert "NIXL peer 127.0.0.1" in dec.log() and "refused" in dec.log()
-            _idle(dec.target)
+        first, params = _prefill_leg(pre.target, ids)
+        assert pre.proc is not None
+        pre.proc.kill()
+        pre.proc.wait()
+        rest = _decode_leg(decode, ids, first, params)
+        assert first + list(rest.token_ids) == want
+        assert rest.usage.cached_tokens == 0  # all recomputed
+        assert f"NIXL peer {pre.target} refused" in nixl_pd[2].log()
+        _idle(decode)
     finally:
         if pre.proc is not None and pre.proc.poll() is None:
             pre.proc.kill()
             pre.proc.wait()
 
 
-def test_prefill_frees_blocks_nobody_reads() -> None:
-    """A decode pod that never reads: the prefill pod holds the blocks for
-    the lease, then frees them."""
-    lease = ["--kv-lease-seconds", "2", "--kv-transfer-timeout", "30"]
-    with ServerProcess(["--role", "prefill", *SMALL, *PRODUCER, *lease]) as pre:
-        ids = asyncio.run(_tokenize(pre.target, PROMPTS[2]))
-        _, params = _prefill_leg(pre.target, ids)
-        assert len(params["remote_block_ids"]) == -(-len(ids) // 16)
-        held = asyncio.run(_status(pre.target))
-        assert held.kv_cache_usage > 0, "the prefill pod let the blocks go at once"
-        start = time.monotonic()
+def test_mismatched_block_size_is_refused(server: ServerProcess, nixl_pd: Stack) -> None:
+    """A prefill pod with 32-token blocks and a decode pod with 16: the
+    handshake refuses, naming the difference, and the decode pod recomputes;
+    its refusal frees the prefill pod's blocks at once."""
+    decode = nixl_pd[2].target
+    ids, want = _want(server, FRESH[2])
+    with ServerProcess(["--role", "prefill", *SMALL, "--block-size", "32", *PRODUCER]) as pre:
+        first, params = _prefill_leg(pre.target, ids)
+        rest = _decode_leg(decode, ids, first, params)
+        assert first + list(rest.token_ids) == want
+        assert rest.usage.cached_tokens == 0
+        assert "incompatible KV cache: block_size: peer 32, here 16" in nixl_pd[2].log()
+        _idle(decode)
         _idle(pre.target)
-        assert time.monotonic() - start < 15
-        assert "freeing KV blocks of" in pre.log() and "lease lapsed" in pre.log()
 
 
-def test_restarted_peers_are_handshaken_again(
-    server: ServerProcess, reference: list[pb.GenerateResponse]
-) -> None:
-    """A decode pod restarted (a new one handshakes afresh) and a prefill pod
-    restarted on the same address (a new incarnation: the decode pod's
-    cached entry is stale and is fetched again)."""
-    ids = asyncio.run(_tokenize(server.target, PROMPTS[3]))
-    want = list(reference[3].token_ids)
-    pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
-    with pre:
-        address = pre.target
-        for _ in range(2):  # the second decode pod is the restarted one
-            with ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec:
-                first, params = _prefill_leg(pre.target, ids)
-                rest = _decode_leg(dec.target, ids, first, params)
-                assert first + list(rest.token_ids) == want
-                assert rest.usage.cached_tokens == len(ids)
-                assert _handshakes(dec, address) == 1
-        _idle(pre.target)
-        with ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec:
+def test_restarted_peers_are_handshaken_again(server: ServerProcess, nixl_pd: Stack) -> None:
+    """A decode pod restarted (a new process handshakes afresh) and a
+    prefill pod restarted on the same address (a new incarnation: the decode
+    pod's cached entry is stale and is fetched again)."""
+    prefill = nixl_pd[1].target
+    ids, want = _want(server, FRESH[3])
+    with ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec:
+        first, params = _prefill_leg(prefill, ids)
+        rest = _decode_leg(dec.target, ids, first, params)
+        assert first + list(rest.token_ids) == want
+        assert rest.usage.cached_tokens == len(ids)
+        assert _handshakes(dec, prefill) == 1
+        pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
+        with pre:
+            # PROMPTS[6]: this decode pod has not seen it.
+            ids = asyncio.run(_tokenize(server.target, PROMPTS[6]))
             first, params = _prefill_leg(pre.target, ids)
             _decode_leg(dec.target, ids, first, params)
-            pre.terminate()
-            again = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
-            again.port, again.target = pre.port, pre.target
-            with again:
-                # Another prompt: this decode pod has the first one cached.
-                ids = asyncio.run(_tokenize(server.target, PROMPTS[5]))
-                first, params2 = _prefill_leg(again.target, ids)
-                assert params2["remote_agent"] != params["remote_agent"]
-                rest = _decode_leg(dec.target, ids, first, params2)
-                assert first + list(rest.token_ids) == list(reference[5].token_ids)
-                assert rest.usage.cached_tokens == len(ids)
-                assert _handshakes(dec, address) == 2
-                _idle(again.target)
-
-
-def test_mismatched_block_size_is_refused(
-    server: ServerProcess, reference: list[pb.GenerateResponse]
-) -> None:
-    """A prefill pod with 32-token blocks and a decode pod with 16: the
-    handshake refuses, naming the difference, and the decode pod recomputes."""
-    ids = asyncio.run(_tokenize(server.target, PROMPTS[4]))
-    with (
-        ServerProcess(["--role", "prefill", *SMALL, "--block-size", "32", *PRODUCER]) as pre,
-        ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec,
-    ):
-        first, params = _prefill_leg(pre.target, ids)
-        rest = _decode_leg(dec.target, ids, first, params)
-        assert first + list(rest.token_ids) == list(reference[4].token_ids)
-        assert rest.usage.cached_tokens == 0
-        assert "incompatible KV cache: block_size: peer 32, here 16" in dec.log()
-        _idle(dec.target)
-        _idle(pre.target)  # the decode pod's reject freed the blocks
+        again = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
+        again.port, again.target = pre.port, pre.target
+        with again:
+            ids, want = _want(server, PROMPTS[7])
+            first, params2 = _prefill_leg(again.target, ids)
+            assert params2["remote_agent"] != params["remote_agent"]
+            rest = _decode_leg(dec.target, ids, first, params2)
+            assert first + list(rest.token_ids) == want
+            assert rest.usage.cached_tokens == len(ids)
+            assert _handshakes(dec, pre.target) == 2
+            _idle(again.target)

@@ -183,9 +183,11 @@ def test_unknown_notifications_are_counted_not_fatal(pair: Pair) -> None:
 def test_an_incompatible_peer_is_refused_and_the_blocks_recomputed(pair: Pair) -> None:
     pair.serve = lambda: replace(pair.info, compat={**COMPAT, "block_size": 32})
     source = pair.source()
+    pair.producer.hold("r1", time.monotonic())
     pair.consumer.receive(RecvSpec("r1", source, [0, 1], [5, 3]), time.monotonic())
-    _, released, done = pair.pump(lambda: "r1" not in pair.consumer.reads)
+    sent, released, done = pair.pump(lambda: not pair.producer.holds)
     assert done == {"r1"} and not released
+    assert sent == {"r1"}, "the refused producer was not told to free its blocks"
     assert pair.consumer.take_invalid() == {0, 1}
     error = pair.consumer.slots[ADDRESS].error or ""
     assert "incompatible KV cache: block_size: peer 32, here 4" in error
