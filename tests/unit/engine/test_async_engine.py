@@ -8,6 +8,7 @@ by tests/integration.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,8 @@ class ScriptedCore:
         return bool(self.live)
 
     def step(self) -> dict[int, EngineCoreOutputs]:
+        # A real step's forward releases the GIL for most of its time.
+        time.sleep(0.001)
         self.steps += 1
         if self.fail_at is not None and self.steps >= self.fail_at:
             raise RuntimeError("boom")
