@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import statistics
 import threading
 import time
@@ -254,9 +255,6 @@ class _EngineThread(threading.Thread):
 
 
 class AsyncEngine:
-    # How often the loop takes the engine's outputs while streams are live.
-    POLL_SECONDS = 0.001
-
     def __init__(
         self,
         thread: _EngineThread,
@@ -299,9 +297,10 @@ class AsyncEngine:
         self._failure_listeners: list[Callable[[BaseException], None]] = []
         self._idle = asyncio.Event()
         self._idle.set()
-        self._inbox: deque[tuple[dict[int, EngineCoreOutputs], int, float, float]] = deque()
-        self._polling = False
-        self._poller: asyncio.Task[None] | None = None
+        self._handoff: queue.SimpleQueue[
+            tuple[dict[int, EngineCoreOutputs], int, float, float] | None
+        ] = queue.SimpleQueue()
+        threading.Thread(target=self._hand_off, name="engine-handoff", daemon=True).start()
         self._commands = thread.commands
         self._thread = thread
         thread.deliver, thread.fail = self._from_engine, self._engine_failed
@@ -353,9 +352,6 @@ class AsyncEngine:
         self._streams[request.request_id] = stream
         self._processor.add_request(request, prompt_text)
         self._idle.clear()
-        if not self._polling:
-            self._polling = True
-            self._poller = self._loop.create_task(self._poll_inbox())
         self._submitted += 1
         self._commands.put("add", request)
         return stream
@@ -441,6 +437,7 @@ class AsyncEngine:
         self.abort(list(self._streams))
         self._commands.put("stop")
         await asyncio.to_thread(self._thread.join, 30)
+        self._handoff.put(None)
         for sub in list(self._subscribers):
             sub.close()
 
@@ -451,29 +448,20 @@ class AsyncEngine:
     ) -> None:
         """Engine thread: hand a step's outputs (and how long it took) to the loop.
 
-        While streams are live the loop polls the inbox every POLL_SECONDS,
-        so the engine thread makes no system call here: waking the loop
-        through its self-pipe released the GIL, and getting it back from a
-        loop busy with the last step's 64 streams cost the next step ~3 ms.
+        Through the handoff thread: waking the loop is a write to its
+        self-pipe, which releases the GIL, and getting the GIL back from a
+        loop busy with the last step's 64 streams cost the next step ~3-5 ms.
+        Putting into a SimpleQueue never releases the GIL.
         """
-        self._inbox.append((outputs, applied, step_seconds, time.time()))
-        if not self._polling:
-            self._loop.call_soon_threadsafe(self._drain_inbox)
+        self._handoff.put((outputs, applied, step_seconds, time.time()))
 
-    def _drain_inbox(self) -> None:
-        while self._inbox:
-            self._on_step(*self._inbox.popleft())
-
-    async def _poll_inbox(self) -> None:
-        try:
-            while self._streams:
-                self._drain_inbox()
-                await asyncio.sleep(self.POLL_SECONDS)
-        finally:
-            # The engine thread reads the flag after appending: an item it
-            # appended while we polled is drained here, one after it wakes us.
-            self._polling = False
-            self._drain_inbox()
+    def _hand_off(self) -> None:
+        """Handoff thread: wakes the loop for each step, in order."""
+        while (item := self._handoff.get()) is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._on_step, *item)
+            except RuntimeError:  # the loop closed: nobody is listening
+                return
 
     def _engine_failed(self, exc: BaseException) -> None:
         self._loop.call_soon_threadsafe(self._on_failure, exc)
