@@ -297,9 +297,10 @@ class AsyncEngine:
         self._failure_listeners: list[Callable[[BaseException], None]] = []
         self._idle = asyncio.Event()
         self._idle.set()
-        self._handoff: queue.SimpleQueue[
-            tuple[dict[int, EngineCoreOutputs], int, float, float] | None
-        ] = queue.SimpleQueue()
+        # (callback, args) for the loop, in the engine thread's order.
+        self._handoff: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
         threading.Thread(target=self._hand_off, name="engine-handoff", daemon=True).start()
         self._commands = thread.commands
         self._thread = thread
@@ -453,18 +454,19 @@ class AsyncEngine:
         loop busy with the last step's 64 streams cost the next step ~3-5 ms.
         Putting into a SimpleQueue never releases the GIL.
         """
-        self._handoff.put((outputs, applied, step_seconds, time.time()))
+        self._handoff.put((self._on_step, (outputs, applied, step_seconds, time.time())))
 
     def _hand_off(self) -> None:
-        """Handoff thread: wakes the loop for each step, in order."""
+        """Handoff thread: wakes the loop for each item, in order."""
         while (item := self._handoff.get()) is not None:
             try:
-                self._loop.call_soon_threadsafe(self._on_step, *item)
+                self._loop.call_soon_threadsafe(item[0], *item[1])
             except RuntimeError:  # the loop closed: nobody is listening
                 return
 
     def _engine_failed(self, exc: BaseException) -> None:
-        self._loop.call_soon_threadsafe(self._on_failure, exc)
+        # The same queue as the steps, so the last step's tokens come first.
+        self._handoff.put((self._on_failure, (exc,)))
 
     def _on_failure(self, exc: BaseException) -> None:
         self._dead = exc
