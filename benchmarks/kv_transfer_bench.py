@@ -3,11 +3,20 @@
 For 1 to 1024 blocks of the default model's layout (30 layers x K/V x 16
 tokens x 3 heads x 64 dims, float32: 720 KiB a block), in one process:
 
-* shm: the connector's path (gather from the paged cache, frame with a
-  checksum, copy into the shared-memory pool; and back: copy out, verify,
-  scatter into the cache) against a plain memcpy of the same bytes;
-* Redis: the same path over a redis-server it starts on a free loopback
-  port, against redis-py pipelined SET / MGET of the same frames;
+* shm: the connector's path (copy from the paged cache straight into pool
+  slots, checksummed in the same pass, and sealed; and back: check, verify
+  and copy into the cache) against a plain memcpy of the same bytes in the
+  same cache state: out of a fixed buffer into the next rows of a ring as
+  large as the pool (a save writes fresh slots: memory not in cache), and
+  from those rows back into a fixed buffer (a load reads the slots just
+  saved);
+* Redis: the connector's path (as its transfer thread runs it: copy out
+  with checksums into reused frame buffers, seal, pipelined SET; MGET into
+  reused frames, check, verify and copy into the cache) over a
+  redis-server it starts on a free loopback port, against redis-py
+  pipelined SET / MGET of the same frames. Both write new keys each time
+  and every key is deleted after each repetition, outside the timings, so
+  both find Redis in the same state;
 * NIXL: READ throughput between two processes (a producer process holds
   the blocks, this one reads them as NixlConnector does: one READ naming
   every layer's K and V of the blocks) against a raw NIXL READ of the same
@@ -16,7 +25,9 @@ tokens x 3 heads x 64 dims, float32: 720 KiB a block), in one process:
 A last table compares the loads of the three connectors.
 
 Rounds interleave the raw and the connector runs (A, B, A, B) and report
-medians with min/max, since the machine is shared.
+medians with min/max, since the machine is shared. Small block counts
+repeat each run within a round (64 blocks' worth), so their medians are
+not of a handful of 100-microsecond samples.
 
     .venv/bin/python benchmarks/kv_transfer_bench.py [--rounds 5] [--max-blocks 1024]
 """
@@ -44,17 +55,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from connectors.base import KVLayout
-from connectors.block_codec import HEADER_BYTES, BlockCodec
-from connectors.kv_blocks import KVBlockIO
+from connectors.block_codec import BlockCodec
+from connectors.kv_blocks import FrameBuffers, KVBlockIO
 from connectors.redis_connector import RedisBlockStore
 from connectors.shm_connector import ShmBlockStore
 from connectors.store import (
+    RETAINED_FRAME_BYTES,
     BlockStore,
     LoadJob,
-    SaveJob,
     direct_store,
     load_into_cache,
     save_blocks,
+    stage_save,
 )
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
@@ -72,65 +84,128 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+# Each round repeats a run until it has moved this many blocks (at least once).
+_BLOCKS_PER_ROUND = 64
+
+
+def _reps(n: int) -> int:
+    return max(1, _BLOCKS_PER_ROUND // n)
+
+
 class Case:
     """One store, one block count: the connector path and its raw limit."""
 
     def __init__(self, store: BlockStore, codec: BlockCodec, io: KVBlockIO, n: int) -> None:
         self.store, self.codec, self.io = store, codec, io
         self.block_ids = list(range(1, n + 1))
-        self.hashes = [uuid.uuid4().bytes * 2 for _ in range(n)]
+        self.hashes: list[bytes] = []
         self.nbytes = n * codec.frame_bytes
+        # As StoreConnector keeps one: frame arrays reused across batches.
+        self.buffers = FrameBuffers(codec.frame_bytes, RETAINED_FRAME_BYTES)
+
+    def new_keys(self) -> None:
+        """Before each save (untimed): a store skips blocks it already holds."""
+        self.hashes = [uuid.uuid4().bytes * 2 for _ in self.block_ids]
 
     def connector_save(self) -> None:
-        """As the connector saves: straight into shared memory, or gather,
-        seal and store (what its transfer thread does for Redis). New keys
-        each time: a store skips blocks it already holds."""
-        self.hashes = [uuid.uuid4().bytes * 2 for _ in self.block_ids]
+        """As the connector saves: straight into shared memory, or copy out
+        with checksums, seal and store (what its transfer thread does)."""
         direct = direct_store(self.store, self.io)
         if direct is not None:
             direct.save_direct(self.io, self.hashes, self.block_ids)
             return
-        frames = self.io.gather_frames(self.block_ids, HEADER_BYTES)
-        if not save_blocks(self.store, self.codec, SaveJob(self.hashes, frames)):
+        job = stage_save(self.io, self.hashes, self.block_ids, self.buffers)
+        if not save_blocks(self.store, self.codec, job, self.buffers):
             raise RuntimeError("save failed")
 
     def connector_load(self) -> None:
         job = LoadJob("bench", self.hashes, self.block_ids)
-        result = load_into_cache(self.store, self.codec, self.io, job)
+        result = load_into_cache(self.store, self.codec, self.io, job, self.buffers)
         if result.failed_block_ids:
             raise RuntimeError(f"{len(result.failed_block_ids)} blocks failed to load")
+
+
+class MemcpyRing:
+    """numpy memcpy of n frames in the cache state the pool's copies see:
+    ``out`` from a fixed buffer (as a save reads the cache's blocks) into the
+    next n rows of a ring as large as the pool (as a save writes fresh
+    slots), ``back`` from those rows into a fixed buffer (as a load reads
+    the slots just saved into the cache)."""
+
+    def __init__(self, n: int, frame_bytes: int, ring_rows: int) -> None:
+        self.n = n
+        rng = np.random.default_rng(0)
+        self.src = rng.integers(0, 255, (n, frame_bytes), dtype=np.uint8)
+        self.dst = np.ones_like(self.src)  # written: its pages are mapped
+        self.ring = np.ones((ring_rows, frame_bytes), np.uint8)
+        self.at = 0
+
+    def out(self) -> None:
+        if self.at + self.n > len(self.ring):
+            self.at = 0
+        np.copyto(self.ring[self.at : self.at + self.n], self.src)
+
+    def back(self) -> None:
+        np.copyto(self.dst, self.ring[self.at : self.at + self.n])
+        self.at += self.n
 
 
 def _median_text(values: list[float]) -> str:
     return f"{statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def _ratio(raw: list[float], conn: list[float]) -> float:
+    return statistics.median(raw) / statistics.median(conn)
+
+
 def bench_shm(io: KVBlockIO, codec: BlockCodec, counts: list[int], rounds: int) -> dict[int, float]:
-    print("\nshm (GB/s, median (min-max)): memcpy | connector save | connector load | ratios")
-    store = ShmBlockStore(
-        codec, f"bench-{uuid.uuid4().hex[:8]}", (max(counts) + 1) * codec.frame_bytes
+    print(
+        "\nshm (GB/s, median (min-max)): memcpy out | connector save | memcpy back | "
+        "connector load | ratios"
     )
+    slots = max(counts) + 1
+    store = ShmBlockStore(codec, f"bench-{uuid.uuid4().hex[:8]}", slots * codec.frame_bytes)
     results: dict[int, float] = {}
     try:
         for n in counts:
             case = Case(store, codec, io, n)
-            src = np.random.default_rng(0).integers(0, 255, case.nbytes, dtype=np.uint8)
-            dst = np.empty_like(src)
-            raw, save, load = [], [], []
-            for _ in range(rounds):
-                raw.append(case.nbytes / _timed(partial(np.copyto, dst, src)) / 1e9)
+            ring = MemcpyRing(n, codec.frame_bytes, slots)
+            raw_out, save, raw_back, load = [], [], [], []
+            for _ in range(rounds * _reps(n)):
+                case.new_keys()
+                raw_out.append(case.nbytes / _timed(ring.out) / 1e9)
                 save.append(case.nbytes / _timed(case.connector_save) / 1e9)
+                raw_back.append(case.nbytes / _timed(ring.back) / 1e9)
                 load.append(case.nbytes / _timed(case.connector_load) / 1e9)
-            m_raw = statistics.median(raw)
+            del ring
             results[n] = statistics.median(load)
             print(
-                f"  {n:5d} blocks: {_median_text(raw)} | {_median_text(save)} | "
-                f"{_median_text(load)} | memcpy/save {m_raw / statistics.median(save):.2f}x, "
-                f"memcpy/load {m_raw / statistics.median(load):.2f}x"
+                f"  {n:5d} blocks: {_median_text(raw_out)} | {_median_text(save)} | "
+                f"{_median_text(raw_back)} | {_median_text(load)} | "
+                f"memcpy/save {_ratio(raw_out, save):.2f}x, "
+                f"memcpy/load {_ratio(raw_back, load):.2f}x"
             )
     finally:
         store.close()
     return results
+
+
+def _start_redis(server: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    client.close()
+    return proc, url
 
 
 def bench_redis(
@@ -141,20 +216,9 @@ def bench_redis(
     if server is None:
         print("\nredis: redis-server not found (make redis installs it); skipped")
         return results
-    port = _free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-    )
+    proc, url = _start_redis(server)
     try:
-        url = f"redis://127.0.0.1:{port}/0"
-        client = redis.Redis.from_url(url)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+        client = redis.Redis.from_url(url, socket_timeout=30.0)
         store = RedisBlockStore(codec, url, key_prefix="bench:", socket_timeout=30.0)
         print(
             "\nredis (GB/s, median (min-max)): raw SET | connector save | raw MGET | "
@@ -163,7 +227,7 @@ def bench_redis(
         for n in counts:
             case = Case(store, codec, io, n)
             frames = [codec.encode(p) for p in io.gather(case.block_ids)]
-            keys = [f"raw:{i}" for i in range(n)]
+            keys: list[str] = []
 
             def raw_set(keys: list[str] = keys, frames: list[bytes] = frames) -> None:
                 pipe = client.pipeline(transaction=False)
@@ -172,20 +236,22 @@ def bench_redis(
                 pipe.execute()
 
             raw_s, save, raw_g, load = [], [], [], []
-            for _ in range(rounds):
+            for _ in range(rounds * _reps(n)):
+                case.new_keys()
+                keys[:] = [f"raw:{uuid.uuid4().hex}" for _ in range(n)]
                 raw_s.append(case.nbytes / _timed(raw_set) / 1e9)
                 save.append(case.nbytes / _timed(case.connector_save) / 1e9)
                 raw_g.append(case.nbytes / _timed(partial(client.mget, keys)) / 1e9)
                 load.append(case.nbytes / _timed(case.connector_load) / 1e9)
-            client.flushdb()
+                client.flushdb()
             results[n] = statistics.median(load)
             print(
                 f"  {n:5d} blocks: {_median_text(raw_s)} | {_median_text(save)} | "
                 f"{_median_text(raw_g)} | {_median_text(load)} | "
-                f"raw/save {statistics.median(raw_s) / statistics.median(save):.2f}x, "
-                f"raw/load {statistics.median(raw_g) / statistics.median(load):.2f}x"
+                f"raw/save {_ratio(raw_s, save):.2f}x, raw/load {_ratio(raw_g, load):.2f}x"
             )
         store.close()
+        client.close()
     finally:
         proc.terminate()
         proc.wait()

@@ -12,10 +12,19 @@ written by the gather itself and read by the scatter, with no copy between.
 On CPU the compiled ``gather_kv_blocks`` / ``scatter_kv_blocks``
 (``kernels/csrc/kv_copy.cpp``) do one memcpy per block, layer and half,
 blocks across threads; without the extension, numpy copies row by row.
+The ``_xxh3`` variants (compiled only) also checksum each payload in the
+same pass (see ``connectors.block_codec``), so a store never reads a block
+a second time to seal or verify it.
+
+``FrameBuffers`` keeps frame arrays for reuse: a batch of a few hundred
+blocks is hundreds of MiB, and a fresh array faults in every page on its
+first write (about a quarter of the time of the copy itself).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,6 +55,10 @@ class KVBlockIO:
         self.payload_bytes = int(np.prod(self.block_shape)) * self.itemsize
         on_cpu = self.device.type == "cpu"
         self._compiled = cpu_kernels.load() if on_cpu else None
+        # The checksumming copies, set up once over the layers.
+        self._copier = (
+            self._compiled.KVBlockCopier(self.layers) if self._compiled is not None else None
+        )
         # Without the extension: numpy views ([2, num_blocks, E]) of each layer.
         self._np_layers = (
             [layer.view(_INT_VIEW[self.itemsize]).numpy() for layer in self.layers]
@@ -148,6 +161,38 @@ class KVBlockIO:
             torch.tensor(rows, dtype=torch.int64),
         )
 
+    # ---- copies with checksums (compiled, CPU) ------------------------------
+
+    def gather_rows_xxh3(
+        self,
+        block_ids: Sequence[int],
+        frames: Frames,
+        rows: Sequence[int] | None,
+        header_bytes: int,
+    ) -> list[int]:
+        """gather_rows (rows None: row j for block j) that also returns the
+        xxh3-64 of each payload, computed while it is still in cache."""
+        assert self._copier is not None, "gather_rows_xxh3 needs the compiled CPU kernels"
+        sums: list[int] = self._copier.gather_xxh3(frames, header_bytes, block_ids, rows or [])
+        return sums
+
+    def scatter_rows_xxh3(
+        self,
+        block_ids: Sequence[int],
+        frames: Frames,
+        rows: Sequence[int] | None,
+        header_bytes: int,
+        expected: Sequence[int],
+    ) -> list[int]:
+        """scatter_rows (rows None: row j for block j) of the payloads whose
+        xxh3-64 is ``expected[j]``, each hashed just before its copy. Returns
+        the positions j that did not match; those blocks are not written."""
+        assert self._copier is not None, "scatter_rows_xxh3 needs the compiled CPU kernels"
+        mismatched: list[int] = self._copier.scatter_xxh3(
+            frames, header_bytes, block_ids, rows or [], expected
+        )
+        return mismatched
+
     # ---- payloads ------------------------------------------------------------
 
     def gather(self, block_ids: Sequence[int]) -> list[memoryview]:
@@ -161,3 +206,51 @@ class KVBlockIO:
         for i, payload in enumerate(payloads):
             frames[i] = np.frombuffer(payload, np.uint8)
         self.scatter_frames(block_ids, frames, 0)
+
+
+class FrameBuffers:
+    """Frame arrays ([rows, row_bytes] uint8) kept for reuse across batches.
+
+    ``take(n)`` hands out a retained array with room for ``n`` rows (a view
+    of its first ``n``), or a new one; ``give_back`` returns it once nothing
+    reads it any more. Up to ``max_retained_bytes`` are kept (the largest
+    arrays first), the rest freed. Thread-safe: the step thread takes, the
+    transfer thread gives back.
+    """
+
+    def __init__(self, row_bytes: int, max_retained_bytes: int) -> None:
+        self.row_bytes = row_bytes
+        self.max_retained_bytes = max_retained_bytes
+        self._free: list[Frames] = []
+        # Every array take() made, so that nothing else is ever adopted
+        # (a view of a shared-memory pool has the same row size).
+        self._ours: weakref.WeakValueDictionary[int, Frames] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> Frames:
+        with self._lock:
+            fits = [i for i, buf in enumerate(self._free) if len(buf) >= n]
+            if fits:
+                best = min(fits, key=lambda i: len(self._free[i]))
+                return self._free.pop(best)[:n]
+        frames: Frames = np.empty((n, self.row_bytes), np.uint8)
+        with self._lock:
+            self._ours[id(frames)] = frames
+        return frames
+
+    def give_back(self, frames: Frames) -> None:
+        """Return an array from ``take`` (or a view of its leading rows)."""
+        whole = frames if frames.base is None else frames.base
+        with self._lock:
+            if self._ours.get(id(whole)) is not whole:
+                return  # not one of ours (say, a copy of some rows)
+            if any(buf is whole for buf in self._free):
+                return
+            self._free.append(whole)
+            self._free.sort(key=len, reverse=True)
+            kept, total = [], 0
+            for buf in self._free:
+                if total + buf.nbytes <= self.max_retained_bytes:
+                    kept.append(buf)
+                    total += buf.nbytes
+            self._free = kept

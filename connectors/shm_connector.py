@@ -24,7 +24,7 @@ import logging
 from collections.abc import Sequence
 
 from connectors.base import ConnectorContext
-from connectors.block_codec import HEADER_BYTES, BlockCodec, FrameError
+from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import Frames, KVBlockIO
 from connectors.shm_pool import ShmBlockPool, ShmPoolConfig
 from connectors.store import BlockStore, LoadJob, LoadResult
@@ -69,40 +69,58 @@ class ShmBlockStore:
 
     def save_direct(self, io: KVBlockIO, hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Copy blocks from the cache straight into pool slots and seal them
-        there: one copy and one checksum pass, under the pool lock."""
+        there: one pass (copy and checksum together), under the pool lock."""
         codec = self.codec
 
         def fill(data: Frames, indices: list[int], slots: list[int]) -> None:
-            io.gather_rows([block_ids[i] for i in indices], data, slots, HEADER_BYTES)
-            codec.seal_rows(data, slots)
+            ids = [block_ids[i] for i in indices]
+            codec.seal_rows(data, slots, io.gather_rows_xxh3(ids, data, slots, HEADER_BYTES))
 
         self.pool.write_with(self._keys(hashes), codec.frame_bytes, fill)
 
     def load_direct(self, io: KVBlockIO, job: LoadJob) -> LoadResult:
         """Verify blocks in the pool and copy them straight into the cache,
-        under the pool lock. Absent or bad blocks are reported failed."""
-        codec = self.codec
+        under the pool lock: headers first, then each checksum in the copy
+        (a block that fails it is not copied). Absent or bad blocks are
+        reported failed."""
         good: list[int] = []
 
         def use(data: Frames, indices: list[int], slots: list[int], lengths: list[int]) -> None:
-            rows = []
-            for i, slot, length in zip(indices, slots, lengths, strict=True):
-                try:
-                    codec.check(data[slot, :length].data)
-                except FrameError as e:
-                    logger.warning("KV block %s is unusable (%s)", job.hashes[i].hex(), e)
-                    continue
-                good.append(i)
-                rows.append(slot)
-            if rows:
-                io.scatter_rows([job.block_ids[i] for i in good], data, rows, HEADER_BYTES)
+            sound: list[tuple[int, int]] = []  # (k, checksum its header states)
+            for k, checksum in enumerate(self.codec.check_headers(data, slots, lengths)):
+                if checksum is None:
+                    self._log_unusable(job.hashes[indices[k]], data[slots[k], : lengths[k]])
+                else:
+                    sound.append((k, checksum))
+            if not sound:
+                return
+            mismatched = set(
+                io.scatter_rows_xxh3(
+                    [job.block_ids[indices[k]] for k, _ in sound],
+                    data,
+                    [slots[k] for k, _ in sound],
+                    HEADER_BYTES,
+                    [checksum for _, checksum in sound],
+                )
+            )
+            for j, (k, _) in enumerate(sound):
+                if j in mismatched:
+                    self._log_unusable(job.hashes[indices[k]], data[slots[k], : lengths[k]])
+                else:
+                    good.append(indices[k])
 
         self.pool.read_with(self._keys(job.hashes), use)
+        if len(good) == len(job.block_ids):
+            return LoadResult(job.req_id)
         kept = set(good)
         return LoadResult(
             job.req_id,
             failed_block_ids=[b for i, b in enumerate(job.block_ids) if i not in kept],
         )
+
+    def _log_unusable(self, block_hash: bytes, frame: Frames) -> None:
+        error = self.codec.header_error(frame.data)
+        logger.warning("KV block %s is unusable (%s)", block_hash.hex(), error)
 
     def close(self) -> None:
         self.pool.close()

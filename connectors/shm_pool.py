@@ -35,6 +35,7 @@ import fcntl
 import importlib
 import os
 import re
+import struct
 import tempfile
 import threading
 import weakref
@@ -60,6 +61,11 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 # "tandem-<name>.data" and "tandem-<name>.lock" must stay under NAME_MAX (255).
 _MAX_NAME_LEN = 200
 _SHM_DIR = "/dev/shm"
+# Up to this many keys, a lookup compares each with the key column directly.
+_DIRECT_MATCH_WORDS = 4
+# Index fields written one slot at a time (the columns are little-endian).
+_KEY = struct.Struct(f"{KEY_BYTES}s")
+_U64 = struct.Struct("<Q")
 
 # SharedMemory.unlink() also unregisters from the resource tracker, which we
 # have already done on open; unlinking through the C module directly keeps the
@@ -192,9 +198,9 @@ class ShmBlockPool:
             _touch(views, slots[hits])
             new = np.flatnonzero(~hits)[-self.config.num_slots :]
             victims, evicted = _pick_victims(views, int(new.size))
-            for slot, i in zip(victims.tolist(), new.tolist(), strict=True):
+            for slot, i in zip(victims, new.tolist(), strict=True):
                 _write_slot(views, slot, keys[i], blobs[i])
-            views.meta["evictions"] += evicted
+            views.evictions[()] += evicted
         return int(new.size)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -248,14 +254,20 @@ class ShmBlockPool:
         checked = _validate_keys(keys)
         if not checked:
             return []
+        lengths = [-1] * len(checked)
         with self._locked() as views:
-            slots = _lookup(views, checked)
-            lengths = _blob_lengths(views, slots)
-            hits = np.flatnonzero(slots >= 0)
-            if hits.size:
-                use(views.data, hits.tolist(), slots[hits].tolist(), lengths[hits].tolist())
-            _touch(views, slots[hits])
-        return [int(n) for n in lengths]
+            slots = _lookup_list(views, checked)
+            # Python lists, not arrays: a read is mostly of a few blocks, and
+            # each numpy call costs more than the loop.
+            hits = [i for i, slot in enumerate(slots) if slot >= 0]
+            if hits:
+                hit_slots = [slots[i] for i in hits]
+                hit_lengths = [_U64.unpack_from(views.lengths_bytes, s * 8)[0] for s in hit_slots]
+                use(views.data, hits, hit_slots, hit_lengths)
+                _touch(views, hit_slots)
+                for i, length in zip(hits, hit_lengths, strict=True):
+                    lengths[i] = length
+        return lengths
 
     def write_with(
         self,
@@ -276,23 +288,23 @@ class ShmBlockPool:
         if not unique:
             return 0
         with self._locked() as views:
-            slots = _lookup(views, unique)
-            present = slots >= 0
-            _touch(views, slots[present])
-            new = np.flatnonzero(~present)[-self.config.num_slots :]
-            victims, evicted = _pick_victims(views, int(new.size))
-            if not new.size:
+            # Lists, not arrays: a save is mostly of a few blocks, and with
+            # the caches cold after a block copy each numpy call costs ~10 us.
+            slots = _lookup_list(views, unique)
+            _touch(views, [slot for slot in slots if slot >= 0])
+            new = [i for i, slot in enumerate(slots) if slot < 0][-self.config.num_slots :]
+            if not new:
                 return 0
-            views.state[victims] = _FREE  # invisible until filled
+            victims, evicted = _pick_victims(views, len(new))
+            for slot in victims:
+                views.state[slot] = _FREE  # invisible until filled
             index_of = {key: i for i, key in enumerate(checked)}
-            fill(views.data, [index_of[unique[i]] for i in new.tolist()], victims.tolist())
-            for slot, i in zip(victims.tolist(), new.tolist(), strict=True):
-                views.keys[slot] = np.frombuffer(unique[i], dtype="<u8")
-                views.lengths[slot] = size
-                views.last_used[slot] = _tick(views, 1)
-                views.state[slot] = _FULL
-            views.meta["evictions"] += evicted
-        return int(new.size)
+            fresh = [unique[i] for i in new]
+            fill(views.data, [index_of[key] for key in fresh], victims)
+            _publish(views, victims, fresh, size)
+            if evicted:
+                views.evictions[()] += evicted
+        return len(new)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Each key's blob, or None if absent. Blocks on the pool lock."""
@@ -312,7 +324,7 @@ class ShmBlockPool:
             return ShmPoolStats(
                 num_slots=self.config.num_slots,
                 used_slots=int(np.count_nonzero(views.state == _FULL)),
-                evictions=int(views.meta["evictions"]),
+                evictions=int(views.evictions),
                 attached_processes=len(attached),
             )
 
@@ -376,6 +388,8 @@ class _Views:
     """numpy views over the shared segments; they pin the mappings while alive."""
 
     meta: npt.NDArray[np.void]
+    clock: npt.NDArray[np.uint64]  # 0-d views of meta's fields: cheaper than
+    evictions: npt.NDArray[np.uint64]  # indexing meta by name on every call
     att_pid: npt.NDArray[np.int64]
     att_start: npt.NDArray[np.uint64]
     att_pidns: npt.NDArray[np.uint64]
@@ -384,6 +398,10 @@ class _Views:
     last_used: npt.NDArray[np.uint64]
     state: npt.NDArray[np.uint8]
     data: npt.NDArray[np.uint8]
+    # The same columns as raw bytes, for struct writes to single slots.
+    keys_bytes: memoryview
+    lengths_bytes: memoryview
+    last_used_bytes: memoryview
 
     @classmethod
     def over(cls, header: SharedMemory, data: SharedMemory, config: ShmPoolConfig) -> _Views:
@@ -392,18 +410,24 @@ class _Views:
         if header.size < dtype.itemsize or data.size < data_bytes:
             raise ValueError(f"segments of pool {config.name!r} are smaller than its geometry")
         meta = np.ndarray((), dtype=dtype, buffer=_buffer(header))
+        keys, lengths, last_used = meta["keys"], meta["lengths"], meta["last_used"]
         return cls(
             meta=meta,
+            clock=meta["clock"],
+            evictions=meta["evictions"],
             att_pid=meta["att_pid"],
             att_start=meta["att_start"],
             att_pidns=meta["att_pidns"],
-            keys=meta["keys"],
-            lengths=meta["lengths"],
-            last_used=meta["last_used"],
+            keys=keys,
+            lengths=lengths,
+            last_used=last_used,
             state=meta["state"],
             data=np.ndarray(
                 (config.num_slots, config.slot_bytes), dtype=np.uint8, buffer=_buffer(data)
             ),
+            keys_bytes=keys.data.cast("B"),
+            lengths_bytes=lengths.data.cast("B"),
+            last_used_bytes=last_used.data.cast("B"),
         )
 
 
@@ -471,12 +495,32 @@ def _buffer(shm: SharedMemory) -> memoryview:
 
 def _lookup(views: _Views, keys: list[bytes]) -> npt.NDArray[np.int64]:
     """Slot of each key, -1 where absent."""
-    first_words = np.frombuffer(b"".join(key[:8] for key in keys), dtype="<u8")
-    candidates = _first_word_matches(views, first_words)
+    return np.array(_lookup_list(views, keys), dtype=np.int64)
+
+
+def _lookup_list(views: _Views, keys: list[bytes]) -> list[int]:
+    """As _lookup, as a list (what the zero-copy paths work with)."""
+    if len(keys) <= _DIRECT_MATCH_WORDS:
+        candidates = _few_word_matches(views, [int.from_bytes(key[:8], "little") for key in keys])
+    else:
+        words = np.frombuffer(b"".join(key[:8] for key in keys), dtype="<u8")
+        candidates = _first_word_matches(views, words).tolist()
     # Keys are digests, so a first-word match is almost always a hit: the
     # dict spans about len(keys) candidates, never the whole index.
-    by_key = {views.keys[slot].tobytes(): slot for slot in candidates.tolist()}
-    return np.array([by_key.get(key, -1) for key in keys], dtype=np.int64)
+    by_key = {views.keys[slot].tobytes(): slot for slot in candidates if views.state[slot] == _FULL}
+    return [by_key.get(key, -1) for key in keys]
+
+
+def _few_word_matches(views: _Views, words: list[int]) -> list[int]:
+    """Slots (full or not) whose first key word is one of a few ``words``:
+    comparing each with the column is cheaper than _first_word_matches'
+    table for the few blocks most saves and loads move."""
+    column = views.keys[:, 0]
+    hit = column == words[0]
+    for word in words[1:]:
+        hit |= column == word
+    found: list[int] = hit.nonzero()[0].tolist()
+    return found
 
 
 def _first_word_matches(views: _Views, words: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
@@ -488,11 +532,11 @@ def _first_word_matches(views: _Views, words: npt.NDArray[np.uint64]) -> npt.NDA
     survivors get an exact (binary search) check. np.isin, or a binary search
     for every slot, was about 6x slower at 50k slots.
     """
+    column = views.keys[:, 0]
     bits = max(16, (words.size * 1024 - 1).bit_length())
     low = np.uint64((1 << bits) - 1)
     wanted = np.zeros(1 << bits, dtype=bool)
     wanted[words & low] = True
-    column = views.keys[:, 0]
     maybe = np.flatnonzero(wanted[column & low] & (views.state == _FULL))
     ordered = np.sort(words)
     values = column[maybe]
@@ -503,32 +547,53 @@ def _first_word_matches(views: _Views, words: npt.NDArray[np.uint64]) -> npt.NDA
 
 def _tick(views: _Views, count: int) -> int:
     """Advance the shared logical clock by ``count``; return the first new value."""
-    first = int(views.meta["clock"]) + 1
-    views.meta["clock"] = first + count - 1
+    first = int(views.clock) + 1
+    views.clock[()] = first + count - 1
     return first
 
 
-def _touch(views: _Views, slots: npt.NDArray[np.int64]) -> None:
-    if slots.size:
-        first = _tick(views, int(slots.size))
-        views.last_used[slots] = np.arange(first, first + slots.size, dtype=np.uint64)
-
-
-def _pick_victims(views: _Views, count: int) -> tuple[npt.NDArray[np.int64], int]:
-    """``count`` slots to write, free ones first, then the least recently used
-    (oldest first); and how many of them held a blob."""
-    free = np.flatnonzero(views.state == _FREE)[:count]
-    need = count - int(free.size)
-    if need <= 0:
-        return free, 0
-    full = np.flatnonzero(views.state == _FULL)
-    ages = views.last_used[full]
-    if need == 1:
-        oldest = full[[int(np.argmin(ages))]]
+def _touch(views: _Views, slots: npt.NDArray[np.int64] | list[int]) -> None:
+    if not len(slots):
+        return
+    first = _tick(views, len(slots))
+    if len(slots) <= _DIRECT_MATCH_WORDS:  # a few: struct beats numpy's call costs
+        for j, slot in enumerate(slots):
+            _U64.pack_into(views.last_used_bytes, int(slot) * 8, first + j)
     else:
-        part = np.argpartition(ages, need - 1)[:need]
-        oldest = full[part[np.argsort(ages[part])]]
-    return np.concatenate([free, oldest]), need
+        views.last_used[slots] = np.arange(first, first + len(slots), dtype=np.uint64)
+
+
+def _pick_victims(views: _Views, count: int) -> tuple[list[int], int]:
+    """``count`` slots to write, free ones first, then the least recently used
+    (oldest first); and how many of them held a blob.
+
+    One pass over ``last_used``: a slot never written has 0 there, below
+    every tick, so free slots come first without a scan of ``state`` (a slot
+    left free by a writer killed mid-copy keeps its old tick and goes in
+    age order). Each numpy pass costs ~10 us when the caches are cold, as
+    they are after a block copy."""
+    ages = views.last_used
+    if count == 1:
+        victims = [int(ages.argmin())]
+    else:
+        part = np.argpartition(ages, count - 1)[:count]
+        victims = part[np.argsort(ages[part], kind="stable")].tolist()
+    evicted = sum(int(views.state[slot] == _FULL) for slot in victims)
+    return victims, evicted
+
+
+def _publish(views: _Views, slots: list[int], keys: list[bytes], size: int) -> None:
+    """Make filled slots visible under their keys, the state last: a writer
+    killed before that leaves them free, never half-written under a key.
+    Field by field with struct: cheaper than numpy for the few slots of a
+    typical save."""
+    first = _tick(views, len(keys))
+    for j, (slot, key) in enumerate(zip(slots, keys, strict=True)):
+        _KEY.pack_into(views.keys_bytes, slot * KEY_BYTES, key)
+        _U64.pack_into(views.lengths_bytes, slot * 8, size)
+        _U64.pack_into(views.last_used_bytes, slot * 8, first + j)
+    for slot in slots:
+        views.state[slot] = _FULL
 
 
 def _write_slot(views: _Views, slot: int, key: bytes, blob: npt.NDArray[np.uint8]) -> None:

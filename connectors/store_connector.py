@@ -33,16 +33,17 @@ from connectors.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from connectors.block_codec import HEADER_BYTES, BlockCodec
-from connectors.kv_blocks import KVBlockIO
+from connectors.block_codec import BlockCodec
+from connectors.kv_blocks import FrameBuffers, KVBlockIO
 from connectors.store import (
+    RETAINED_FRAME_BYTES,
     BlockStore,
     LoadJob,
     LoadResult,
-    SaveJob,
     TransferThread,
     direct_store,
     load_into_cache,
+    stage_save,
 )
 
 if TYPE_CHECKING:
@@ -114,6 +115,8 @@ class StoreConnector(KVConnectorBase):
         # worker half
         self._io: KVBlockIO | None = None
         self._thread: TransferThread | None = None
+        # Frame arrays reused across saves and loads (nothing until used).
+        self._buffers = FrameBuffers(self.codec.frame_bytes, RETAINED_FRAME_BYTES)
         self._async_loads: dict[str, LoadSpec] = {}
         # Requests that finished while their async load ran.
         self._orphaned: set[str] = set()
@@ -315,7 +318,13 @@ class StoreConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._io = KVBlockIO(list(kv_caches.values()))
-        self._thread = TransferThread(self.store, self.codec, name="kv-transfer")
+        self._thread = TransferThread(
+            self.store,
+            self.codec,
+            name="kv-transfer",
+            verify_in_copy=self._io.copies_rows,
+            buffers=self._buffers,
+        )
 
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self._metadata
@@ -330,7 +339,7 @@ class StoreConnector(KVConnectorBase):
                 self._async_loads[spec.req_id] = spec
                 self._thread.submit_load(job)
             else:
-                result = load_into_cache(self.store, self.codec, self._io, job)
+                result = load_into_cache(self.store, self.codec, self._io, job, self._buffers)
                 self._invalid.update(result.failed_block_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -350,9 +359,9 @@ class StoreConnector(KVConnectorBase):
         if direct is not None:
             direct.save_direct(self._io, hashes, block_ids)  # one copy, in place
             return
-        frames = self._io.gather_frames(block_ids, HEADER_BYTES)
-        # Checksums on the transfer thread: the step only pays for the copy.
-        self._thread.submit_save(SaveJob(hashes, frames))
+        # The checksums come with the copy (where compiled): the transfer
+        # thread then only writes headers and sends.
+        self._thread.submit_save(stage_save(self._io, hashes, block_ids, self._buffers))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests finished while loading whose load is now over: their
@@ -367,6 +376,7 @@ class StoreConnector(KVConnectorBase):
             if result.req_id in self._orphaned:
                 self._orphaned.discard(result.req_id)
                 released.add(result.req_id)  # nobody waits for these blocks
+                self._buffers.give_back(result.frames)
                 continue
             self._apply(result)
             done.add(result.req_id)
@@ -374,7 +384,7 @@ class StoreConnector(KVConnectorBase):
 
     def _apply(self, result: LoadResult) -> None:
         assert self._io is not None
-        result.apply(self._io)
+        result.apply(self._io, self._buffers)
         self._invalid.update(result.failed_block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -12,6 +12,13 @@ Sources live in `kernels/csrc/`:
 * `fused_ops.cpp`: RMSNorm (with the residual add folded in), SiLU-and-mul
   and RoPE, each one pass instead of a chain of torch kernels (see
   `kernels.elementwise`).
+* `decode_stack.cpp`: the decoder's whole layer loop for decode steps of a
+  few sequences, calling the kernels above from C++ (one call per forward
+  pass instead of a dozen Python-driven calls per layer).
+* `kv_copy.cpp`: whole-KV-block copies between the paged cache and
+  connector frames, optionally with the frames' xxh3-64 checksums computed
+  in the same pass (xxHash's single header, vendored under
+  `csrc/third_party/xxhash/`, BSD-2-Clause).
 
 All are float32 only. The extension is built with torch's C++ extension
 tooling (a compiler and ninja are needed; about a minute, then cached under
@@ -31,7 +38,15 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "decode_attention.cpp", "fused_ops.cpp", "kv_copy.cpp")
+_SOURCES = (
+    "bindings.cpp",
+    "decode_attention.cpp",
+    "decode_stack.cpp",
+    "fused_ops.cpp",
+    "kv_copy.cpp",
+)
+# Included by the sources: part of the module's name, though not compiled alone.
+_HEADERS = ("decode_stack.h", "kv_copy.h", "third_party/xxhash/xxhash.h")
 
 # The head sizes the decode kernel is instantiated for (others use the torch path).
 HEAD_DIMS = (64, 128, 256)
@@ -55,7 +70,7 @@ def _extension_name() -> str:
     machine share torch's extension cache, and one must never load (or
     rebuild over) another's module."""
     digest = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         digest.update((_CSRC / name).read_bytes())
     return f"tandem_cpu_kernels_{digest.hexdigest()[:12]}"
 

@@ -8,8 +8,10 @@ latency (ITL) and end-to-end latency. In the same run, the offline engine
 efficiency at saturation (rate inf: everything at once) and its per-token
 overhead (service p50 ITL minus the engine's p50 decode step time).
 
-Without --server it starts `tandem serve` on a free port, and stops it
-before the offline run, so the two never share the CPU. Results go to
+Without --server it starts `tandem serve` on a free port. The server stays
+up but idle while the offline engine runs, so the two never share the CPU;
+`--compare-rounds N` repeats the saturated service round and the offline
+run N times, interleaved, and reports medians. Results go to
 JSON, with a PNG beside it: latency CDFs per rate, and throughput and p99
 latency against the request rate.
 
@@ -49,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens (default: 128)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    p.add_argument(
+        "--compare-rounds",
+        type=int,
+        default=1,
+        help="saturated service rounds and offline rounds, interleaved, for the "
+        "throughput comparison (default: 1)",
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -189,9 +198,44 @@ def _start_server(model: str | None) -> tuple[subprocess.Popen[bytes], str]:
     return subprocess.Popen(cmd), f"127.0.0.1:{port}"
 
 
-async def bench_service(
+@dataclass
+class Comparison:
+    """One interleaved pair: the service saturated, then the offline engine on
+    the same prompts."""
+
+    service: RateResult
+    offline: dict[str, float]
+
+    @property
+    def ratio(self) -> float:
+        return self.service.throughput / self.offline["throughput_tok_s"]
+
+    @property
+    def overhead_ms(self) -> float:
+        # ITL is per token, so the step time it is compared with is per token
+        # too: a step serving 64 streams counts 64 times, a tail step with one
+        # stream left once.
+        return self.service.summary()["itl_p50_ms"] - self.service.server_token_step_ms_p50
+
+
+async def _measure(
+    client: Any, prompts: list[list[int]], rate: float, args: argparse.Namespace, seed: int
+) -> RateResult:
+    result = await run_rate(client, prompts, rate, args.max_tokens, seed)
+    # The server's own step times (its last 128 steps: this round's).
+    status = await client.status()
+    result.server_step_ms_p50 = status.recent_step_ms_p50
+    result.server_token_step_ms_p50 = status.recent_token_step_ms_p50
+    return result
+
+
+async def bench(
     args: argparse.Namespace, rates: list[float]
-) -> tuple[list[RateResult], int]:
+) -> tuple[list[RateResult], list[Comparison]]:
+    """The sweep, then the saturated comparison rounds (service, offline,
+    service, offline, ...). The server stays up but idle while the offline
+    engine runs, so the two never share the CPU, and the noise of this
+    shared host falls on both sides alike."""
     from service.client import TandemClient, wait_serving
 
     proc, target = (None, args.server) if args.server else _start_server(args.model)
@@ -202,32 +246,58 @@ async def bench_service(
             # One short request first: connection set-up is not part of the figures.
             async for _ in client.generate(token_ids=[1000, 1001], max_tokens=2):
                 pass
-            results = []
-            for i, rate in enumerate(rates):
-                prompts = make_prompts(args, vocab, i)
-                result = await run_rate(client, prompts, rate, args.max_tokens, args.seed + i)
-                # The server's own step times (its last 128 steps: this round's).
-                status = await client.status()
-                result.server_step_ms_p50 = status.recent_step_ms_p50
-                result.server_token_step_ms_p50 = status.recent_token_step_ms_p50
-                results.append(result)
+            results = [
+                await _measure(client, make_prompts(args, vocab, i), rate, args, args.seed + i)
+                for i, rate in enumerate(rates)
+            ]
+            if args.no_offline:
+                return results, []
+            return results, await _compare(args, client, vocab, results, rates)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=120)
-    return results, vocab
+
+
+async def _compare(
+    args: argparse.Namespace,
+    client: Any,
+    vocab: int,
+    results: list[RateResult],
+    rates: list[float],
+) -> list[Comparison]:
+    from engine.llm import LLM
+
+    llm = LLM(args.model)
+    # Round 0 reuses the sweep's saturated round; later rounds get new prompts
+    # (a repeated prompt would hit the server's prefix cache).
+    top = max(range(len(rates)), key=lambda i: rates[i])
+    pairs = []
+    for k in range(args.compare_rounds):
+        index = top if k == 0 else len(rates) + k
+        prompts = make_prompts(args, vocab, index)
+        service = (
+            results[top]
+            if k == 0
+            else await _measure(client, prompts, rates[top], args, args.seed + index)
+        )
+        pairs.append(Comparison(service, bench_offline(llm, args, prompts)))
+        print(
+            f"comparison round {k + 1}: service {service.throughput:.1f} tok/s, offline "
+            f"{pairs[-1].offline['throughput_tok_s']:.1f} tok/s ({pairs[-1].ratio:.1%}); "
+            f"per-token overhead {pairs[-1].overhead_ms:+.2f} ms"
+        )
+    return pairs
 
 
 # --- the offline side ---------------------------------------------------------------
 
 
-def bench_offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
+def bench_offline(llm: Any, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
     """The offline engine on the same requests: output tokens/s and the p50
     duration of its decode steps (steps that scheduled one token per request)."""
-    from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    llm = LLM(args.model)
     core = llm.core
     step_times: list[float] = []
     inner = core.step
@@ -238,11 +308,14 @@ def bench_offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[st
         step_times.append(time.perf_counter() - start)
         return out
 
-    core.step = timed_step  # type: ignore[method-assign]
+    core.step = timed_step
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    finally:
+        core.step = inner
     tokens = sum(len(o.token_ids) for o in outs)
     # The last max_tokens/2 steps are decode-only for this workload.
     decode_steps = step_times[-(args.max_tokens // 2) :]
@@ -257,7 +330,7 @@ def bench_offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[st
 
 def run(args: argparse.Namespace) -> int:
     rates = [float(r) for r in args.rates.split(",")]
-    results, vocab = asyncio.run(bench_service(args, rates))
+    results, pairs = asyncio.run(bench(args, rates))
     report: dict[str, Any] = {
         "config": {k: str(v) for k, v in vars(args).items() if k != "run"},
         "rates": [r.summary() | {"errors": r.errors} for r in results],
@@ -270,35 +343,8 @@ def run(args: argparse.Namespace) -> int:
             f"{s['itl_p50_ms']:.1f} p99 {s['itl_p99_ms']:.1f} ms; E2E p50 "
             f"{s['e2e_p50_ms']:.0f} p99 {s['e2e_p99_ms']:.0f} ms; errors {r.errors}"
         )
-    if not args.no_offline:
-        saturated = max(results, key=lambda r: r.rate)
-        # The offline engine gets the saturated round's own prompts.
-        offline = bench_offline(args, make_prompts(args, vocab, results.index(saturated)))
-        report["offline"] = offline
-        ratio = saturated.throughput / offline["throughput_tok_s"]
-        itl_p50 = saturated.summary()["itl_p50_ms"]
-        # ITL is per token, so the step time it is compared with is per token
-        # too: a step serving 64 streams counts 64 times, a tail step with one
-        # stream left once.
-        overhead = itl_p50 - saturated.server_token_step_ms_p50
-        step_ratio = saturated.server_step_ms_p50 / offline["decode_step_p50_ms"]
-        report["service_vs_offline"] = {
-            "throughput_ratio": ratio,
-            "itl_minus_server_token_step_ms": overhead,
-            "itl_minus_server_step_ms": itl_p50 - saturated.server_step_ms_p50,
-            "server_step_vs_offline_step": step_ratio,
-        }
-        print(
-            f"offline engine: {offline['throughput_tok_s']:.1f} tok/s, decode step p50 "
-            f"{offline['decode_step_p50_ms']:.1f} ms"
-        )
-        print(
-            f"service at rate {saturated.rate:g}: {ratio:.1%} of offline throughput; ITL p50 "
-            f"{itl_p50:.1f} ms - server step p50 per token "
-            f"{saturated.server_token_step_ms_p50:.1f} ms = per-token overhead {overhead:+.2f} ms "
-            f"(per step: {saturated.server_step_ms_p50:.1f} ms); server step / offline step "
-            f"{step_ratio:.2f}"
-        )
+    if pairs:
+        report["service_vs_offline"] = _report_comparison(pairs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report["raw"] = [asdict(r) for r in results]
     args.out.write_text(json.dumps(report, indent=1))
@@ -306,6 +352,41 @@ def run(args: argparse.Namespace) -> int:
     plot(results, png)
     print(f"results: {args.out} and {png}")
     return 0
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """median (min-max)"""
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}} to {max(values):{fmt}})"
+
+
+def _report_comparison(pairs: list[Comparison]) -> dict[str, Any]:
+    ratios = [p.ratio for p in pairs]
+    overheads = [p.overhead_ms for p in pairs]
+    offline = [p.offline["throughput_tok_s"] for p in pairs]
+    service = [p.service.throughput for p in pairs]
+    step_ratios = [p.service.server_step_ms_p50 / p.offline["decode_step_p50_ms"] for p in pairs]
+    print(
+        f"saturated, {len(pairs)} interleaved round(s), median (min to max): service "
+        f"{_spread(service, '.1f')} tok/s, offline {_spread(offline, '.1f')} tok/s\n"
+        f"  service / offline throughput {_spread(ratios, '.1%')}\n"
+        f"  per-token overhead (ITL p50 - server step p50 per token) "
+        f"{_spread(overheads, '+.2f')} ms\n"
+        f"  server decode step / offline decode step {_spread(step_ratios, '.2f')}"
+    )
+    return {
+        "rounds": [
+            {
+                "service_tok_s": p.service.throughput,
+                "offline": p.offline,
+                "throughput_ratio": p.ratio,
+                "itl_minus_server_token_step_ms": p.overhead_ms,
+                "server_step_p50_ms": p.service.server_step_ms_p50,
+            }
+            for p in pairs
+        ],
+        "throughput_ratio_median": statistics.median(ratios),
+        "overhead_ms_median": statistics.median(overheads),
+    }
 
 
 def plot(results: list[RateResult], path: Path) -> None:

@@ -2,6 +2,10 @@
 #include <ATen/ATen.h>
 #include <torch/extension.h>
 
+#include "kv_copy.h"
+
+#include "decode_stack.h"
+
 void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                       at::Tensor block_table, at::Tensor seq_lens, double scale);
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
@@ -24,6 +28,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate | up]");
   m.def("rope_", &rope_, "rotate-half RoPE in place at the given positions");
   m.def("small_linear", &small_linear, "out = x @ weight.T + bias for a few rows of x");
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, double, int64_t,
+                          int64_t, int64_t, double>())
+      // No Python object is touched inside: other threads run meanwhile.
+      .def("forward", &DecodeStack::forward,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gather_kv_blocks", &gather_kv_blocks, "copy whole KV blocks into frame rows");
   m.def("scatter_kv_blocks", &scatter_kv_blocks, "copy frame rows into whole KV blocks");
+  pybind11::class_<KVBlockCopier>(m, "KVBlockCopier")
+      .def(pybind11::init<std::vector<at::Tensor>>(), "over each layer's [2, num_blocks, E] view")
+      .def("gather_xxh3", &KVBlockCopier::gather_xxh3,
+           "blocks into frame rows; each payload's xxh3-64")
+      .def("scatter_xxh3", &KVBlockCopier::scatter_xxh3,
+           "frame rows whose payload's xxh3-64 matches into blocks; positions that did not");
 }

@@ -21,7 +21,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from engine.models.llama import hf_parameter_names
+from engine.models.llama import LlamaMLP, hf_parameter_names
 from engine.models.loader import LoadedModel, load_model
 from engine.models.spec import ModelSpec
 from tests.unit.engine.models.paged import REFERENCE_OPS, allocate, step
@@ -135,6 +135,18 @@ def test_parameter_names_match_transformers(family, tandem):
 def test_batched_prefill(family, tandem):
     hf, _ = family
     tokens = _sequences(seed=2)
+    seqs = allocate(tandem.model, tokens)
+    chunks = [(i, 0, n) for i, n in enumerate(PROMPT_LENS)]
+    for (i, _, n), logits in zip(chunks, step(tandem.model, seqs, chunks), strict=True):
+        _assert_close(logits, _hf_logits(hf, tokens[i])[:n], f"prefill of sequence {i}")
+
+
+def test_prefill_through_the_mlp_in_row_chunks(family, tandem, monkeypatch):
+    # Large prefills on CPU run the MLP a chunk of rows at a time; 3 rows per
+    # chunk splits every sequence here, ragged last chunk included.
+    monkeypatch.setattr(LlamaMLP, "CHUNK_ROWS", 3)
+    hf, _ = family
+    tokens = _sequences(seed=8)
     seqs = allocate(tandem.model, tokens)
     chunks = [(i, 0, n) for i, n in enumerate(PROMPT_LENS)]
     for (i, _, n), logits in zip(chunks, step(tandem.model, seqs, chunks), strict=True):

@@ -1,0 +1,134 @@
+// The whole decoder stack for decode steps of a few sequences (float32, CPU).
+//
+// A single-stream decode step reads every weight once and does little else.
+// Driven from Python, each of the model's layers also paid ~150 us of
+// interpreter and dispatch overhead around its dozen kernel calls: ~5 ms of a
+// ~40 ms step on the default model. Here the layer loop runs in C++, with the
+// GIL released (the service's event loop runs meanwhile), calling the very
+// kernels the Python path calls, in the same order, so the two paths agree
+// bit for bit. See engine/models/llama.py for when it is used.
+#include "decode_stack.h"
+
+#include <ATen/ATen.h>
+#include <cstring>
+#include <vector>
+
+void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                      at::Tensor block_table, at::Tensor seq_lens, double scale);
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor delta,
+                  at::Tensor weight, double eps);
+void silu_mul(at::Tensor out, at::Tensor gate_up);
+void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache, at::Tensor sin_cache);
+void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
+                  const c10::optional<at::Tensor>& bias);
+
+
+namespace {
+
+c10::optional<at::Tensor> bias_or_none(const at::Tensor& t) {
+  // The constructor takes an empty tensor for "no bias" (simpler to bind
+  // than a list of optionals).
+  if (t.numel() == 0) return c10::nullopt;
+  return t;
+}
+
+void check_weight(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              what, " must be a contiguous float32 CPU tensor");
+}
+
+// Each token's new K and V (adjacent head rows of the qkv output) into the
+// cache's slot for it: a plain copy, as reshape_and_cache does.
+void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tensor& slots,
+              int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+  const int64_t T = qkv.size(0), row = kv_heads * head_dim;
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const float* src = qkv.data_ptr<float>();
+  float* k_cache = kv_cache.data_ptr<float>();
+  float* v_cache = k_cache + num_slots * row;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache");
+    const float* k = src + t * qkv.stride(0) + q_heads * head_dim;
+    std::memcpy(k_cache + slot[t] * row, k, row * sizeof(float));
+    std::memcpy(v_cache + slot[t] * row, k + row, row * sizeof(float));
+  }
+}
+
+}  // namespace
+
+DecodeStack::DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm,
+                         double eps, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, double scale)
+    : final_norm_(std::move(final_norm)),
+      eps_(eps),
+      heads_(num_heads),
+      kv_heads_(num_kv_heads),
+      head_dim_(head_dim),
+      scale_(scale) {
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  check_weight(final_norm_, "final norm");
+  for (auto& w : layers) {
+    TORCH_CHECK(w.size() == 10, "each layer takes 10 tensors, got ", w.size());
+    Layer layer{w[0], w[1], bias_or_none(w[2]), w[3], bias_or_none(w[4]),
+                w[5], w[6], bias_or_none(w[7]), w[8], bias_or_none(w[9])};
+    for (const at::Tensor* t : {&layer.input_norm, &layer.qkv, &layer.o, &layer.post_norm,
+                                &layer.gate_up, &layer.down})
+      check_weight(*t, "a layer weight");
+    TORCH_CHECK(layer.qkv.size(0) == (num_heads + 2 * num_kv_heads) * head_dim,
+                "qkv weight rows do not match the head counts");
+    layers_.push_back(std::move(layer));
+  }
+}
+
+at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::Tensor cos_cache,
+                                at::Tensor sin_cache, std::vector<at::Tensor> kv_caches,
+                                at::Tensor block_table, at::Tensor seq_lens,
+                                at::Tensor slot_mapping) {
+  TORCH_CHECK(kv_caches.size() == layers_.size(), "got ", kv_caches.size(),
+              " KV caches for ", layers_.size(), " layers");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  const int64_t T = residual.size(0), hidden = residual.size(1);
+  TORCH_CHECK(slot_mapping.numel() == T && positions.numel() == T, "one slot and position per row");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == T,
+              "seq_lens must be contiguous int32, one per row");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.size(0) == T && block_table.stride(1) == 1,
+              "block_table must be int32 [rows, blocks] with contiguous rows");
+  const int64_t qkv_width = (heads_ + 2 * kv_heads_) * head_dim_;
+  const int64_t inter = layers_.empty() ? 0 : layers_[0].down.size(1);
+  const auto opts = residual.options();
+  // Buffers shared by every layer: each is fully rewritten before it is read.
+  at::Tensor x = at::empty({T, hidden}, opts), qkv = at::empty({T, qkv_width}, opts);
+  at::Tensor attn = at::empty({T, heads_ * head_dim_}, opts), proj = at::empty({T, hidden}, opts);
+  at::Tensor gate_up = at::empty({T, 2 * inter}, opts), act = at::empty({T, inter}, opts);
+  at::Tensor delta = at::empty({T, hidden}, opts);
+  const at::Tensor heads = qkv.view({T, heads_ + 2 * kv_heads_, head_dim_});
+  const at::Tensor rotated = heads.narrow(1, 0, heads_ + kv_heads_);
+  const at::Tensor query = heads.narrow(1, 0, heads_);
+  const at::Tensor attn_heads = attn.view({T, heads_, head_dim_});
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& w = layers_[i];
+    if (i == 0)
+      rms_norm(x, residual, w.input_norm, eps_);
+    else
+      add_rms_norm(x, residual, delta, w.input_norm, eps_);
+    small_linear(qkv, x, w.qkv, w.qkv_bias);
+    rope_(rotated, positions, cos_cache, sin_cache);
+    write_kv(qkv, kv_caches[i], slot_mapping, heads_, kv_heads_, head_dim_);
+    decode_attention(attn_heads, query, kv_caches[i], block_table, seq_lens, scale_);
+    small_linear(proj, attn, w.o, w.o_bias);
+    add_rms_norm(x, residual, proj, w.post_norm, eps_);
+    small_linear(gate_up, x, w.gate_up, w.gate_up_bias);
+    silu_mul(act, gate_up);
+    small_linear(delta, act, w.down, w.down_bias);
+  }
+  at::Tensor out = at::empty({T, hidden}, opts);
+  if (layers_.empty())
+    rms_norm(out, residual, final_norm_, eps_);
+  else
+    add_rms_norm(out, residual, delta, final_norm_, eps_);
+  return out;
+}

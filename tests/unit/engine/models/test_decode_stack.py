@@ -1,0 +1,119 @@
+"""The compiled layer loop for small decode steps (kernels/csrc/decode_stack.cpp)
+against the Python-driven layers it replaces: same kernels, same order, so
+the logits and the KV caches it writes must be bit-identical."""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+
+from engine.models.loader import LoadedModel, load_model
+from kernels import cpu_kernels
+from kernels.backend import select_backend
+from kernels.layer_ops import SMALL_LINEAR_ROWS
+from tests.unit.engine.models.paged import PagedSequences, allocate, step
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels did not build")
+
+VOCAB = 300
+# head_dim 64 (the decode kernel's smallest instantiation), GQA 3:1.
+_SHAPE: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=192,
+    intermediate_size=320,
+    num_hidden_layers=3,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def _configs() -> dict[str, PretrainedConfig]:
+    return {
+        "llama": LlamaConfig(**_SHAPE),
+        "llama-bias": LlamaConfig(**_SHAPE, attention_bias=True, mlp_bias=True),
+        "qwen2-qkv-bias": Qwen2Config(**_SHAPE),
+    }
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def model(request, tmp_path_factory) -> LoadedModel:
+    config = _configs()[request.param]
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.normal_(0.0, 0.3 if param.ndim == 1 else param.shape[-1] ** -0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, safe_serialization=True)
+    ops = select_backend(torch.device("cpu"), "torch")
+    return load_model(path, dtype=torch.float32, device=torch.device("cpu"), ops=ops)
+
+
+def _decode(model: LoadedModel, seqs: PagedSequences, lens: list[int], use_stack: bool):
+    stack = model.model.decode_stack
+    if not use_stack:
+        model.model.decode_stack = None
+    try:
+        return step(model.model, seqs, [(i, n, n + 1) for i, n in enumerate(lens)])
+    finally:
+        model.model.decode_stack = stack
+
+
+@pytest.mark.parametrize("batch", [1, 3, SMALL_LINEAR_ROWS])
+def test_matches_the_python_layers_bit_for_bit(model: LoadedModel, batch: int) -> None:
+    assert model.model.decode_stack is not None
+    rng = random.Random(batch)
+    lens = [rng.randint(1, 70) for _ in range(batch)]
+    tokens = [[rng.randrange(VOCAB) for _ in range(n + 3)] for n in lens]
+    seqs = allocate(model.model, tokens, block_size=16, seed=batch)
+    step(model.model, seqs, [(i, 0, n) for i, n in enumerate(lens)])  # prefill
+    for k in range(3):
+        twin = PagedSequences(
+            seqs.tokens, seqs.blocks, seqs.block_size, copy.deepcopy(seqs.kv_caches)
+        )
+        fast = _decode(model, seqs, [n + k for n in lens], use_stack=True)
+        slow = _decode(model, twin, [n + k for n in lens], use_stack=False)
+        for got, want in zip(fast, slow, strict=True):
+            assert torch.equal(got, want), f"step {k}: logits differ"
+        for got, want in zip(seqs.kv_caches, twin.kv_caches, strict=True):
+            assert torch.equal(got, want), f"step {k}: KV caches differ"
+
+
+def test_not_used_for_prefills_or_large_batches(model: LoadedModel, monkeypatch) -> None:
+    calls: list[int] = []
+    stack = model.model.decode_stack
+    monkeypatch.setattr(model.model, "decode_stack", _Spy(stack, calls))
+    lens = [5] * (SMALL_LINEAR_ROWS + 1)
+    tokens = [[7] * 8 for _ in lens]
+    seqs = allocate(model.model, tokens, block_size=16)
+    step(model.model, seqs, [(i, 0, n) for i, n in enumerate(lens)])
+    step(model.model, seqs, [(i, n, n + 1) for i, n in enumerate(lens)])
+    assert calls == []
+    step(model.model, seqs, [(0, 6, 7)])
+    assert calls == [1]
+
+
+def test_a_slot_outside_the_cache_is_refused(model: LoadedModel) -> None:
+    seqs = allocate(model.model, [[1] * 4], block_size=16)
+    seqs.blocks[0][0] = 10_000  # the decode's slot lands past the cache
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        step(model.model, seqs, [(0, 3, 4)])
+
+
+class _Spy:
+    def __init__(self, stack, calls: list[int]) -> None:
+        self.stack, self.calls = stack, calls
+
+    def forward(self, residual: torch.Tensor, *args):
+        self.calls.append(residual.shape[0])
+        return self.stack.forward(residual, *args)
