@@ -50,6 +50,10 @@ def reshape_and_cache(
     """Write new K/V rows `[num_tokens, num_kv_heads, head_dim]` into the paged
     cache `[2, num_blocks, block_size, num_kv_heads, head_dim]` at their slots."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    kernel = _compiled_cache_write(key, value, kv_cache)
+    if kernel is not None:
+        kernel.cache_kv(kv_cache, key, value, slot_mapping)
+        return
     # One row per slot: blocks and offsets flatten into a single slot index.
     slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
     slots[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
@@ -269,6 +273,24 @@ def _decode(
         q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=plan.mask, scale=scale
     )
     return out.reshape(plan.num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _compiled_cache_write(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor
+) -> ModuleType | None:
+    """The compiled module when its cache write applies: float32 on CPU, each
+    token's heads adjacent in key and value (views of one qkv buffer)."""
+    if not (
+        kv_cache.device.type == "cpu"
+        and kv_cache.dtype == key.dtype == value.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and key.stride(-1) == 1
+        and key.stride(1) == key.shape[2]
+        and key.stride() == value.stride()
+        and key.shape == value.shape
+    ):
+        return None
+    return cpu_kernels.load()
 
 
 def _compiled_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> ModuleType | None:

@@ -16,6 +16,8 @@ void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache,
            at::Tensor sin_cache);
 void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
                   const c10::optional<at::Tensor>& bias);
+at::Tensor argmax_rows(at::Tensor x);
+void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);
 void gather_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
                       at::Tensor block_ids, at::Tensor frame_rows);
 void scatter_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
@@ -28,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate | up]");
   m.def("rope_", &rope_, "rotate-half RoPE in place at the given positions");
   m.def("small_linear", &small_linear, "out = x @ weight.T + bias for a few rows of x");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, rows in parallel");
+  m.def("cache_kv", &cache_kv, "reshape_and_cache for a float32 cache: K/V rows into slots");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, double, int64_t,
                           int64_t, int64_t, double>())

@@ -38,22 +38,27 @@ void check_weight(const at::Tensor& t, const char* what) {
               what, " must be a contiguous float32 CPU tensor");
 }
 
-// Each token's new K and V (adjacent head rows of the qkv output) into the
-// cache's slot for it: a plain copy, as reshape_and_cache does.
+// Each token's new K and V rows (row_floats each, at key/value + t * stride)
+// into the cache's slot for it: a plain copy, as index_copy_ would do.
+void copy_into_slots(float* k_cache, float* v_cache, int64_t num_slots, int64_t row_floats,
+                     const float* key, const float* value, int64_t stride,
+                     const int64_t* slot, int64_t T) {
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache");
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(k_cache + slot[t] * row_floats, key + t * stride, row_floats * sizeof(float));
+    std::memcpy(v_cache + slot[t] * row_floats, value + t * stride, row_floats * sizeof(float));
+  }
+}
+
 void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tensor& slots,
               int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
-  const int64_t T = qkv.size(0), row = kv_heads * head_dim;
+  const int64_t row = kv_heads * head_dim;
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  const float* src = qkv.data_ptr<float>();
   float* k_cache = kv_cache.data_ptr<float>();
-  float* v_cache = k_cache + num_slots * row;
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache");
-    const float* k = src + t * qkv.stride(0) + q_heads * head_dim;
-    std::memcpy(k_cache + slot[t] * row, k, row * sizeof(float));
-    std::memcpy(v_cache + slot[t] * row, k + row, row * sizeof(float));
-  }
+  const float* key = qkv.data_ptr<float>() + q_heads * head_dim;
+  copy_into_slots(k_cache, k_cache + num_slots * row, num_slots, row, key, key + row,
+                  qkv.stride(0), slots.data_ptr<int64_t>(), qkv.size(0));
 }
 
 }  // namespace
@@ -131,4 +136,25 @@ at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::T
   else
     add_rms_norm(out, residual, delta, final_norm_, eps_);
   return out;
+}
+
+// The torch backend's reshape_and_cache for float32 CPU caches: one call per
+// layer instead of two index_copy_ calls (~40 us each at decode batch 64).
+void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() &&
+                  kv_cache.dim() == 5,
+              "kv_cache must be a contiguous float32 [2, blocks, block_size, heads, dim] tensor");
+  const int64_t T = key.size(0), heads = kv_cache.size(3), dim = kv_cache.size(4);
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == T &&
+                    t->size(1) == heads && t->size(2) == dim && t->stride(2) == 1 &&
+                    t->stride(1) == dim && t->stride(0) == key.stride(0),
+                "key and value must be float32 [T, heads, dim] with each token's heads adjacent");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == T,
+              "slot_mapping must be contiguous int64, one per token");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), row = heads * dim;
+  float* k_cache = kv_cache.data_ptr<float>();
+  copy_into_slots(k_cache, k_cache + num_slots * row, num_slots, row, key.data_ptr<float>(),
+                  value.data_ptr<float>(), key.stride(0), slot_mapping.data_ptr<int64_t>(), T);
 }

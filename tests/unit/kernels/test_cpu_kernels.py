@@ -63,3 +63,42 @@ def test_disabled_by_environment(monkeypatch) -> None:
     meta = dataclasses.replace(batch.meta)
     got = torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def _rows_with_ties_and_nans() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    plain = torch.randn(5, 1000, generator=gen)
+    ties = torch.randint(0, 4, (6, 300), generator=gen).float()  # many equal maxima
+    nans = torch.randn(4, 50, generator=gen)
+    nans[1, 7] = nans[1, 30] = float("nan")  # the first NaN wins
+    nans[2, 0] = float("nan")
+    nans[3, 49] = float("nan")
+    strided = torch.randn(3, 128, generator=gen)[:, :100]  # rows 128 apart
+    return [plain, ties, nans, strided, torch.randn(1, 49152, generator=gen)]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_argmax_rows_matches_torch(kernel, case: int) -> None:
+    x = _rows_with_ties_and_nans()[case]
+    assert torch.equal(kernel.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_cache_kv_writes_strided_views_of_one_projection(kernel) -> None:
+    # The model passes K and V as views into its fused qkv output.
+    heads, kv_heads, dim, tokens = 3, 1, 64, 5
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)
+    key, value = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    cache = torch.zeros(2, 4, 16, kv_heads, dim)
+    slots = torch.tensor([3, 17, 63, 0, 40])
+    want = cache.clone()
+    reference.reshape_and_cache(key, value, want, slots)
+    torch_attention.reshape_and_cache(key, value, cache, slots)
+    assert torch.equal(cache, want)
+
+
+def test_cache_kv_refuses_a_slot_outside_the_cache(kernel) -> None:
+    key = value = torch.randn(2, 1, 64)
+    cache = torch.zeros(2, 4, 16, 1, 64)
+    with pytest.raises(RuntimeError, match="slot 64 outside the cache"):
+        kernel.cache_kv(cache, key, value, torch.tensor([1, 64]))
+    assert not cache.any()  # checked before anything is written
