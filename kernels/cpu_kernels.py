@@ -46,7 +46,7 @@ _SOURCES = (
     "kv_copy.cpp",
 )
 # Included by the sources: part of the module's name, though not compiled alone.
-_HEADERS = ("decode_stack.h", "kv_copy.h", "third_party/xxhash/xxhash.h")
+_HEADERS = ("cpu_ops.h", "decode_stack.h", "kv_copy.h", "third_party/xxhash/xxhash.h")
 
 # The head sizes the decode kernel is instantiated for (others use the torch path).
 HEAD_DIMS = (64, 128, 256)

@@ -4,24 +4,8 @@
 
 #include "kv_copy.h"
 
+#include "cpu_ops.h"
 #include "decode_stack.h"
-
-void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
-                      at::Tensor block_table, at::Tensor seq_lens, double scale);
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
-void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor delta,
-                  at::Tensor weight, double eps);
-void silu_mul(at::Tensor out, at::Tensor gate_up);
-void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache,
-           at::Tensor sin_cache);
-void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
-                  const c10::optional<at::Tensor>& bias);
-at::Tensor argmax_rows(at::Tensor x);
-void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);
-void gather_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
-                      at::Tensor block_ids, at::Tensor frame_rows);
-void scatter_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
-                       at::Tensor block_ids, at::Tensor frame_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32)");

@@ -13,16 +13,7 @@
 #include <cstring>
 #include <vector>
 
-void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
-                      at::Tensor block_table, at::Tensor seq_lens, double scale);
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
-void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor delta,
-                  at::Tensor weight, double eps);
-void silu_mul(at::Tensor out, at::Tensor gate_up);
-void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache, at::Tensor sin_cache);
-void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
-                  const c10::optional<at::Tensor>& bias);
-
+#include "cpu_ops.h"
 
 namespace {
 

@@ -132,25 +132,24 @@ def test_parameter_names_match_transformers(family, tandem):
     assert set(hf_parameter_names(tandem.spec)) == hf_names
 
 
-def test_batched_prefill(family, tandem):
+def _check_batched_prefill(family, tandem, seed: int) -> None:
     hf, _ = family
-    tokens = _sequences(seed=2)
+    tokens = _sequences(seed)
     seqs = allocate(tandem.model, tokens)
     chunks = [(i, 0, n) for i, n in enumerate(PROMPT_LENS)]
     for (i, _, n), logits in zip(chunks, step(tandem.model, seqs, chunks), strict=True):
         _assert_close(logits, _hf_logits(hf, tokens[i])[:n], f"prefill of sequence {i}")
+
+
+def test_batched_prefill(family, tandem):
+    _check_batched_prefill(family, tandem, seed=2)
 
 
 def test_prefill_through_the_mlp_in_row_chunks(family, tandem, monkeypatch):
     # Large prefills on CPU run the MLP a chunk of rows at a time; 3 rows per
     # chunk splits every sequence here, ragged last chunk included.
     monkeypatch.setattr(LlamaMLP, "CHUNK_ROWS", 3)
-    hf, _ = family
-    tokens = _sequences(seed=8)
-    seqs = allocate(tandem.model, tokens)
-    chunks = [(i, 0, n) for i, n in enumerate(PROMPT_LENS)]
-    for (i, _, n), logits in zip(chunks, step(tandem.model, seqs, chunks), strict=True):
-        _assert_close(logits, _hf_logits(hf, tokens[i])[:n], f"prefill of sequence {i}")
+    _check_batched_prefill(family, tandem, seed=8)
 
 
 def test_chunked_prefill_mixed_with_decode(family, tandem):

@@ -1,0 +1,28 @@
+// The float32 CPU kernels' entry points, shared by the bindings and by
+// decode_stack.cpp (which calls them from C++). Each is defined in one .cpp.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <vector>
+
+// decode_attention.cpp
+void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                      at::Tensor block_table, at::Tensor seq_lens, double scale);
+
+// fused_ops.cpp
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor delta,
+                  at::Tensor weight, double eps);
+void silu_mul(at::Tensor out, at::Tensor gate_up);
+void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache, at::Tensor sin_cache);
+void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
+                  const c10::optional<at::Tensor>& bias);
+at::Tensor argmax_rows(at::Tensor x);
+
+// decode_stack.cpp
+void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);
+
+// kv_copy.cpp
+void gather_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
+                      at::Tensor block_ids, at::Tensor frame_rows);
+void scatter_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,
+                       at::Tensor block_ids, at::Tensor frame_rows);
