@@ -117,6 +117,13 @@ class KVConnectorBase(ABC):
         to the client (P/D: where the decode side finds the KV)."""
         return False, None
 
+    def request_released(self, request: Request) -> None:  # noqa: B027
+        """Nobody will fetch the blocks held for ``request``, finished with
+        ``delay_free`` (its decode side refused it, or a client aborted it
+        after its prefill): stop holding them once nothing reads them, and
+        report the request in ``finished_sending`` as usual. Optional: a
+        hold that ends on its own (a save under way) needs no word."""
+
     def take_events(self) -> list[KVCacheEvent]:
         """KV events from the connector's own tiers (optional)."""
         return []

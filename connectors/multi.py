@@ -92,6 +92,10 @@ class MultiConnector(KVConnectorBase):
             params = params if params is not None else tier_params
         return delay, params
 
+    def request_released(self, request: Request) -> None:
+        for tier in self.tiers:
+            tier.request_released(request)
+
     def take_events(self) -> list[KVCacheEvent]:
         return [event for tier in self.tiers for event in tier.take_events()]
 

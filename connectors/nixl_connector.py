@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class NixlConnectorMetadata(KVConnectorMetadata):
     holds: list[str] = field(default_factory=list)  # producer: keep these for a consumer
+    released: list[str] = field(default_factory=list)  # producer: nobody will read these
     expects: list[tuple[str, RemoteSource]] = field(default_factory=list)  # consumer
     recvs: list[RecvSpec] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)  # consumer: no READ will come
@@ -177,6 +178,10 @@ class NixlConnector(KVConnectorBase):
         self._meta.holds.append(request.request_id)
         return True, params
 
+    def request_released(self, request: Request) -> None:
+        if self.is_producer:
+            self._meta.released.append(request.request_id)
+
     def _source(self, request: Request) -> RemoteSource | None:
         """Where a consumer request's KV is; None if it reads nothing (not
         a remote prefill, or malformed params). Compatibility is checked at
@@ -233,6 +238,8 @@ class NixlConnector(KVConnectorBase):
         now = time.monotonic()
         for req_id in meta.holds:
             self.worker.hold(req_id, now)
+        for req_id in meta.released:
+            self.worker.release(req_id)
         for req_id, source in meta.expects:
             self.worker.expect(req_id, source)
         for spec in meta.recvs:

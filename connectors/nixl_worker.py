@@ -3,10 +3,12 @@
 Producer (prefill pod): a finished do_remote_decode request's blocks are
 *held*. The hold ends when the consumer's READ completes (NIXL delivers the
 READ's notification, ``done:<id>``), when the consumer rejects the request
-(``reject:<id>``), when the lease lapses (no ``hb:<id>`` heartbeat for
-``lease`` seconds), or ``timeout`` seconds after it began whatever the
-heartbeats say. Either way the request is reported in ``finished_sending``
-and the scheduler frees its blocks: none is stranded.
+(``reject:<id>``; or this pod's service does, through ``release``, when the
+router saw the decode leg refused before any consumer engine took it), when
+the lease lapses (no ``hb:<id>`` heartbeat for ``lease`` seconds), or
+``timeout`` seconds after it began whatever the heartbeats say. Either way
+the request is reported in ``finished_sending`` and the scheduler frees its
+blocks: none is stranded.
 
 Consumer (decode pod): for each request that will read, the peer's handshake
 starts as soon as the request arrives (``awaiting``) and heartbeats go out
@@ -122,6 +124,8 @@ class NixlWorker:
         # producer
         self.holds: dict[str, _Hold] = {}
         self._early: dict[str, float] = {}
+        # Rejections from this side (``release``), read with the peers' own.
+        self._local_notifs: list[bytes] = []
         self.ignored_notifs = 0
         # consumer
         self.awaiting: dict[str, RemoteSource] = {}
@@ -134,6 +138,11 @@ class NixlWorker:
 
     def hold(self, req_id: str, now: float) -> None:
         self.holds[req_id] = _Hold(now + self.lease, now + self.timeout)
+
+    def release(self, req_id: str) -> None:
+        """Nobody will read ``req_id``'s held blocks: free them at the next
+        poll, exactly as a consumer's ``reject`` would."""
+        self._local_notifs.append(b"reject:" + req_id.encode())
 
     def expect(self, req_id: str, source: RemoteSource) -> None:
         """A request will read from ``source``: handshake now, heartbeat on."""
@@ -173,7 +182,8 @@ class NixlWorker:
 
     def _poll_holds(self, now: float) -> set[str]:
         released: set[str] = set()
-        for message in self.endpoint.take_notifs():
+        local, self._local_notifs = self._local_notifs, []
+        for message in [*local, *self.endpoint.take_notifs()]:
             kind, _, ids = message.decode(errors="replace").partition(":")
             for req_id in ids.split(","):
                 self._on_notif(kind, req_id, now, released)

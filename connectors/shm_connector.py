@@ -29,6 +29,7 @@ from connectors.kv_blocks import Frames, KVBlockIO
 from connectors.shm_pool import ShmBlockPool, ShmPoolConfig
 from connectors.store import BlockStore, LoadJob, LoadResult
 from connectors.store_connector import StoreConnector
+from kernels import cpu_kernels
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
@@ -47,7 +48,8 @@ class ShmBlockStore:
                 f"{codec.frame_bytes} bytes"
             )
         self.pool = ShmBlockPool(
-            ShmPoolConfig(f"{pool_name}-{codec.namespace}", num_slots, codec.frame_bytes)
+            ShmPoolConfig(f"{pool_name}-{codec.namespace}", num_slots, codec.frame_bytes),
+            cpu_kernels.load(),
         )
         self.last_error: str | None = None
 

@@ -35,7 +35,6 @@ import fcntl
 import importlib
 import os
 import re
-import struct
 import tempfile
 import threading
 import weakref
@@ -44,28 +43,22 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-KEY_BYTES = 32
+from connectors.shm_index import FULL, KEY_BYTES, SlotIndex, make_index
+
 MAX_ATTACHMENTS = 64
 
 _MAGIC = int.from_bytes(b"TNDMSHMP", "little")
 _VERSION = 1
-_FREE = 0
-_FULL = 1
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 # "tandem-<name>.data" and "tandem-<name>.lock" must stay under NAME_MAX (255).
 _MAX_NAME_LEN = 200
 _SHM_DIR = "/dev/shm"
-# Up to this many keys, a lookup compares each with the key column directly.
-_DIRECT_MATCH_WORDS = 4
-# Index fields written one slot at a time (the columns are little-endian).
-_KEY = struct.Struct(f"{KEY_BYTES}s")
-_U64 = struct.Struct("<Q")
 
 # SharedMemory.unlink() also unregisters from the resource tracker, which we
 # have already done on open; unlinking through the C module directly keeps the
@@ -166,8 +159,13 @@ class ShmBlockPool:
     manager; ``close()`` also runs on garbage collection and interpreter exit.
     """
 
-    def __init__(self, config: ShmPoolConfig) -> None:
+    def __init__(self, config: ShmPoolConfig, compiled: ModuleType | None = None) -> None:
         """Create the pool, or attach to an existing one of the same name.
+
+        ``compiled``: Tandem's compiled CPU kernels (``kernels.cpu_kernels.load()``),
+        whose ShmIndex then does the index work; without it numpy does (the
+        same behaviour, ~50 us more per call). Processes attached to one pool
+        may differ in this.
 
         Raises ValueError if the existing pool has another geometry and a live
         process is attached to it (a pool nobody alive uses is recreated), and
@@ -175,7 +173,7 @@ class ShmBlockPool:
         pool lock and, when creating, while /dev/shm reserves the data segment.
         """
         self.config = config
-        self._state = _attach(config)
+        self._state = _attach(config, compiled)
         self._finalizer = weakref.finalize(self, _detach, self._state)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
@@ -193,25 +191,23 @@ class ShmBlockPool:
         if not keys:
             return 0
         with self._locked() as views:
-            slots = _lookup(views, keys)
-            hits = slots >= 0
-            _touch(views, slots[hits])
-            new = np.flatnonzero(~hits)[-self.config.num_slots :]
-            victims, evicted = _pick_victims(views, int(new.size))
-            for slot, i in zip(victims, new.tolist(), strict=True):
-                _write_slot(views, slot, keys[i], blobs[i])
-            views.evictions[()] += evicted
-        return int(new.size)
+            new, victims = views.index.reserve(b"".join(keys), self.config.num_slots)
+            for slot, i in zip(victims, new, strict=True):
+                views.data[slot, : blobs[i].size] = blobs[i]
+            views.index.publish(
+                victims, b"".join(keys[i] for i in new), [blobs[i].size for i in new]
+            )
+        return len(new)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is present. Does not mark hits as recently used,
         so a hit may be evicted before it is read. Blocks on the pool lock."""
-        checked = _validate_keys(keys)
-        if not checked:
+        joined = _joined_keys(keys)
+        if not joined:
             return []
         with self._locked() as views:
-            slots = _lookup(views, checked)
-        return [bool(hit) for hit in slots >= 0]
+            slots = views.index.find(joined, False)
+        return [slot >= 0 for slot in slots]
 
     def read_into(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[int]:
         """Copy each key's blob into ``dests[i]``; return the blob lengths.
@@ -225,19 +221,23 @@ class ShmBlockPool:
         """
         if len(dests) != len(keys):
             raise ValueError(f"read_into got {len(keys)} keys but {len(dests)} dests")
-        checked = _validate_keys(keys)
+        joined = _joined_keys(keys)
         targets = [_writable_bytes(dest, i) for i, dest in enumerate(dests)]
-        if not checked:
+        if not joined:
             return []
+        lengths = [-1] * len(targets)
         with self._locked() as views:
-            slots = _lookup(views, checked)
-            lengths = _blob_lengths(views, slots)
-            _check_fit(lengths, targets)
-            for i in np.flatnonzero(slots >= 0).tolist():
-                size = int(lengths[i])
-                targets[i][:size] = views.data[slots[i], :size]
-            _touch(views, slots[slots >= 0])
-        return [int(n) for n in lengths]
+            slots = views.index.find(joined, True)
+            hits = [i for i, slot in enumerate(slots) if slot >= 0]
+            for i, size in zip(hits, views.index.lengths([slots[i] for i in hits]), strict=True):
+                if size > targets[i].size:
+                    raise ValueError(
+                        f"dests[{i}] holds {targets[i].size} bytes but its blob has {size}"
+                    )
+                lengths[i] = size
+            for i in hits:
+                targets[i][: lengths[i]] = views.data[slots[i], : lengths[i]]
+        return lengths
 
     def read_with(
         self,
@@ -251,20 +251,17 @@ class ShmBlockPool:
         view is valid only during the call. Returns the blob lengths (-1 for
         an absent key). Hits are marked recently used. Blocks on the pool
         lock, for as long as ``use`` runs."""
-        checked = _validate_keys(keys)
-        if not checked:
+        joined = _joined_keys(keys)
+        if not joined:
             return []
-        lengths = [-1] * len(checked)
+        lengths = [-1] * len(keys)
         with self._locked() as views:
-            slots = _lookup_list(views, checked)
-            # Python lists, not arrays: a read is mostly of a few blocks, and
-            # each numpy call costs more than the loop.
+            slots = views.index.find(joined, True)
             hits = [i for i, slot in enumerate(slots) if slot >= 0]
             if hits:
                 hit_slots = [slots[i] for i in hits]
-                hit_lengths = [_U64.unpack_from(views.lengths_bytes, s * 8)[0] for s in hit_slots]
+                hit_lengths = views.index.lengths(hit_slots)
                 use(views.data, hits, hit_slots, hit_lengths)
-                _touch(views, hit_slots)
                 for i, length in zip(hits, hit_lengths, strict=True):
                     lengths[i] = length
         return lengths
@@ -277,33 +274,23 @@ class ShmBlockPool:
     ) -> int:
         """Zero-copy writes: the keys not yet present get slots (evicting the
         least recently used), and under the lock ``fill(data, indices,
-        slots)`` writes their ``size``-byte blobs straight into the data rows.
-        Present keys are only touched. The slots become visible only after
-        ``fill`` returns, so a reader never sees a half-written blob. Returns
-        how many were written. Blocks on the pool lock while ``fill`` runs."""
+        slots)`` writes their ``size``-byte blobs straight into the data rows
+        (``indices``: positions in ``keys``, first occurrences only). Present
+        keys are only touched. The slots become visible only after ``fill``
+        returns, so a reader never sees a half-written blob. Returns how many
+        were written. Blocks on the pool lock while ``fill`` runs."""
         if not 0 < size <= self.config.slot_bytes:
             raise ValueError(f"size={size} is invalid: expected 1..{self.config.slot_bytes}")
-        checked = _validate_keys(keys)
-        unique = list(dict.fromkeys(checked))
-        if not unique:
+        joined = _joined_keys(keys)
+        if not joined:
             return 0
         with self._locked() as views:
-            # Lists, not arrays: a save is mostly of a few blocks, and with
-            # the caches cold after a block copy each numpy call costs ~10 us.
-            slots = _lookup_list(views, unique)
-            _touch(views, [slot for slot in slots if slot >= 0])
-            new = [i for i, slot in enumerate(slots) if slot < 0][-self.config.num_slots :]
+            new, victims = views.index.reserve(joined, self.config.num_slots)
             if not new:
                 return 0
-            victims, evicted = _pick_victims(views, len(new))
-            for slot in victims:
-                views.state[slot] = _FREE  # invisible until filled
-            index_of = {key: i for i, key in enumerate(checked)}
-            fresh = [unique[i] for i in new]
-            fill(views.data, [index_of[key] for key in fresh], victims)
-            _publish(views, victims, fresh, size)
-            if evicted:
-                views.evictions[()] += evicted
+            fill(views.data, new, victims)
+            fresh = b"".join(joined[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in new)
+            views.index.publish(victims, fresh, [size] * len(new))
         return len(new)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -323,7 +310,7 @@ class ShmBlockPool:
             }
             return ShmPoolStats(
                 num_slots=self.config.num_slots,
-                used_slots=int(np.count_nonzero(views.state == _FULL)),
+                used_slots=int(np.count_nonzero(views.state == FULL)),
                 evictions=int(views.evictions),
                 attached_processes=len(attached),
             )
@@ -385,49 +372,42 @@ def _header_dtype(num_slots: int) -> np.dtype[np.void]:
 
 @dataclass
 class _Views:
-    """numpy views over the shared segments; they pin the mappings while alive."""
+    """numpy views over the shared segments and the slot index over the
+    header; they pin the mappings while alive."""
 
     meta: npt.NDArray[np.void]
-    clock: npt.NDArray[np.uint64]  # 0-d views of meta's fields: cheaper than
-    evictions: npt.NDArray[np.uint64]  # indexing meta by name on every call
+    evictions: npt.NDArray[np.uint64]  # a 0-d view of meta's field
     att_pid: npt.NDArray[np.int64]
     att_start: npt.NDArray[np.uint64]
     att_pidns: npt.NDArray[np.uint64]
-    keys: npt.NDArray[np.uint64]
-    lengths: npt.NDArray[np.uint64]
-    last_used: npt.NDArray[np.uint64]
     state: npt.NDArray[np.uint8]
     data: npt.NDArray[np.uint8]
-    # The same columns as raw bytes, for struct writes to single slots.
-    keys_bytes: memoryview
-    lengths_bytes: memoryview
-    last_used_bytes: memoryview
+    index: SlotIndex
 
     @classmethod
-    def over(cls, header: SharedMemory, data: SharedMemory, config: ShmPoolConfig) -> _Views:
+    def over(
+        cls,
+        header: SharedMemory,
+        data: SharedMemory,
+        config: ShmPoolConfig,
+        compiled: ModuleType | None,
+    ) -> _Views:
         dtype = _header_dtype(config.num_slots)
         data_bytes = config.num_slots * config.slot_bytes
         if header.size < dtype.itemsize or data.size < data_bytes:
             raise ValueError(f"segments of pool {config.name!r} are smaller than its geometry")
         meta = np.ndarray((), dtype=dtype, buffer=_buffer(header))
-        keys, lengths, last_used = meta["keys"], meta["lengths"], meta["last_used"]
         return cls(
             meta=meta,
-            clock=meta["clock"],
             evictions=meta["evictions"],
             att_pid=meta["att_pid"],
             att_start=meta["att_start"],
             att_pidns=meta["att_pidns"],
-            keys=keys,
-            lengths=lengths,
-            last_used=last_used,
             state=meta["state"],
             data=np.ndarray(
                 (config.num_slots, config.slot_bytes), dtype=np.uint8, buffer=_buffer(data)
             ),
-            keys_bytes=keys.data.cast("B"),
-            lengths_bytes=lengths.data.cast("B"),
-            last_used_bytes=last_used.data.cast("B"),
+            index=make_index(meta, config.num_slots, compiled),
         )
 
 
@@ -490,135 +470,6 @@ def _buffer(shm: SharedMemory) -> memoryview:
     return buf
 
 
-# ---- index operations (all run under the lock) -------------------------------
-
-
-def _lookup(views: _Views, keys: list[bytes]) -> npt.NDArray[np.int64]:
-    """Slot of each key, -1 where absent."""
-    return np.array(_lookup_list(views, keys), dtype=np.int64)
-
-
-def _lookup_list(views: _Views, keys: list[bytes]) -> list[int]:
-    """As _lookup, as a list (what the zero-copy paths work with)."""
-    if len(keys) <= _DIRECT_MATCH_WORDS:
-        candidates = _few_word_matches(views, [int.from_bytes(key[:8], "little") for key in keys])
-    else:
-        words = np.frombuffer(b"".join(key[:8] for key in keys), dtype="<u8")
-        candidates = _first_word_matches(views, words).tolist()
-    # Keys are digests, so a first-word match is almost always a hit: the
-    # dict spans about len(keys) candidates, never the whole index.
-    by_key = {views.keys[slot].tobytes(): slot for slot in candidates if views.state[slot] == _FULL}
-    return [by_key.get(key, -1) for key in keys]
-
-
-def _few_word_matches(views: _Views, words: list[int]) -> list[int]:
-    """Slots (full or not) whose first key word is one of a few ``words``:
-    comparing each with the column is cheaper than _first_word_matches'
-    table for the few blocks most saves and loads move."""
-    column = views.keys[:, 0]
-    hit = column == words[0]
-    for word in words[1:]:
-        hit |= column == word
-    found: list[int] = hit.nonzero()[0].tolist()
-    return found
-
-
-def _first_word_matches(views: _Views, words: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
-    """Occupied slots whose first key word is one of ``words``.
-
-    The scan over every slot must be cheap, as it runs under the lock: a
-    branch-free gather from a small table indexed by the word's low bits
-    drops all but ~1/1024 of the non-matching slots, and only those
-    survivors get an exact (binary search) check. np.isin, or a binary search
-    for every slot, was about 6x slower at 50k slots.
-    """
-    column = views.keys[:, 0]
-    bits = max(16, (words.size * 1024 - 1).bit_length())
-    low = np.uint64((1 << bits) - 1)
-    wanted = np.zeros(1 << bits, dtype=bool)
-    wanted[words & low] = True
-    maybe = np.flatnonzero(wanted[column & low] & (views.state == _FULL))
-    ordered = np.sort(words)
-    values = column[maybe]
-    nearest = ordered[np.searchsorted(ordered, values).clip(max=ordered.size - 1)]
-    matches: npt.NDArray[np.int64] = maybe[nearest == values]
-    return matches
-
-
-def _tick(views: _Views, count: int) -> int:
-    """Advance the shared logical clock by ``count``; return the first new value."""
-    first = int(views.clock) + 1
-    views.clock[()] = first + count - 1
-    return first
-
-
-def _touch(views: _Views, slots: npt.NDArray[np.int64] | list[int]) -> None:
-    if not len(slots):
-        return
-    first = _tick(views, len(slots))
-    if len(slots) <= _DIRECT_MATCH_WORDS:  # a few: struct beats numpy's call costs
-        for j, slot in enumerate(slots):
-            _U64.pack_into(views.last_used_bytes, int(slot) * 8, first + j)
-    else:
-        views.last_used[slots] = np.arange(first, first + len(slots), dtype=np.uint64)
-
-
-def _pick_victims(views: _Views, count: int) -> tuple[list[int], int]:
-    """``count`` slots to write, free ones first, then the least recently used
-    (oldest first); and how many of them held a blob.
-
-    One pass over ``last_used``: a slot never written has 0 there, below
-    every tick, so free slots come first without a scan of ``state`` (a slot
-    left free by a writer killed mid-copy keeps its old tick and goes in
-    age order). Each numpy pass costs ~10 us when the caches are cold, as
-    they are after a block copy."""
-    ages = views.last_used
-    if count == 1:
-        victims = [int(ages.argmin())]
-    else:
-        part = np.argpartition(ages, count - 1)[:count]
-        victims = part[np.argsort(ages[part], kind="stable")].tolist()
-    evicted = sum(int(views.state[slot] == _FULL) for slot in victims)
-    return victims, evicted
-
-
-def _publish(views: _Views, slots: list[int], keys: list[bytes], size: int) -> None:
-    """Make filled slots visible under their keys, the state last: a writer
-    killed before that leaves them free, never half-written under a key.
-    Field by field with struct: cheaper than numpy for the few slots of a
-    typical save."""
-    first = _tick(views, len(keys))
-    for j, (slot, key) in enumerate(zip(slots, keys, strict=True)):
-        _KEY.pack_into(views.keys_bytes, slot * KEY_BYTES, key)
-        _U64.pack_into(views.lengths_bytes, slot * 8, size)
-        _U64.pack_into(views.last_used_bytes, slot * 8, first + j)
-    for slot in slots:
-        views.state[slot] = _FULL
-
-
-def _write_slot(views: _Views, slot: int, key: bytes, blob: npt.NDArray[np.uint8]) -> None:
-    # Free first and full last: a writer killed mid-copy leaves an empty slot,
-    # never a half-written blob under a valid key.
-    views.state[slot] = _FREE
-    views.data[slot, : blob.size] = blob
-    views.keys[slot] = np.frombuffer(key, dtype="<u8")
-    views.lengths[slot] = blob.size
-    views.last_used[slot] = _tick(views, 1)
-    views.state[slot] = _FULL
-
-
-def _blob_lengths(views: _Views, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    lengths = views.lengths[np.maximum(slots, 0)].astype(np.int64)
-    lengths[slots < 0] = -1
-    return lengths
-
-
-def _check_fit(lengths: npt.NDArray[np.int64], targets: list[npt.NDArray[np.uint8]]) -> None:
-    for i, (size, target) in enumerate(zip(lengths.tolist(), targets, strict=True)):
-        if size > target.size:
-            raise ValueError(f"dests[{i}] holds {target.size} bytes but its blob has {size}")
-
-
 # ---- argument validation (outside the lock) -----------------------------------
 
 
@@ -636,6 +487,11 @@ def _validate_keys(keys: Sequence[bytes]) -> list[bytes]:
         if len(key) != KEY_BYTES:
             raise ValueError(f"keys[{i}] must be exactly {KEY_BYTES} bytes, got {len(key)}")
     return checked
+
+
+def _joined_keys(keys: Sequence[bytes]) -> bytes:
+    """The keys, checked, concatenated (as the slot index takes them)."""
+    return b"".join(_validate_keys(keys))
 
 
 def _validate_items(
@@ -918,12 +774,12 @@ class _PoolState:
     thread_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _attach(config: ShmPoolConfig) -> _PoolState:
+def _attach(config: ShmPoolConfig, compiled: ModuleType | None) -> _PoolState:
     fd = _lock_file(lock_path(config.name))
     try:
         header, data = _open_or_create(config)
         try:
-            views = _Views.over(header, data, config)
+            views = _Views.over(header, data, config, compiled)
             attachment = _add_attachment(views)
         except BaseException:
             _close_segment(header)

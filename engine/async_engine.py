@@ -211,6 +211,7 @@ class _EngineThread(threading.Thread):
             lambda outputs, applied, seconds: None
         )
         self.fail: Callable[[BaseException], None] = lambda exc: None
+        self.reject: Callable[[str, ValueError], None] = lambda request_id, exc: None
 
     def run(self) -> None:
         try:
@@ -231,11 +232,13 @@ class _EngineThread(threading.Thread):
                     if kind == "stop":
                         return
                     if kind == "add":
-                        core.add_request(payload)
+                        self._add(core, payload)
                         applied += 1
                     elif kind == "abort":
                         ids, status = payload
                         core.abort_requests(ids, status)
+                    elif kind == "release":
+                        core.release_held_kv(payload)
                 if core.has_work():
                     start = time.perf_counter()
                     outputs = core.step()
@@ -249,6 +252,17 @@ class _EngineThread(threading.Thread):
             self.fail(exc)
         finally:
             core.shutdown()
+
+    def _add(self, core: EngineCore, request: Request) -> None:
+        """One request into the scheduler. What the scheduler refuses (an id
+        still in use by a finished request whose KV blocks it holds for a
+        remote decode, which the front door cannot see) fails that request
+        alone, not the engine and everyone else's work."""
+        try:
+            core.add_request(request)
+        except ValueError as exc:
+            logger.warning("request %s refused by the scheduler: %s", request.request_id, exc)
+            self.reject(request.request_id, exc)
 
 
 # --- the front door -----------------------------------------------------------------
@@ -305,6 +319,7 @@ class AsyncEngine:
         self._commands = thread.commands
         self._thread = thread
         thread.deliver, thread.fail = self._from_engine, self._engine_failed
+        thread.reject = self._engine_rejected
 
     @classmethod
     async def create(
@@ -359,8 +374,17 @@ class AsyncEngine:
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Aborts the live requests among `request_ids`; returns those ids.
-        Their streams end with a finished delta, finish_reason "abort"."""
+        Their streams end with a finished delta, finish_reason "abort".
+
+        The others may have finished with KV blocks still held for a remote
+        decode (a prefill leg): those blocks are released, since whoever
+        aborts them says no decode will fetch them (the router, when the
+        decode pod refused the request). Unknown ids are ignored.
+        """
         live = [rid for rid in request_ids if rid in self._streams]
+        finished = [rid for rid in request_ids if rid not in self._streams]
+        if finished:
+            self._commands.put("release", finished)
         if not live:
             return []
         self._commands.put("abort", (live, RequestStatus.FINISHED_ABORTED))
@@ -463,6 +487,19 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(item[0], *item[1])
             except RuntimeError:  # the loop closed: nobody is listening
                 return
+
+    def _engine_rejected(self, request_id: str, exc: ValueError) -> None:
+        # Through the handoff queue, behind the steps already handed off.
+        self._handoff.put((self._on_rejected, (request_id, exc)))
+
+    def _on_rejected(self, request_id: str, exc: ValueError) -> None:
+        stream = self._streams.pop(request_id, None)
+        self._processor.abort(request_id)
+        if stream is not None:
+            # The scheduler's messages start with the field they are about.
+            field_name, _, message = str(exc).partition(": ")
+            stream._push(InvalidRequestError(field_name, message or field_name))
+        self._check_idle()
 
     def _engine_failed(self, exc: BaseException) -> None:
         # The same queue as the steps, so the last step's tokens come first.

@@ -95,6 +95,11 @@ class EngineCore:
     ) -> None:
         self.scheduler.finish_requests(list(request_ids), status)
 
+    def release_held_kv(self, request_ids: Iterable[str]) -> None:
+        """Frees KV blocks that finished requests hold for a remote decode
+        nobody will run (see Scheduler.release_held_kv)."""
+        self.scheduler.release_held_kv(request_ids)
+
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
 

@@ -12,6 +12,14 @@ Stop strings are searched only where a new match can be: a match must end
 in the text this update added. Streaming deltas hold back any tail that is
 the start of a stop string, so no text that a later match would cut is
 ever emitted.
+
+Resuming (prefill/decode handover): an output may have begun in an earlier
+leg whose tokens now end this request's prompt. Those tokens are replayed
+first, one per step as that leg generated them, without stop matching (a
+match ending in them would have ended that leg), and what that leg's
+stream sent for them, the same deltas computed the same way, is marked as
+sent. A stop string may then begin in their text, and the deltas continue
+that leg's stream exactly: together they are one output's stream.
 """
 
 from __future__ import annotations
@@ -85,11 +93,16 @@ class IncrementalDetokenizer:
     """Turns one request's output tokens into text, step by step.
 
     The final text equals ``tokenizer.decode(output_ids, skip_special_tokens)``
-    when no stop string matched. ``prompt_token_ids`` is accepted so callers
-    can hand over the whole request, but it is deliberately not used as
-    decode context: context would change the text of the first output token
-    (a SentencePiece leading space, a prompt ending mid-character), and the
-    output is defined as the decode of the output tokens alone.
+    when no stop string matched. ``prompt_token_ids`` is deliberately not
+    used as decode context: context would change the text of the first
+    output token (a SentencePiece leading space, a prompt ending
+    mid-character), and the output is defined as the decode of the output
+    tokens alone.
+
+    ``num_output_tokens_in_prompt``: the prompt's last this-many tokens
+    began the output in an earlier leg (see the module docstring). The
+    output's text then starts with theirs; ``min_tokens`` and
+    ``output_token_ids`` count only the tokens passed to ``update``.
     """
 
     def __init__(
@@ -98,6 +111,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         params: SamplingParams,
         skip_special_tokens: bool = True,
+        num_output_tokens_in_prompt: int = 0,
     ) -> None:
         self._decode = make_decode(tokenizer, skip_special_tokens)
         self._stops = list(params.stop)
@@ -107,6 +121,9 @@ class IncrementalDetokenizer:
         self._min_tokens = params.min_tokens
         self._window = _DecodeWindow()
         self._state = _StopState()
+        self._num_resumed = 0
+        if num_output_tokens_in_prompt > 0:
+            self._resume(prompt_token_ids[-num_output_tokens_in_prompt:])
 
     @property
     def output_text(self) -> str:
@@ -115,7 +132,8 @@ class IncrementalDetokenizer:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self._window.token_ids
+        """The tokens passed to ``update`` (not the resumed ones)."""
+        return self._window.token_ids[self._num_resumed :]
 
     @property
     def finished(self) -> bool:
@@ -169,6 +187,15 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------
 
+    def _resume(self, token_ids: list[int]) -> None:
+        """Replay an earlier leg's output tokens as that leg's detokenizer
+        saw them (one per step) and mark the deltas it streamed as sent."""
+        for token_id in token_ids:
+            self._window.token_ids.append(token_id)
+            self._state.text += self._decode_new_text()
+            self.get_next_delta()  # that leg's client has this already
+        self._num_resumed = len(token_ids)
+
     def _decode_new_text(self) -> str:
         """Text the tokens after ``read_offset`` add, or "" while it is
         incomplete (or empty: skipped special tokens add nothing)."""
@@ -188,7 +215,8 @@ class IncrementalDetokenizer:
         state.text += new_text
         # min_tokens: like stop tokens, no stop string ends the output
         # before that many tokens exist.
-        if not new_text or len(self._window.token_ids) < self._min_tokens:
+        num_generated = len(self._window.token_ids) - self._num_resumed
+        if not new_text or num_generated < self._min_tokens:
             return None
         match = self._find_stop(start)
         if match is None:

@@ -92,8 +92,12 @@ class InputProcessor:
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
         arrival_time: float | None = None,
+        num_output_tokens_in_prompt: int = 0,
     ) -> Request:
+        """``num_output_tokens_in_prompt``: see ``Request`` (the wire field
+        of the same name documents the semantics)."""
         num_tokens = len(prompt.token_ids)
+        _check_output_in_prompt(num_output_tokens_in_prompt, num_tokens)
         if num_tokens >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -113,4 +117,16 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
             kv_transfer_params=kv_transfer_params,
+            num_output_tokens_in_prompt=num_output_tokens_in_prompt,
+        )
+
+
+def _check_output_in_prompt(count: int, num_prompt_tokens: int) -> None:
+    """The output tokens said to end the prompt must be in it."""
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise InvalidRequestError("num_output_tokens_in_prompt", f"must be an int, got {count!r}")
+    if not 0 <= count <= num_prompt_tokens:
+        raise InvalidRequestError(
+            "num_output_tokens_in_prompt",
+            f"must be between 0 and the prompt's {num_prompt_tokens} tokens, got {count}",
         )

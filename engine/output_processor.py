@@ -4,6 +4,14 @@ The core only knows tokens. This side detokenizes incrementally, checks stop
 strings on the text (a match finishes the request: the caller must abort it
 in the core with FINISHED_STOPPED), accumulates logprobs, and builds
 ``RequestOutput`` objects, complete or as streaming deltas.
+
+Prefill/decode handover: a ``do_remote_decode`` request that reaches its
+length limit hands its output over to a decode pod, so its text does not
+end there: its last delta is what a colocated stream would have sent so far
+(text that may still become a stop string, and an incomplete UTF-8
+character, are held back, not flushed). The decode leg, told how many of
+its prompt tokens are this output (``Request.num_output_tokens_in_prompt``),
+replays them and streams the rest (engine/detokenizer.py).
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineCoreOutput, LogprobsLists
-from engine.request import Request
+from engine.request import FinishReason, Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +39,9 @@ class TokenLogprob:
 @dataclass
 class RequestOutput:
     """One request's result so far. ``text``/``token_ids`` are cumulative;
-    ``delta_text``/``new_token_ids`` are what this update added."""
+    ``delta_text``/``new_token_ids`` are what this update added. With
+    output tokens in the prompt, ``text`` starts with theirs (the whole
+    output's text) while ``token_ids`` holds only the generated ones."""
 
     request_id: str
     prompt: str | None
@@ -53,6 +63,15 @@ class _RequestState:
     output: RequestOutput
     detokenizer: IncrementalDetokenizer
     want_logprobs: int | None
+    # A prefill leg (do_remote_decode): at its length limit the output goes
+    # on at a decode pod, so held-back text is left for that pod to send.
+    hands_over: bool = False
+
+    def ends_text(self, core_out: EngineCoreOutput) -> bool:
+        """Whether the core ended this request's output here (not a handover)."""
+        if not core_out.finished:
+            return False
+        return not (self.hands_over and core_out.finish_reason == FinishReason.LENGTH)
 
 
 def _logprob_entries(lists: LogprobsLists, num_top: int) -> list[TokenLogprob]:
@@ -75,8 +94,15 @@ class OutputProcessor:
         output = RequestOutput(request.request_id, prompt, request.prompt_token_ids)
         if params.logprobs is not None:
             output.logprobs = []
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
-        self._states[request.request_id] = _RequestState(output, detok, params.logprobs)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            params,
+            num_output_tokens_in_prompt=request.num_output_tokens_in_prompt,
+        )
+        hands_over = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        state = _RequestState(output, detok, params.logprobs, hands_over)
+        self._states[request.request_id] = state
 
     def has_unfinished(self) -> bool:
         return bool(self._states)
@@ -117,7 +143,7 @@ class OutputProcessor:
             out.logprobs.extend(_logprob_entries(core_out.new_logprobs, state.want_logprobs or 0))
         detok = state.detokenizer
         stop_string = detok.update(new_ids)
-        if stop_string is None and core_out.finished:
+        if stop_string is None and state.ends_text(core_out):
             # Flushing held-back text can still complete a stop string.
             stop_string = detok.finish()
         finished = core_out.finished or stop_string is not None
@@ -126,7 +152,6 @@ class OutputProcessor:
         elif core_out.finish_reason is not None:
             out.finish_reason, out.stop_reason = str(core_out.finish_reason), core_out.stop_reason
         if finished:
-            detok.finish()
             out.finished = True
             out.kv_transfer_params = core_out.kv_transfer_params
         out.delta_text = detok.get_next_delta()

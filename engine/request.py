@@ -76,6 +76,11 @@ class Request:
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
     block_hasher: BlockHasher | None = None
+    # The last this-many prompt tokens are output an earlier leg generated
+    # (P/D: the prefill pod's token in the decode leg's prompt). Only the
+    # detokenizer cares: the output's text and stop strings start there.
+    # To the scheduler they are prompt like any other.
+    num_output_tokens_in_prompt: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

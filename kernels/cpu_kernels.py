@@ -19,6 +19,9 @@ Sources live in `kernels/csrc/`:
   connector frames, optionally with the frames' xxh3-64 checksums computed
   in the same pass (xxHash's single header, vendored under
   `csrc/third_party/xxhash/`, BSD-2-Clause).
+* `shm_index.cpp`: the slot index of the shared-memory KV pool (lookup,
+  LRU touches, victim choice, publishing), which `connectors.shm_pool`
+  otherwise runs in numpy.
 
 All are float32 only. The extension is built with torch's C++ extension
 tooling (a compiler and ninja are needed; about a minute, then cached under
@@ -44,9 +47,16 @@ _SOURCES = (
     "decode_stack.cpp",
     "fused_ops.cpp",
     "kv_copy.cpp",
+    "shm_index.cpp",
 )
 # Included by the sources: part of the module's name, though not compiled alone.
-_HEADERS = ("cpu_ops.h", "decode_stack.h", "kv_copy.h", "third_party/xxhash/xxhash.h")
+_HEADERS = (
+    "cpu_ops.h",
+    "decode_stack.h",
+    "kv_copy.h",
+    "shm_index.h",
+    "third_party/xxhash/xxhash.h",
+)
 
 # The head sizes the decode kernel is instantiated for (others use the torch path).
 HEAD_DIMS = (64, 128, 256)

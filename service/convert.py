@@ -37,6 +37,7 @@ class GenerateInput:
     params: SamplingParams
     priority: int
     kv_transfer_params: dict[str, Any] | None
+    num_output_tokens_in_prompt: int
 
 
 # --- requests --------------------------------------------------------------------
@@ -52,6 +53,7 @@ def generate_input(msg: pb.GenerateRequest, inputs: InputProcessor) -> GenerateI
         kv_transfer_params=struct_to_dict(msg.kv_transfer_params)
         if msg.HasField("kv_transfer_params")
         else None,
+        num_output_tokens_in_prompt=msg.num_output_tokens_in_prompt,
     )
 
 

@@ -8,6 +8,10 @@ UNAVAILABLE         EngineDrainingError (draining), EngineDeadError,
                     error: a KV load failed under --kv-load-failure-policy fail)
 UNAUTHENTICATED     raised by the API-key interceptor (service.auth)
 INTERNAL            anything else; logged with its traceback
+
+A Generate call refused before its request reached the engine also carries
+the trailing metadata ``REFUSED_KEY``: nothing of it ran. The router relies
+on it to release a prefill pod's KV that a refused decode leg named.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from engine.async_engine import EngineDeadError, EngineDrainingError, QueueFullE
 from engine.input_processor import InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+# Trailing metadata key (value "1") of a call refused before its request
+# reached the engine.
+REFUSED_KEY = "tandem-refused"
 
 
 class EngineLoadingError(RuntimeError):
@@ -48,9 +56,21 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Ends the call with `exc`'s status. Raises (as context.abort does)."""
+async def abort_with(
+    context: grpc.aio.ServicerContext, exc: BaseException, *, refused: bool = False
+) -> None:
+    """Ends the call with `exc`'s status; `refused`: the request never
+    reached the engine (sent as REFUSED_KEY). Raises (as context.abort does)."""
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         logger.error("request failed", exc_info=exc)
-    await context.abort(code, message)
+    await context.abort(code, message, refused_metadata(refused))
+
+
+def refused_metadata(refused: bool) -> tuple[tuple[str, str], ...]:
+    return ((REFUSED_KEY, "1"),) if refused else ()
+
+
+def was_refused(error: grpc.aio.AioRpcError) -> bool:
+    """Whether a call's failure says its request never reached an engine."""
+    return any(key == REFUSED_KEY for key, _ in error.trailing_metadata() or ())

@@ -4,18 +4,43 @@ Per Generate call, with a prefill pool:
 
 1. The prompt becomes token ids (Tokenize on a pod, unless given as ids).
 2. The prefill leg: the same request with max_tokens 1 and
-   ``kv_transfer_params {"do_remote_decode": true}`` to the least loaded
-   prefill pod (another one if it is unavailable). Its token is streamed to
-   the client at once, so time to first token is the prefill's.
-3. The decode leg: prompt + that token as token ids, max_tokens - 1, and the
-   prefill's ``kv_transfer_params`` (where the KV is), to the decode pod
-   holding the longest prefix of the prompt (SubscribeKvEvents), then the
-   least loaded. Its tokens stream back; usage counts both legs.
+   ``kv_transfer_params {"do_remote_decode": true}`` (unless that one token
+   is the whole answer) to the least loaded prefill pod (another one if it
+   is unavailable). Its token is streamed to the client at once, so time to
+   first token is the prefill's.
+3. The decode leg: prompt + that token as token ids, max_tokens - 1,
+   ``num_output_tokens_in_prompt`` 1, and the prefill's
+   ``kv_transfer_params`` (where the KV is), to the decode pod holding the
+   longest prefix of the prompt (SubscribeKvEvents), then the least loaded.
+   Its tokens stream back; usage counts both legs.
 
 Sending the first token as part of the decode prompt (instead of letting
 decode sample it again) keeps a sampled first token and what follows it
 consistent. Without a prefill pool (``--decode`` only: a colocated pool)
 the router forwards whole requests, prefix-aware.
+
+The client sees one request, as a colocated server would send it: the same
+token ids, text, finish reason, stop string and usage. Text straddling the
+handover is why the decode leg says which of its prompt tokens are output:
+the prefill pod's text holds back what may still become a stop string or is
+an incomplete UTF-8 character (a prefill leg that hands over does not flush
+it), and the decode pod, replaying the first token, stops on a stop string
+that began in it and sends exactly the text the prefill pod held back
+(protos/tandem/v1/generation.proto, ``num_output_tokens_in_prompt``).
+min_tokens > 1 keeps the prefill leg from ending at its token (EOS or a
+stop token id there does not end a colocated request either). One known
+difference remains: with min_tokens > 1, a stop string wholly inside the
+first token's text still ends the request there (a colocated server only
+checks stop strings once min_tokens tokens exist).
+
+KV held for nobody: when no decode leg will read the prefill pod's blocks
+(the first token ended the request, or every decode pod asked refused the
+leg before its engine took it, as a pod's REFUSED_KEY trailing metadata
+says: invalid, queue full, draining), the router aborts the request on that
+prefill pod, which releases the blocks at once instead of when the lease
+lapses. A decode pod that took the request tells the prefill pod itself
+(the connector's own done/reject); one whose connection broke may still be
+reading, so its blocks wait for the lease.
 
 A pool address with a DNS name (a Kubernetes headless Service) stands for
 every pod it resolves to, re-resolved every ``resolve_seconds`` (service/pods.py).
@@ -35,10 +60,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.sampling_params import SamplingParams
 from service.convert import dict_to_struct
+from service.errors import refused_metadata, was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from service.pods import Pod, PodPool, prompt_block_hashes
@@ -46,6 +74,10 @@ from service.pods import Pod, PodPool, prompt_block_hashes
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "tandem.v1.Generation"
+
+# What a pod uses when a request leaves max_tokens unset; for the request
+# as a whole, not for each leg.
+DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 
 
 @dataclass(frozen=True)
@@ -66,16 +98,20 @@ class RouterConfig:
 
 
 class _LegFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, *, maybe_ran: bool = False) -> None:
+        """`maybe_ran`: whether a pod's engine may have taken the request
+        (unless set, every pod asked refused it up front and said so)."""
         super().__init__(details)
         self.code = code
         self.details = details
+        self.maybe_ran = maybe_ran
 
 
 class RouterServicer(pb_grpc.GenerationServicer):
     def __init__(self, prefill: PodPool | None, decode: PodPool) -> None:
         self.prefill = prefill
         self.decode = decode
+        self._releases: set[asyncio.Task[None]] = set()  # referenced until done
 
     # ---- Generate -----------------------------------------------------------
 
@@ -93,55 +129,81 @@ class RouterServicer(pb_grpc.GenerationServicer):
             async for resp in self._disaggregated(request, ids):
                 yield resp
         except _LegFailed as e:
-            await context.abort(e.code, e.details)
+            # Refused as a whole only if nothing ran anywhere (so nothing was
+            # streamed either: a pod that answered ran).
+            await context.abort(e.code, e.details, refused_metadata(not e.maybe_ran))
 
     async def _disaggregated(
         self, request: pb.GenerateRequest, ids: list[int]
     ) -> AsyncIterator[pb.GenerateResponse]:
         assert self.prefill is not None
-        max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 0
-        prefill_req = _with_ids(request, ids)
-        prefill_req.sampling.max_tokens = 1
-        prefill_req.sampling.min_tokens = min(1, request.sampling.min_tokens)
-        prefill_req.kv_transfer_params.CopyFrom(dict_to_struct({"do_remote_decode": True}))
+        max_tokens = _max_tokens(request)
+        prefill_pods: list[Pod] = []
         final: pb.GenerateResponse | None = None
         first: list[int] = []
-        async for resp in self._forward(self.prefill, prefill_req, ids):
+        prefill_req = _prefill_request(request, ids, max_tokens)
+        async for resp in self._forward(self.prefill, prefill_req, ids, prefill_pods):
             first.extend(resp.token_ids)
             final = resp if resp.finish_reason else final
-            out = pb.GenerateResponse()
-            out.CopyFrom(resp)
-            out.ClearField("kv_transfer_params")
-            if resp.finish_reason and not _ends_request(resp, max_tokens):
-                # The request goes on at the decode pod: no end yet.
-                for name in ("finish_reason", "usage", "stop_string", "stop_token_id"):
-                    out.ClearField(name)
-            yield out
-        if final is None or _ends_request(final, max_tokens):
+            yield _first_leg_response(resp, max_tokens)
+        if final is None:
             return
-        decode_req = _with_ids(request, ids + first)
-        if max_tokens:
-            decode_req.sampling.max_tokens = max_tokens - len(first)
-        decode_req.sampling.min_tokens = max(0, request.sampling.min_tokens - len(first))
-        decode_req.kv_transfer_params.CopyFrom(final.kv_transfer_params)
-        async for resp in self._forward(self.decode, decode_req, ids + first):
-            if resp.finish_reason:
-                resp.usage.prompt_tokens = len(ids)
-                resp.usage.completion_tokens += len(first)
-            yield resp
+        if _ends_request(final, max_tokens):
+            if final.HasField("kv_transfer_params"):
+                self._release(prefill_pods[-1], prefill_req.request_id)
+            return
+        decode_req = _decode_request(request, ids, first, max_tokens, final.kv_transfer_params)
+        try:
+            async for resp in self._forward(self.decode, decode_req, ids + first):
+                if resp.finish_reason:
+                    resp.usage.prompt_tokens = len(ids)
+                    resp.usage.completion_tokens += len(first)
+                yield resp
+        except _LegFailed as e:
+            if not e.maybe_ran:
+                self._release(prefill_pods[-1], prefill_req.request_id)
+            e.maybe_ran = True  # the prefill leg did
+            raise
+
+    def _release(self, pod: Pod, request_id: str) -> None:
+        """Tells a prefill pod that no decode pod will read the blocks it
+        keeps for `request_id`: Abort of a finished prefill-role request
+        releases them (else they wait for the lease). In the background: the
+        client's answer does not wait for it."""
+        task = asyncio.create_task(self._abort_on(pod, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _abort_on(self, pod: Pod, request_id: str) -> None:
+        try:
+            await pod.stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=5.0)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:  # UsageError: pod retired
+            logger.warning(
+                "could not release %s's KV on prefill pod %s (its lease will): %s",
+                request_id,
+                pod.address,
+                e,
+            )
 
     async def _forward(
-        self, pool: PodPool, request: pb.GenerateRequest, ids: list[int]
+        self,
+        pool: PodPool,
+        request: pb.GenerateRequest,
+        ids: list[int],
+        answered_by: list[Pod] | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one leg from the best pod; before its first answer, an
-        unavailable pod is skipped for the next best."""
+        unavailable pod is skipped for the next best. The pod that answers
+        is appended to `answered_by`."""
         tried: list[Pod] = []
+        maybe_ran = False  # whether a pod tried so far may have taken the request
         while True:
             pod = pool.pick(self._hashes(pool, ids), exclude=tried)
             if pod is None:
                 raise _LegFailed(
                     grpc.StatusCode.UNAVAILABLE,
                     f"no {pool.name} pod available (tried {[p.address for p in tried]})",
+                    maybe_ran=maybe_ran,
                 )
             tried.append(pod)
             answered = False
@@ -149,15 +211,22 @@ class RouterServicer(pb_grpc.GenerationServicer):
             call = pod.stub.Generate(request)
             try:
                 async for resp in call:
+                    if not answered and answered_by is not None:
+                        answered_by.append(pod)
                     answered = True
                     yield resp
                 return
             except grpc.aio.AioRpcError as e:
+                # Without the pod's word (a connection broken mid-call, say)
+                # it may have taken the request.
+                maybe_ran = maybe_ran or answered or not was_refused(e)
                 if e.code() == grpc.StatusCode.UNAVAILABLE and not answered:
                     logger.warning("%s pod %s unavailable: trying another", pool.name, pod.address)
                     pod.healthy = False
                     continue
-                raise _LegFailed(e.code(), f"{pool.name} pod {pod.address}: {e.details()}") from e
+                raise _LegFailed(
+                    e.code(), f"{pool.name} pod {pod.address}: {e.details()}", maybe_ran=maybe_ran
+                ) from e
             finally:
                 pod.in_flight -= 1
                 call.cancel()  # a no-op once done; aborts the leg if we were cancelled
@@ -275,6 +344,73 @@ def _with_ids(request: pb.GenerateRequest, ids: list[int]) -> pb.GenerateRequest
     out.ClearField("input")
     out.token_ids.ids.extend(ids)
     out.ClearField("kv_transfer_params")
+    return out
+
+
+def _max_tokens(request: pb.GenerateRequest) -> int:
+    """The whole request's max_tokens (the legs split it), checked with
+    min_tokens as a pod checks them: the legs' own limits would hide a bad
+    value (the prefill leg asks for one token) or misstate it."""
+    sampling = request.sampling
+    max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens < 1:
+        raise _LegFailed(
+            grpc.StatusCode.INVALID_ARGUMENT, f"sampling.max_tokens: must be >= 1, got {max_tokens}"
+        )
+    if sampling.min_tokens > max_tokens:
+        raise _LegFailed(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"sampling.min_tokens: must be between 0 and max_tokens ({max_tokens}), "
+            f"got {sampling.min_tokens}",
+        )
+    return max_tokens
+
+
+def _prefill_request(
+    request: pb.GenerateRequest, ids: list[int], max_tokens: int
+) -> pb.GenerateRequest:
+    """The first leg: one token, and its KV kept for a decode pod unless
+    that token is the whole answer (nothing would fetch it)."""
+    out = _with_ids(request, ids)
+    out.sampling.max_tokens = 1
+    out.sampling.min_tokens = min(1, request.sampling.min_tokens)
+    if request.sampling.min_tokens > 1:
+        # A colocated request checks EOS and stop ids only once min_tokens
+        # tokens exist: the first token must not end this leg's request.
+        out.sampling.ignore_eos = True
+        out.sampling.ClearField("stop_token_ids")
+    if max_tokens > 1:
+        out.kv_transfer_params.CopyFrom(dict_to_struct({"do_remote_decode": True}))
+    return out
+
+
+def _first_leg_response(resp: pb.GenerateResponse, max_tokens: int) -> pb.GenerateResponse:
+    """A prefill answer as the client sees it: its end is the request's end
+    only if no decode leg follows."""
+    out = pb.GenerateResponse()
+    out.CopyFrom(resp)
+    out.ClearField("kv_transfer_params")
+    if resp.finish_reason and not _ends_request(resp, max_tokens):
+        for name in ("finish_reason", "usage", "stop_string", "stop_token_id"):
+            out.ClearField(name)
+    return out
+
+
+def _decode_request(
+    request: pb.GenerateRequest,
+    ids: list[int],
+    first: list[int],
+    max_tokens: int,
+    kv_transfer_params: struct_pb2.Struct,
+) -> pb.GenerateRequest:
+    """The second leg: the prompt and the first leg's output as its prompt,
+    told which of those tokens are output (so text and stop strings run on
+    from the first leg's), with what is left of the token limits."""
+    out = _with_ids(request, ids + first)
+    out.num_output_tokens_in_prompt = request.num_output_tokens_in_prompt + len(first)
+    out.sampling.max_tokens = max_tokens - len(first)
+    out.sampling.min_tokens = max(0, request.sampling.min_tokens - len(first))
+    out.kv_transfer_params.CopyFrom(kv_transfer_params)
     return out
 
 

@@ -62,10 +62,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 parsed.params,
                 priority=parsed.priority,
                 kv_transfer_params=parsed.kv_transfer_params,
+                num_output_tokens_in_prompt=parsed.num_output_tokens_in_prompt,
             )
             stream = engine.submit(engine_request, parsed.prompt.text)
         except Exception as exc:
-            await abort_with(context, exc)
+            await abort_with(context, exc, refused=True)
             return
         want_logprobs = parsed.params.logprobs is not None
         try:

@@ -11,11 +11,12 @@ for float32 on CPU, torch otherwise.
 Written for a memory-bound decode step on a few CPU cores: q/k/v and
 gate/up are each one fused matmul, RoPE rotates q and k together in place on
 the matmul's output, and the residual stream is one tensor updated in place,
-each add fused into the norm that follows it. Decode steps of at most
-SMALL_LINEAR_ROWS sequences on the compiled CPU ops skip the Python layer
-loop altogether: `DecodeStack` (kernels/csrc/decode_stack.cpp) runs the same
-kernels from C++, as CUDA graphs replay a decode step on a GPU, because at
-batch 1 the interpreter's ~150 us per layer was a fifth of the step.
+each add fused into the norm that follows it. Decode steps (of at most
+PACKED_LINEAR_MAX_ROWS sequences) on the compiled CPU ops skip the Python
+layer loop altogether: `DecodeStack` (kernels/csrc/decode_stack.cpp) runs the
+same kernels from C++, as CUDA graphs replay a decode step on a GPU, because
+at batch 1 the interpreter's ~150 us per layer was a fifth of the step, and
+it releases the GIL for the whole pass.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from torch import nn
 
 from engine.models.spec import ModelSpec, RopeScaling
 from kernels import cpu_kernels
-from kernels.layer_ops import SMALL_LINEAR_ROWS, LayerOps, RopeTables, select_layer_ops
+from kernels.layer_ops import (
+    PACKED_LINEAR_MAX_ROWS,
+    SMALL_LINEAR_ROWS,
+    LayerOps,
+    RopeTables,
+    select_layer_ops,
+)
 from kernels.metadata import AttentionMetadata
 
 
@@ -353,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_cache", angles.cos().to(device), persistent=False)
         self.register_buffer("sin_cache", angles.sin().to(device), persistent=False)
         # The compiled layer loop for small decode steps, built once the
-        # weights are loaded (load_weights); see _small_decode_stack.
+        # weights are loaded (load_weights); see _decode_stack_for.
         self.decode_stack: Any | None = None
 
     def forward(
@@ -376,7 +383,7 @@ class LlamaForCausalLM(nn.Module):
         # The embedding lookup returns a fresh tensor, so the layers may
         # accumulate into it in place.
         residual = self.model.embed_tokens(input_ids)
-        stack = self._small_decode_stack(meta, kv_caches)
+        stack = self._decode_stack_for(meta, kv_caches)
         if stack is not None:
             hidden: torch.Tensor = stack.forward(
                 residual,
@@ -397,13 +404,13 @@ class LlamaForCausalLM(nn.Module):
         out: torch.Tensor = norm(residual) if delta is None else norm.add_forward(residual, delta)
         return out
 
-    def _small_decode_stack(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Any:
+    def _decode_stack_for(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Any:
         """The compiled layer loop, when this step is a decode of at most
-        SMALL_LINEAR_ROWS sequences over a float32 cache (the steps whose
-        time is one read of the weights plus per-call overhead). It runs the
+        ``stack.max_rows`` sequences (PACKED_LINEAR_MAX_ROWS with MKL-packed
+        weights, else SMALL_LINEAR_ROWS) over a float32 cache. It runs the
         kernels the layers below would, in the same order: same result."""
         stack = self.decode_stack
-        if stack is None or not meta.decode_only or meta.num_tokens > SMALL_LINEAR_ROWS:
+        if stack is None or not meta.decode_only or meta.num_tokens > stack.max_rows:
             return None
         cache = kv_caches[0]
         if cache.dtype != torch.float32 or not cache.is_contiguous():
@@ -470,7 +477,8 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
             (lin.weight, lin.bias if lin.bias is not None else none) for lin in linears
         )
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        layers.append([norms[0], *qkv, *o, norms[1], *gate_up, *down])
+        packed = [lin.packed if lin.packed is not None else none for lin in linears]
+        layers.append([norms[0], *qkv, *o, norms[1], *gate_up, *down, *packed])
     return module.DecodeStack(
         layers,
         model.model.norm.weight,
@@ -479,6 +487,8 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
         spec.num_kv_heads,
         spec.head_dim,
         spec.head_dim**-0.5,
+        SMALL_LINEAR_ROWS,
+        PACKED_LINEAR_MAX_ROWS,
     )
 
 

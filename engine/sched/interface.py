@@ -44,6 +44,12 @@ class SchedulerInterface(ABC):
         """Finish requests from outside (abort, or a stop string found by the
         detokenizer). Unknown or already finished ids are ignored."""
 
+    def release_held_kv(self, request_ids: Iterable[str]) -> None:  # noqa: B027
+        """Nobody will fetch the KV blocks that finished requests among these
+        still hold for a remote decode (their decode side refused them):
+        let them go. Live and unknown ids are ignored. Optional: without a
+        KV connector nothing is ever held."""
+
     @abstractmethod
     def get_num_unfinished_requests(self) -> int: ...
 

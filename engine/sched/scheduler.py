@@ -139,7 +139,8 @@ class Scheduler(SchedulerInterface):
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+            # Also a finished request whose KV blocks are held for a remote decode.
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt_token_ids: {request.num_prompt_tokens} tokens exceed "
@@ -177,6 +178,16 @@ class Scheduler(SchedulerInterface):
         for request in to_finish:
             request.status = finished_status
             self._free_request(request)
+
+    def release_held_kv(self, request_ids: Iterable[str]) -> None:
+        """Only the connector knows whether something still reads the blocks
+        it held (delay_free): it frees them through finished_sending."""
+        if self.connector is None:
+            return
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None and request.is_finished():
+                self.connector.request_released(request)
 
     def _free_request(self, request: Request) -> dict[str, Any] | None:
         """Retire a finished request; its blocks wait if a connector is

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "kv_copy.h"
+#include "shm_index.h"
 
 #include "cpu_ops.h"
 #include "decode_stack.h"
@@ -18,7 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_kv", &cache_kv, "reshape_and_cache for a float32 cache: K/V rows into slots");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, double, int64_t,
-                          int64_t, int64_t, double>())
+                          int64_t, int64_t, double, int64_t, int64_t>())
+      .def_property_readonly("max_rows", &DecodeStack::max_rows)
       // No Python object is touched inside: other threads run meanwhile.
       .def("forward", &DecodeStack::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -30,4 +32,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "blocks into frame rows; each payload's xxh3-64")
       .def("scatter_xxh3", &KVBlockCopier::scatter_xxh3,
            "frame rows whose payload's xxh3-64 matches into blocks; positions that did not");
+  pybind11::class_<ShmIndex>(m, "ShmIndex")
+      .def(pybind11::init<pybind11::object, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t>(),
+           "over a shared-memory pool's header: (header, num_slots, then the byte offsets of "
+           "clock, evictions, keys, lengths, last_used, state)")
+      .def("find", &ShmIndex::find, "each key's full slot (-1: absent); touch marks hits used")
+      .def("reserve", &ShmIndex::reserve, "(positions of new keys, slots picked for them)")
+      .def("publish", &ShmIndex::publish, "make slots hold keys with sizes, state last")
+      .def("lengths", &ShmIndex::lengths, "stored length of each slot");
 }

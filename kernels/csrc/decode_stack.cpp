@@ -6,10 +6,14 @@
 // ~40 ms step on the default model. Here the layer loop runs in C++, with the
 // GIL released (the service's event loop runs meanwhile), calling the very
 // kernels the Python path calls, in the same order, so the two paths agree
-// bit for bit. See engine/models/llama.py for when it is used.
+// bit for bit. See engine/models/llama.py for when it is used. Larger decode
+// batches (up to 128 rows) go through MKL's packed linear, as the Python
+// layers do, called through the dispatcher: at batch 64 the Python layer
+// loop cost ~10 ms of a ~350 ms step, and the GIL was held throughout.
 #include "decode_stack.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <cstring>
 #include <vector>
 
@@ -22,6 +26,20 @@ c10::optional<at::Tensor> bias_or_none(const at::Tensor& t) {
   // than a list of optionals).
   if (t.numel() == 0) return c10::nullopt;
   return t;
+}
+
+at::Tensor undefined_if_empty(const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; }
+
+// torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows): what
+// kernels/layer_ops.py's _packed_linear calls (same op, same result).
+at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                             const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkl::_mkl_linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const c10::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, packed, weight, bias, x.size(0));
 }
 
 void check_weight(const at::Tensor& t, const char* what) {
@@ -56,26 +74,45 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tenso
 
 DecodeStack::DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm,
                          double eps, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, double scale)
+                         int64_t head_dim, double scale, int64_t small_rows,
+                         int64_t packed_rows)
     : final_norm_(std::move(final_norm)),
       eps_(eps),
       heads_(num_heads),
       kv_heads_(num_kv_heads),
       head_dim_(head_dim),
-      scale_(scale) {
+      scale_(scale),
+      small_rows_(small_rows),
+      max_rows_(std::max(small_rows, packed_rows)) {
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(small_rows >= 1, "small_rows must be >= 1");
   check_weight(final_norm_, "final norm");
   for (auto& w : layers) {
-    TORCH_CHECK(w.size() == 10, "each layer takes 10 tensors, got ", w.size());
-    Layer layer{w[0], w[1], bias_or_none(w[2]), w[3], bias_or_none(w[4]),
-                w[5], w[6], bias_or_none(w[7]), w[8], bias_or_none(w[9])};
-    for (const at::Tensor* t : {&layer.input_norm, &layer.qkv, &layer.o, &layer.post_norm,
-                                &layer.gate_up, &layer.down})
+    TORCH_CHECK(w.size() == 14, "each layer takes 14 tensors, got ", w.size());
+    Layer layer{w[0],
+                {w[1], bias_or_none(w[2]), undefined_if_empty(w[10])},
+                {w[3], bias_or_none(w[4]), undefined_if_empty(w[11])},
+                w[5],
+                {w[6], bias_or_none(w[7]), undefined_if_empty(w[12])},
+                {w[8], bias_or_none(w[9]), undefined_if_empty(w[13])}};
+    for (const at::Tensor* t : {&layer.input_norm, &layer.qkv.weight, &layer.o.weight,
+                                &layer.post_norm, &layer.gate_up.weight, &layer.down.weight})
       check_weight(*t, "a layer weight");
-    TORCH_CHECK(layer.qkv.size(0) == (num_heads + 2 * num_kv_heads) * head_dim,
+    TORCH_CHECK(layer.qkv.weight.size(0) == (num_heads + 2 * num_kv_heads) * head_dim,
                 "qkv weight rows do not match the head counts");
+    for (const Linear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
+      if (!lin->packed.defined()) max_rows_ = small_rows;  // MKL needs every weight packed
+    }
     layers_.push_back(std::move(layer));
   }
+}
+
+at::Tensor DecodeStack::linear(at::Tensor& buffer, const at::Tensor& x, const Linear& w) const {
+  if (x.size(0) <= small_rows_) {
+    small_linear(buffer, x, w.weight, w.bias);
+    return buffer;
+  }
+  return mkl_packed_linear(x, w.packed, w.weight, w.bias);
 }
 
 at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::Tensor cos_cache,
@@ -93,17 +130,21 @@ at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::T
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
                   block_table.size(0) == T && block_table.stride(1) == 1,
               "block_table must be int32 [rows, blocks] with contiguous rows");
+  TORCH_CHECK(T <= max_rows_, "decode batch of ", T, " rows: the stack takes at most ",
+              max_rows_);
   const int64_t qkv_width = (heads_ + 2 * kv_heads_) * head_dim_;
-  const int64_t inter = layers_.empty() ? 0 : layers_[0].down.size(1);
+  const int64_t inter = layers_.empty() ? 0 : layers_[0].down.weight.size(1);
   const auto opts = residual.options();
-  // Buffers shared by every layer: each is fully rewritten before it is read.
-  at::Tensor x = at::empty({T, hidden}, opts), qkv = at::empty({T, qkv_width}, opts);
-  at::Tensor attn = at::empty({T, heads_ * head_dim_}, opts), proj = at::empty({T, hidden}, opts);
-  at::Tensor gate_up = at::empty({T, 2 * inter}, opts), act = at::empty({T, inter}, opts);
-  at::Tensor delta = at::empty({T, hidden}, opts);
-  const at::Tensor heads = qkv.view({T, heads_ + 2 * kv_heads_, head_dim_});
-  const at::Tensor rotated = heads.narrow(1, 0, heads_ + kv_heads_);
-  const at::Tensor query = heads.narrow(1, 0, heads_);
+  // Buffers shared by every layer: each is fully rewritten before it is read
+  // (the small_linear outputs only for batches it serves).
+  const bool small = T <= small_rows_;
+  auto small_buffer = [&](int64_t cols) {
+    return small ? at::empty({T, cols}, opts) : at::Tensor();
+  };
+  at::Tensor x = at::empty({T, hidden}, opts), qkv_buf = small_buffer(qkv_width);
+  at::Tensor attn = at::empty({T, heads_ * head_dim_}, opts), proj_buf = small_buffer(hidden);
+  at::Tensor gate_up_buf = small_buffer(2 * inter), act = at::empty({T, inter}, opts);
+  at::Tensor delta = small_buffer(hidden);
   const at::Tensor attn_heads = attn.view({T, heads_, head_dim_});
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& w = layers_[i];
@@ -111,15 +152,15 @@ at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::T
       rms_norm(x, residual, w.input_norm, eps_);
     else
       add_rms_norm(x, residual, delta, w.input_norm, eps_);
-    small_linear(qkv, x, w.qkv, w.qkv_bias);
-    rope_(rotated, positions, cos_cache, sin_cache);
+    const at::Tensor qkv = linear(qkv_buf, x, w.qkv);
+    const at::Tensor heads = qkv.view({T, heads_ + 2 * kv_heads_, head_dim_});
+    rope_(heads.narrow(1, 0, heads_ + kv_heads_), positions, cos_cache, sin_cache);
     write_kv(qkv, kv_caches[i], slot_mapping, heads_, kv_heads_, head_dim_);
-    decode_attention(attn_heads, query, kv_caches[i], block_table, seq_lens, scale_);
-    small_linear(proj, attn, w.o, w.o_bias);
-    add_rms_norm(x, residual, proj, w.post_norm, eps_);
-    small_linear(gate_up, x, w.gate_up, w.gate_up_bias);
-    silu_mul(act, gate_up);
-    small_linear(delta, act, w.down, w.down_bias);
+    decode_attention(attn_heads, heads.narrow(1, 0, heads_), kv_caches[i], block_table, seq_lens,
+                     scale_);
+    add_rms_norm(x, residual, linear(proj_buf, attn, w.o), w.post_norm, eps_);
+    silu_mul(act, linear(gate_up_buf, x, w.gate_up));
+    delta = linear(delta, act, w.down);
   }
   at::Tensor out = at::empty({T, hidden}, opts);
   if (layers_.empty())

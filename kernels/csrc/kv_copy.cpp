@@ -123,6 +123,25 @@ uint64_t xxh3(const uint8_t* data, int64_t length) {
   return XXH3_64bits(data, static_cast<size_t>(length));
 }
 
+// copy_block<true> that hashes each (layer, half) piece right after copying
+// it, while it is in L1, into one running xxh3-64 of the whole payload (the
+// same value as hashing it at once). Interleaved this way the hashing also
+// overlaps the copy's stores still draining to memory: a save of one block
+// cost the copy plus ~30% before.
+uint64_t copy_block_out_xxh3(const Plan& plan, uint8_t* payload, int64_t block_id) {
+  XXH3_state_t state;
+  XXH3_INITSTATE(&state);
+  XXH3_64bits_reset(&state);
+  for (uint8_t* base : plan.bases) {
+    for (int64_t h = 0; h < 2; ++h) {
+      std::memcpy(payload, base + h * plan.half_stride + block_id * plan.block_stride, plan.row);
+      XXH3_64bits_update(&state, payload, static_cast<size_t>(plan.row));
+      payload += plan.row;
+    }
+  }
+  return XXH3_64bits_digest(&state);
+}
+
 }  // namespace
 
 // frame_rows: which row of `frames` each block uses (empty: row j for block j).
@@ -192,9 +211,7 @@ std::vector<uint64_t> KVBlockCopier::gather_xxh3(pybind11::buffer frames, int64_
   pybind11::gil_scoped_release unlocked;  // other threads run Python meanwhile
 #pragma omp parallel for schedule(static) if (batch.n > 1)
   for (int64_t j = 0; j < batch.n; ++j) {
-    uint8_t* payload = plan.payload(batch.row(j));
-    copy_block<true>(plan, payload, batch.ids[j]);
-    sums[j] = xxh3(payload, plan.payload_bytes());
+    sums[j] = copy_block_out_xxh3(plan, plan.payload(batch.row(j)), batch.ids[j]);
   }
   return sums;
 }

@@ -11,9 +11,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from service.convert import struct_to_dict
+from service.errors import was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.servers import ServerProcess
 from tests.integration.test_pd import (
@@ -200,3 +202,59 @@ def test_restarted_peers_are_handshaken_again(server: ServerProcess, nixl_pd: St
             assert rest.usage.cached_tokens == len(ids)
             assert _handshakes(dec, pre.target) == 2
             _idle(again.target)
+
+
+# --- holds nobody will read --------------------------------------------------------
+# The lease (30 s by default) is the last resort for a decode side that went
+# away. When the router knows no decode pod will read a prefill pod's blocks
+# (the decode leg was refused before any engine saw it, or the first token
+# ended the request), it says so and the prefill pod frees them at once.
+
+# The decode pod of this stack refuses prompts the prefill pod takes.
+SHORT_DECODE = ["--kv-cache-memory", "192M", "--max-model-len", "64"]
+LONG = "Refused. " + "A long preamble about serving language models in two pools. " * 8
+
+
+@pytest.fixture(scope="module")
+def nixl_short_decode() -> Iterator[Stack]:
+    """Prefill pod with the default 30 s lease; decode pod with max-model-len 64."""
+    with (
+        ServerProcess(["--role", "prefill", *SMALL, *PRODUCER]) as prefill,
+        ServerProcess(["--role", "decode", *SHORT_DECODE, *CONSUMER]) as decode,
+        ServerProcess(
+            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+            command="router",
+        ) as router,
+    ):
+        yield router, prefill, decode
+
+
+def _freed_within(target: str, seconds: float) -> bool:
+    """Whether the pod holds no request and no block within `seconds`."""
+    status = asyncio.run(_wait_idle(target, timeout=seconds))
+    return (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_a_refused_decode_leg_frees_the_prefill_blocks_at_once(
+    nixl_short_decode: Stack,
+) -> None:
+    router, prefill, decode = (p.target for p in nixl_short_decode)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(_generate(router, LONG))
+    # The decode pod's own refusal, passed through; its engine never saw it.
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "decode pod" in (err.value.details() or "")
+    assert "prompt: has" in (err.value.details() or "")
+    assert not was_refused(err.value)  # the prefill leg ran
+    assert _freed_within(prefill, 10.0), "the prefill pod held the blocks (lease is 30 s)"
+    _idle(decode)
+
+
+def test_a_first_token_that_ends_the_request_frees_the_prefill_blocks(
+    nixl_short_decode: Stack,
+) -> None:
+    """PROMPTS[5]'s greedy first token is EOS: no decode leg runs."""
+    router, prefill, _ = (p.target for p in nixl_short_decode)
+    got = asyncio.run(_generate(router, PROMPTS[5], ignore_eos=False))
+    assert len(got.token_ids) == 1 and got.finish_reason == pb.FINISH_REASON_STOP
+    assert _freed_within(prefill, 10.0), "the prefill pod held the blocks (lease is 30 s)"

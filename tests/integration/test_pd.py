@@ -17,6 +17,7 @@ import pytest
 
 from service.client import TandemClient, make_request
 from service.convert import dict_to_struct
+from service.errors import was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
 from tests.integration.servers import ServerProcess
@@ -45,20 +46,25 @@ def _kv(connector: str, role: str, extra: Mapping[str, object]) -> list[str]:
     return ["--kv-transfer-config", json.dumps(config)]
 
 
-async def _generate(target: str, prompt: str, max_tokens: int = 12) -> pb.GenerateResponse:
+async def _generate(
+    target: str, prompt: str, max_tokens: int | None = 12, **sampling: Any
+) -> pb.GenerateResponse:
     """All of one greedy request's chunks merged into one response (EOS
-    ignored: on plain text this model often ends at once, and then no
-    decode leg would run)."""
+    ignored unless `sampling` says otherwise: on plain text this model often
+    ends at once, and then no decode leg would run). `max_tokens` None
+    leaves it unset (the server's default)."""
+    params: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True, **sampling}
     async with TandemClient(target) as client:
         merged = pb.GenerateResponse()
         async for chunk in client.stub.Generate(
-            make_request(text=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-            timeout=120,
+            make_request(text=prompt, max_tokens=max_tokens, **params), timeout=120
         ):
             merged.token_ids.extend(chunk.token_ids)
             merged.text += chunk.text
+            merged.logprobs.extend(chunk.logprobs)
             if chunk.finish_reason:
                 merged.finish_reason = chunk.finish_reason
+                merged.stop_string = chunk.stop_string
                 merged.usage.CopyFrom(chunk.usage)
         return merged
 
@@ -126,6 +132,7 @@ def _check_parity(got: list[pb.GenerateResponse], want: list[pb.GenerateResponse
         assert list(g.token_ids) == list(w.token_ids), f"prompt {i}: {g.text!r} != {w.text!r}"
         assert g.text == w.text
         assert g.finish_reason == w.finish_reason
+        assert g.stop_string == w.stop_string
         assert g.usage.prompt_tokens == w.usage.prompt_tokens
         assert g.usage.completion_tokens == w.usage.completion_tokens
 
@@ -191,6 +198,106 @@ def test_first_token_comes_from_the_prefill_leg(shm_pd: tuple[str, str, str]) ->
     assert got[-1].usage.completion_tokens == sum(len(c.token_ids) for c in got)
 
 
+# --- text across the handover ----------------------------------------------------
+# The router hands a request from the prefill pod to the decode pod after its
+# first token. Text that straddles that point (a stop string the first token
+# begins, a character whose UTF-8 bytes the first token only starts) must
+# reach the client as a colocated server sends it.
+
+# The greedy continuation is " four", ",", " five", ...: two tokens with text.
+COUNTING = "Count: one, two, three,"
+
+
+def _first_two_texts(server: ServerProcess) -> tuple[str, str]:
+    """The text of each of COUNTING's first two greedy tokens (as decoded
+    alone, which for this byte-level tokenizer is their text in sequence)."""
+    got = asyncio.run(_generate(server.target, COUNTING, max_tokens=2, logprobs=0))
+    first, second = (lp.sampled.token for lp in got.logprobs)
+    assert first and second and "\ufffd" not in first + second
+    return first, second
+
+
+def test_stop_string_spanning_the_handover(
+    server: ServerProcess, shm_pd: tuple[str, str, str]
+) -> None:
+    """A stop string that begins in the first token's text and ends in the
+    second's: the first token came from the prefill pod and the second from
+    the decode pod, yet the request stops there, trimmed, as colocated."""
+    router = shm_pd[0]
+    first, second = _first_two_texts(server)
+    # Begins inside the first token / is exactly the first two tokens.
+    for stop in (first[-2:] + second[:1], first + second):
+        want = asyncio.run(_generate(server.target, COUNTING, stop=[stop]))
+        # The case under test: the colocated server stops at token 2.
+        assert (len(want.token_ids), want.stop_string) == (2, stop)
+        assert want.text == (first + second)[: (first + second).index(stop)]
+        got = asyncio.run(_generate(router, COUNTING, stop=[stop]))
+        _check_parity([got], [want])
+
+
+def test_a_later_stop_string_still_trims_after_the_handover(
+    server: ServerProcess, shm_pd: tuple[str, str, str]
+) -> None:
+    """A stop string met well inside the decode leg's output, and one that
+    never matches but whose start is held back at the handover."""
+    router = shm_pd[0]
+    first, _ = _first_two_texts(server)
+    for stop in ([" six"], [first[-1] + "#never"]):
+        want = asyncio.run(_generate(server.target, COUNTING, stop=stop))
+        got = asyncio.run(_generate(router, COUNTING, stop=stop))
+        _check_parity([got], [want])
+
+
+def test_character_split_at_the_handover(
+    server: ServerProcess, shm_pd: tuple[str, str, str]
+) -> None:
+    """The model continues a run of emoji one byte-level token at a time
+    (here each emoji is three tokens), so the prefill leg's single token is
+    the first byte of a character: its text must not be lost or garbled."""
+    prompt = "\U0001f389" * 8
+    want = asyncio.run(_generate(server.target, prompt, max_tokens=6, logprobs=0))
+    # The case under test: the first token alone is an incomplete character.
+    assert want.logprobs[0].sampled.token.endswith("\ufffd")
+    assert "\ufffd" not in want.text
+    got = asyncio.run(_generate(shm_pd[0], prompt, max_tokens=6))
+    _check_parity([got], [want])
+
+
+def test_min_tokens_and_default_max_tokens_match_colocated(
+    server: ServerProcess, shm_pd: tuple[str, str, str]
+) -> None:
+    """min_tokens carries over an EOS first token (PROMPTS[0]'s greedy first
+    token is EOS: no stop before min_tokens tokens), and an unset max_tokens
+    is the default for the whole request, not per leg."""
+    router = shm_pd[0]
+    cases: list[dict[str, Any]] = [
+        {"max_tokens": 6, "min_tokens": 3, "ignore_eos": False},
+        {"max_tokens": None},
+    ]
+    for sampling in cases:
+        want = asyncio.run(_generate(server.target, PROMPTS[0], **sampling))
+        got = asyncio.run(_generate(router, PROMPTS[0], **sampling))
+        _check_parity([got], [want])
+    # The min_tokens case ran past the EOS that ends it without min_tokens.
+    plain = asyncio.run(_generate(server.target, PROMPTS[0], ignore_eos=False))
+    assert len(plain.token_ids) == 1 and plain.finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_output_tokens_beyond_the_prompt_are_refused(server: ServerProcess) -> None:
+    async def send() -> None:
+        request = make_request(token_ids=[5, 6], max_tokens=2)
+        request.num_output_tokens_in_prompt = 3
+        async with TandemClient(server.target) as client:
+            async for _ in client.stub.Generate(request):
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(send())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("num_output_tokens_in_prompt: ")
+    assert was_refused(err.value)  # nothing of it ran
+
+
 def test_client_cancel_at_the_router_frees_both_pods(shm_pd: tuple[str, str, str]) -> None:
     router, prefill, decode = shm_pd
 
@@ -227,6 +334,7 @@ def test_router_passes_pod_errors_through(shm_pd: tuple[str, str, str]) -> None:
         asyncio.run(bad())
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "temperature" in (err.value.details() or "")
+    assert was_refused(err.value)  # the prefill pod refused: nothing ran anywhere
 
 
 def test_prefix_aware_routing_between_colocated_pods() -> None:

@@ -231,3 +231,13 @@ def test_handshake_facts_name_each_difference() -> None:
     assert PeerInfo.from_bytes(info.to_bytes()) == info
     with pytest.raises(IncompatiblePeerError, match="malformed NIXL handshake"):
         PeerInfo.from_bytes(b'{"agent_name": "a"}')
+
+
+def test_a_release_from_the_service_frees_a_hold_at_the_next_poll(pair: Pair) -> None:
+    """The router says no decode pod will read (its decode leg was refused
+    before any engine saw it): the hold ends without waiting for the lease."""
+    pair.producer.hold("r1", time.monotonic())
+    pair.producer.hold("r2", time.monotonic())
+    pair.producer.release("r1")
+    assert pair.producer.poll(set())[0] == {"r1"}
+    assert set(pair.producer.holds) == {"r2"}

@@ -19,6 +19,7 @@ from connectors.shm_pool import (
     lock_path,
     segment_names,
 )
+from kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     not Path("/dev/shm").is_dir(), reason="needs POSIX shared memory in /dev/shm"
@@ -46,6 +47,17 @@ def leftovers(name: str) -> list[str]:
     return [str(path) for path in paths if path.exists()]
 
 
+@pytest.fixture(params=["numpy", "compiled"])
+def compiled(request):
+    """The slot index a pool runs on: numpy, or the compiled ShmIndex."""
+    if request.param == "numpy":
+        return None
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("the compiled CPU kernels are not available")
+    return module
+
+
 @pytest.fixture
 def pool_name():
     name = f"test-{uuid.uuid4().hex[:12]}"
@@ -65,8 +77,8 @@ def join_ok(proc) -> None:
 # ---- single process -------------------------------------------------------------
 
 
-def test_roundtrip_contains_and_absent_keys(pool_name):
-    pool = ShmBlockPool(ShmPoolConfig(pool_name, num_slots=8, slot_bytes=4096))
+def test_roundtrip_contains_and_absent_keys(pool_name, compiled):
+    pool = ShmBlockPool(ShmPoolConfig(pool_name, num_slots=8, slot_bytes=4096), compiled)
     keys = [key_of(i) for i in range(3)]
     blobs = [blob_of(k, 4096) for k in keys]
     as_view = np.arange(256, dtype=np.float32).data
@@ -91,8 +103,8 @@ def test_roundtrip_contains_and_absent_keys(pool_name):
         pool.contains_many([keys[0]])
 
 
-def test_duplicate_put_is_not_rewritten(pool_name):
-    with ShmBlockPool(ShmPoolConfig(pool_name, num_slots=4, slot_bytes=64)) as pool:
+def test_duplicate_put_is_not_rewritten(pool_name, compiled):
+    with ShmBlockPool(ShmPoolConfig(pool_name, num_slots=4, slot_bytes=64), compiled) as pool:
         key = key_of(0)
         assert pool.put_many([(key, b"first")]) == 1
         assert pool.put_many([(key, b"second")]) == 0
@@ -102,7 +114,7 @@ def test_duplicate_put_is_not_rewritten(pool_name):
     assert leftovers(pool_name) == []
 
 
-def test_bad_arguments_raise_value_error(pool_name):
+def test_bad_arguments_raise_value_error(pool_name, compiled):
     with pytest.raises(ValueError, match=r"name.*A-Za-z0-9"):
         ShmPoolConfig("bad/name", num_slots=1, slot_bytes=1)
     with pytest.raises(ValueError, match="name"):
@@ -112,7 +124,7 @@ def test_bad_arguments_raise_value_error(pool_name):
     with pytest.raises(ValueError, match="slot_bytes"):
         ShmPoolConfig(pool_name, num_slots=1, slot_bytes=-5)
 
-    with ShmBlockPool(ShmPoolConfig(pool_name, num_slots=2, slot_bytes=16)) as pool:
+    with ShmBlockPool(ShmPoolConfig(pool_name, num_slots=2, slot_bytes=16), compiled) as pool:
         with pytest.raises(ValueError, match=r"keys\[1\] must be exactly 32 bytes, got 3"):
             pool.put_many([(key_of(0), b"x"), (b"abc", b"y")])
         with pytest.raises(ValueError, match="exactly 32 bytes"):
@@ -132,8 +144,8 @@ def test_bad_arguments_raise_value_error(pool_name):
     assert leftovers(pool_name) == []
 
 
-def test_lru_evicts_least_recently_used(pool_name):
-    with ShmBlockPool(ShmPoolConfig(pool_name, num_slots=4, slot_bytes=64)) as pool:
+def test_lru_evicts_least_recently_used(pool_name, compiled):
+    with ShmBlockPool(ShmPoolConfig(pool_name, num_slots=4, slot_bytes=64), compiled) as pool:
         keys = [key_of(i) for i in range(5)]
         assert pool.put_many([(k, k) for k in keys[:4]]) == 4
         assert pool.read_into([keys[0]], [memoryview(bytearray(64))]) == [32]
@@ -192,14 +204,15 @@ def test_child_process_writes_parent_reads(pool_name, child_closes):
 NUM_SHARED_KEYS = 24
 
 
-def _hammer(name, num_slots, slot_bytes, seed, seconds, barrier, results):
+def _hammer(name, num_slots, slot_bytes, seed, seconds, barrier, results, use_compiled):
     keys = [key_of(i) for i in range(NUM_SHARED_KEYS)]
     blobs = [blob_of(k, slot_bytes) for k in keys]
     rng = np.random.default_rng(seed)
     dests = [memoryview(bytearray(slot_bytes)) for _ in range(6)]
     hits = torn = 0
     error = None
-    pool = ShmBlockPool(ShmPoolConfig(name, num_slots, slot_bytes))
+    compiled = cpu_kernels.load() if use_compiled else None
+    pool = ShmBlockPool(ShmPoolConfig(name, num_slots, slot_bytes), compiled)
     try:
         barrier.wait(CHILD_TIMEOUT)
         deadline = time.monotonic() + seconds
@@ -220,6 +233,8 @@ def _hammer(name, num_slots, slot_bytes, seed, seconds, barrier, results):
 
 def test_concurrent_processes_never_read_torn_blobs(pool_name):
     # Far fewer slots than keys, so puts keep evicting slots others are reading.
+    # The first worker runs the compiled index (where built), the others
+    # numpy: both work on one layout, side by side.
     num_slots, slot_bytes, workers = 8, 64 * 1024, 3
     pool = ShmBlockPool(ShmPoolConfig(pool_name, num_slots, slot_bytes))
     barrier = SPAWN.Barrier(workers)
@@ -227,7 +242,7 @@ def test_concurrent_processes_never_read_torn_blobs(pool_name):
     procs = [
         SPAWN.Process(
             target=_hammer,
-            args=(pool_name, num_slots, slot_bytes, seed, 1.5, barrier, results),
+            args=(pool_name, num_slots, slot_bytes, seed, 1.5, barrier, results, seed == 0),
         )
         for seed in range(workers)
     ]

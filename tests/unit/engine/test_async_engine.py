@@ -41,6 +41,9 @@ class ScriptedCore:
     fail_at: int | None = None
     live: dict[str, Request] = field(default_factory=dict)
     aborted: list[tuple[str, RequestStatus]] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    # Ids the scheduler still holds (finished, KV kept for a remote decode).
+    held: set[str] = field(default_factory=set)
     steps: int = 0
     config: EngineConfig = field(default_factory=EngineConfig)
     info: WorkerInfo = field(
@@ -56,12 +59,17 @@ class ScriptedCore:
     )
 
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.held:  # as the scheduler refuses it
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.live[request.request_id] = request
 
     def abort_requests(self, ids: list[str], status: RequestStatus) -> None:
         for rid in ids:
             if self.live.pop(rid, None) is not None:
                 self.aborted.append((rid, status))
+
+    def release_held_kv(self, ids: list[str]) -> None:
+        self.released.extend(ids)
 
     def has_work(self) -> bool:
         return bool(self.live)
@@ -178,5 +186,53 @@ def test_engine_failure_ends_streams_and_tells_listeners() -> None:
         assert len(failures) == 1 and not engine.healthy
         with pytest.raises(EngineDeadError):
             engine.submit(_request(engine, "b"))
+
+    asyncio.run(go())
+
+
+def test_abort_of_a_finished_id_releases_what_it_holds() -> None:
+    """Abort of an id no longer live reaches the core as a release (of KV
+    held for a remote decode); the live ones are aborted as before."""
+
+    async def run() -> tuple[list[str], list[str], list[tuple[str, RequestStatus]]]:
+        core = ScriptedCore()
+        engine = await _engine(core)
+        try:
+            stream = engine.submit(_request(engine, "live", max_tokens=100))
+            await stream.__anext__()
+            aborted = engine.abort(["live", "done-earlier"])
+            await engine.wait_idle(5.0)
+            for _ in range(100):  # the engine thread applies commands between steps
+                if core.released:
+                    break
+                await asyncio.sleep(0.01)
+            return aborted, core.released, core.aborted
+        finally:
+            await engine.shutdown()
+
+    aborted, released, core_aborted = asyncio.run(run())
+    assert aborted == ["live"]
+    assert released == ["done-earlier"]
+    assert core_aborted == [("live", RequestStatus.FINISHED_ABORTED)]
+
+
+def test_an_id_the_scheduler_still_holds_fails_that_request_alone() -> None:
+    """The front door cannot see ids the scheduler keeps for finished
+    requests (KV held for a remote decode): reusing one fails that request
+    with INVALID_ARGUMENT's error, and the engine serves on."""
+
+    async def go() -> None:
+        core = ScriptedCore(held={"held"})
+        engine = await _engine(core)
+        try:
+            refused = engine.submit(_request(engine, "held"))
+            with pytest.raises(InvalidRequestError, match="request_id: 'held' is already in use"):
+                await refused.__anext__()
+            ok = engine.submit(_request(engine, "ok", max_tokens=2))
+            deltas = [delta async for delta in ok]
+            assert deltas[-1].finished and len(deltas) == 2
+            assert engine.healthy and engine.num_live == 0
+        finally:
+            await engine.shutdown()
 
     asyncio.run(go())

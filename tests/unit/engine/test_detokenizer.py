@@ -296,3 +296,97 @@ def test_concatenated_deltas_equal_output_text_with_random_stops(
             # The stop was only in an incomplete tail never decoded before
             # finish(), which is impossible for valid text.
             pytest.fail(f"stop {stop!r} not found in {text!r}")
+
+
+# --- resuming an output an earlier leg began (prefill/decode handover) ----------
+
+
+def _one_per_step(
+    detok: IncrementalDetokenizer, ids: list[int], *, finish: bool
+) -> tuple[list[str], str | None]:
+    """One token per step, as an engine generates; without `finish` (a
+    prefill leg that hands over) nothing is flushed at the end."""
+    if finish:
+        return _stream(detok, ([t] for t in ids))
+    deltas: list[str] = []
+    for token_id in ids:
+        stop = detok.update([token_id])
+        deltas.append(detok.get_next_delta())
+        if stop is not None:
+            return deltas, stop
+    return deltas, None
+
+
+def _handover(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], split: int, stop: list[str]
+) -> tuple[list[str], str | None, IncrementalDetokenizer] | None:
+    """The first `split` tokens through one detokenizer (a prefill leg), the
+    rest through a second that resumes them; None if the first leg's
+    tokens already matched a stop (the request would end there)."""
+    params = SamplingParams(stop=stop)
+    first = IncrementalDetokenizer(tokenizer, [1, 2, 3], params)
+    first_deltas, matched = _one_per_step(first, ids[:split], finish=False)
+    if matched is not None:
+        return None
+    prompt = [1, 2, 3, *ids[:split]]
+    second = IncrementalDetokenizer(tokenizer, prompt, params, num_output_tokens_in_prompt=split)
+    second_deltas, matched = _one_per_step(second, ids[split:], finish=True)
+    return first_deltas + second_deltas, matched, second
+
+
+def test_a_resumed_output_streams_as_one_output(tokenizer: PreTrainedTokenizerBase):
+    """Random texts, split points and stops: the two legs' deltas together
+    are the one-detokenizer stream's text, and they stop where it does."""
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(200):
+        ids = _random_ids(tokenizer, rng)
+        text = _decode(tokenizer, ids)
+        start = rng.randrange(max(1, len(text) - 2))
+        stop = [text[start : start + rng.randint(1, 4)] or "zz", "zzz"]
+        split = rng.randint(1, len(ids))
+        legs = _handover(tokenizer, ids, split, stop)
+        if legs is None:
+            continue
+        deltas, matched, second = legs
+        whole = IncrementalDetokenizer(tokenizer, [1, 2, 3], SamplingParams(stop=stop))
+        want_deltas, want_matched = _one_per_step(whole, ids, finish=True)
+        assert "".join(deltas) == "".join(want_deltas), (ids, split, stop)
+        assert matched == want_matched
+        assert second.output_text == whole.output_text
+        checked += 1
+    assert checked > 50  # the others stopped in the first leg
+
+
+def test_a_stop_string_begun_before_the_handover_matches_after_it(
+    tokenizer: PreTrainedTokenizerBase,
+):
+    ids = _encode(tokenizer, "The quick brown fox jumps")
+    assert _decode(tokenizer, ids[:2]) == "The quick"
+    legs = _handover(tokenizer, ids, 2, ["ick bro"])
+    assert legs is not None
+    deltas, matched, second = legs
+    # The first leg held "ick" back; the second matched and trimmed it.
+    assert deltas[:2] == ["The", " qu"] and matched == "ick bro"
+    assert "".join(deltas) == second.output_text == "The qu"
+
+
+def test_a_character_split_at_the_handover_is_not_lost(tokenizer: PreTrainedTokenizerBase):
+    ids = _encode(tokenizer, "\U0001f389\U0001f389")
+    assert _decode(tokenizer, ids[:1]).endswith("\ufffd")  # the first byte only
+    legs = _handover(tokenizer, ids, 1, [])
+    assert legs is not None
+    deltas, _, second = legs
+    assert deltas[0] == "" and "".join(deltas) == "\U0001f389\U0001f389"
+    assert second.output_token_ids == ids[1:]  # the resumed token is the prompt's
+
+
+def test_min_tokens_count_only_the_tokens_generated_here(tokenizer: PreTrainedTokenizerBase):
+    ids = _encode(tokenizer, "stop here and stop there")
+    params = SamplingParams(stop=["stop"], min_tokens=2)
+    # Resuming "stop" (token 1): its stop is not matched again, and the
+    # next "stop" (3 tokens later here) is past min_tokens.
+    detok = IncrementalDetokenizer(tokenizer, ids[:1], params, num_output_tokens_in_prompt=1)
+    assert detok.output_text == "stop" and detok.get_next_delta() == ""
+    assert [detok.update([t]) for t in ids[1:4]] == [None, None, "stop"]
+    assert detok.output_text == "stop here and "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import grpc
 import pytest
 
 from engine.async_engine import EngineStatus, KvEventBatch, StreamDelta
@@ -9,8 +12,10 @@ from engine.input_processor import InputProcessor, InvalidRequestError
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output_processor import TokenLogprob
+from engine.sampling_params import SamplingParams
 from service import convert
 from service.client import make_request
+from service.errors import status_for
 from service.gen.tandem.v1 import generation_pb2 as pb
 
 
@@ -63,6 +68,46 @@ def test_bad_requests_name_the_field(
         parsed = convert.generate_input(msg, inputs)
         inputs.make_request(parsed.request_id, parsed.prompt, parsed.params)
     assert str(info.value).startswith(field), str(info.value)
+
+
+def _with_output_in_prompt(count: int) -> pb.GenerateRequest:
+    msg = make_request(token_ids=[5, 6, 7])
+    msg.num_output_tokens_in_prompt = count
+    return msg
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_output_tokens_in_the_prompt_reach_the_request(inputs: InputProcessor, count: int) -> None:
+    parsed = convert.generate_input(_with_output_in_prompt(count), inputs)
+    request = inputs.make_request(
+        parsed.request_id,
+        parsed.prompt,
+        parsed.params,
+        num_output_tokens_in_prompt=parsed.num_output_tokens_in_prompt,
+    )
+    assert request.num_output_tokens_in_prompt == count
+
+
+def test_more_output_tokens_than_the_prompt_holds_is_invalid(inputs: InputProcessor) -> None:
+    parsed = convert.generate_input(_with_output_in_prompt(4), inputs)
+    with pytest.raises(InvalidRequestError) as info:
+        inputs.make_request(
+            parsed.request_id,
+            parsed.prompt,
+            parsed.params,
+            num_output_tokens_in_prompt=parsed.num_output_tokens_in_prompt,
+        )
+    message = str(info.value)
+    assert message.startswith("num_output_tokens_in_prompt: ") and "3 tokens, got 4" in message
+    assert status_for(info.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("count", [-1, True, 1.0])
+def test_output_tokens_in_the_prompt_must_be_a_count(inputs: InputProcessor, count: Any) -> None:
+    """The wire field is unsigned; Python callers can still pass anything."""
+    prompt = inputs.process_prompt([5, 6, 7])
+    with pytest.raises(InvalidRequestError, match=r"^num_output_tokens_in_prompt: "):
+        inputs.make_request("r", prompt, SamplingParams(), num_output_tokens_in_prompt=count)
 
 
 def _delta(**kw: object) -> StreamDelta:

@@ -15,7 +15,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 from engine.models.loader import LoadedModel, load_model
 from kernels import cpu_kernels
 from kernels.backend import select_backend
-from kernels.layer_ops import SMALL_LINEAR_ROWS
+from kernels.layer_ops import (
+    PACKED_LINEAR_MAX_ROWS,
+    SMALL_LINEAR_ROWS,
+    mkl_packing_available,
+)
 from tests.unit.engine.models.paged import PagedSequences, allocate, step
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels did not build")
@@ -59,6 +63,12 @@ def model(request, tmp_path_factory) -> LoadedModel:
     return load_model(path, dtype=torch.float32, device=torch.device("cpu"), ops=ops)
 
 
+def _stack(model: LoadedModel) -> Any:
+    stack = model.model.decode_stack
+    assert stack is not None, "the model built no decode stack"
+    return stack
+
+
 def _decode(model: LoadedModel, seqs: PagedSequences, lens: list[int], use_stack: bool):
     stack = model.model.decode_stack
     if not use_stack:
@@ -69,9 +79,13 @@ def _decode(model: LoadedModel, seqs: PagedSequences, lens: list[int], use_stack
         model.model.decode_stack = stack
 
 
-@pytest.mark.parametrize("batch", [1, 3, SMALL_LINEAR_ROWS])
+# Up to SMALL_LINEAR_ROWS the stack's linears are small_linear; above, MKL's
+# packed linear (where torch has MKL), as in the Python layers.
+@pytest.mark.parametrize("batch", [1, 3, SMALL_LINEAR_ROWS, SMALL_LINEAR_ROWS + 1, 37])
 def test_matches_the_python_layers_bit_for_bit(model: LoadedModel, batch: int) -> None:
-    assert model.model.decode_stack is not None
+    stack = _stack(model)
+    if batch > stack.max_rows:
+        pytest.skip("no MKL-packed weights in this torch: the stack stops at small batches")
     rng = random.Random(batch)
     lens = [rng.randint(1, 70) for _ in range(batch)]
     tokens = [[rng.randrange(VOCAB) for _ in range(n + 3)] for n in lens]
@@ -89,11 +103,26 @@ def test_matches_the_python_layers_bit_for_bit(model: LoadedModel, batch: int) -
             assert torch.equal(got, want), f"step {k}: KV caches differ"
 
 
+def test_takes_decodes_up_to_packed_linear_max_rows_where_mkl_packs(model: LoadedModel) -> None:
+    expected = PACKED_LINEAR_MAX_ROWS if mkl_packing_available() else SMALL_LINEAR_ROWS
+    assert _stack(model).max_rows == expected
+
+
+def test_a_batch_over_max_rows_is_refused(model: LoadedModel, monkeypatch) -> None:
+    stack = _stack(model)
+    # Past the model's own check, the stack still refuses it, naming the bound.
+    monkeypatch.setattr(type(model.model), "_decode_stack_for", lambda self, meta, caches: stack)
+    lens = [2] * (stack.max_rows + 1)
+    seqs = allocate(model.model, [[3] * 3 for _ in lens], block_size=16)
+    with pytest.raises(RuntimeError, match=f"the stack takes at most {stack.max_rows}"):
+        step(model.model, seqs, [(i, n, n + 1) for i, n in enumerate(lens)])
+
+
 def test_not_used_for_prefills_or_large_batches(model: LoadedModel, monkeypatch) -> None:
     calls: list[int] = []
-    stack = model.model.decode_stack
+    stack = _stack(model)
     monkeypatch.setattr(model.model, "decode_stack", _Spy(stack, calls))
-    lens = [5] * (SMALL_LINEAR_ROWS + 1)
+    lens = [5] * (stack.max_rows + 1)
     tokens = [[7] * 8 for _ in lens]
     seqs = allocate(model.model, tokens, block_size=16)
     step(model.model, seqs, [(i, 0, n) for i, n in enumerate(lens)])
@@ -113,6 +142,10 @@ def test_a_slot_outside_the_cache_is_refused(model: LoadedModel) -> None:
 class _Spy:
     def __init__(self, stack, calls: list[int]) -> None:
         self.stack, self.calls = stack, calls
+
+    @property
+    def max_rows(self) -> int:
+        return int(self.stack.max_rows)
 
     def forward(self, residual: torch.Tensor, *args):
         self.calls.append(residual.shape[0])

@@ -1,0 +1,68 @@
+"""OutputProcessor at a prefill/decode handover, with the real tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from engine.models.loader import load_tokenizer, resolve_model
+from engine.output_processor import OutputProcessor, RequestOutput
+from engine.outputs import EngineCoreOutput
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+
+EMOJI = "\U0001f389"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return load_tokenizer(resolve_model(None))
+
+
+def _one_token(
+    tokenizer: PreTrainedTokenizerBase,
+    token_id: int,
+    reason: FinishReason,
+    params: dict[str, Any] | None,
+    stop: list[str] | None = None,
+) -> RequestOutput:
+    """A one-token request's only output."""
+    processor = OutputProcessor(tokenizer)
+    sampling = SamplingParams(max_tokens=1, stop=stop or [])
+    processor.add_request(Request("r", [1, 2, 3], sampling, kv_transfer_params=params), None)
+    results, _ = processor.process([EngineCoreOutput("r", [token_id], reason)])
+    return results[0]
+
+
+def test_a_prefill_leg_that_hands_over_keeps_back_an_incomplete_character(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    first = tokenizer.encode(EMOJI)[0]  # the emoji's first byte
+    remote = {"do_remote_decode": True}
+    handed_over = _one_token(tokenizer, first, FinishReason.LENGTH, remote)
+    assert handed_over.finished and handed_over.delta_text == ""
+    # The output ends here: flushed, as a full decode would show it.
+    assert _one_token(tokenizer, first, FinishReason.LENGTH, None).delta_text == "\ufffd"
+    assert _one_token(tokenizer, first, FinishReason.STOP, remote).delta_text == "\ufffd"
+
+
+def test_a_prefill_leg_that_hands_over_keeps_back_a_stop_string_start(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    (four,) = tokenizer.encode(" four")
+    out = _one_token(tokenizer, four, FinishReason.LENGTH, {"do_remote_decode": True}, ["ur,"])
+    assert out.delta_text == " fo" and out.finish_reason == "length"
+    assert _one_token(tokenizer, four, FinishReason.LENGTH, None, ["ur,"]).delta_text == " four"
+
+
+def test_a_resumed_request_streams_the_rest_of_the_text(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    ids = tokenizer.encode(EMOJI)
+    processor = OutputProcessor(tokenizer)
+    request = Request("r", [1, 2, ids[0]], SamplingParams(), num_output_tokens_in_prompt=1)
+    processor.add_request(request, None)
+    results, _ = processor.process([EngineCoreOutput("r", ids[1:], FinishReason.LENGTH)])
+    assert results[0].delta_text == EMOJI and results[0].token_ids == ids[1:]

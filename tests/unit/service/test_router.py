@@ -1,0 +1,64 @@
+"""The router's legs as messages (pure functions): what each pod is asked."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from service.client import make_request
+from service.convert import dict_to_struct, struct_to_dict
+from service.gen.tandem.v1 import generation_pb2 as pb
+from service.router import (
+    DEFAULT_MAX_TOKENS,
+    _decode_request,
+    _LegFailed,
+    _max_tokens,
+    _prefill_request,
+)
+
+
+def test_the_prefill_leg_keeps_its_kv_only_when_a_decode_leg_follows() -> None:
+    request = make_request(text="hi", max_tokens=5, stop=["x"], request_id="r")
+    leg = _prefill_request(request, [1, 2], 5)
+    assert list(leg.token_ids.ids) == [1, 2] and leg.request_id == "r"
+    assert leg.sampling.max_tokens == 1 and list(leg.sampling.stop) == ["x"]
+    assert struct_to_dict(leg.kv_transfer_params) == {"do_remote_decode": True}
+    # One token asked for: the prefill leg is the request, and holds nothing.
+    alone = _prefill_request(make_request(text="hi", max_tokens=1), [1, 2], 1)
+    assert not alone.HasField("kv_transfer_params")
+
+
+def test_min_tokens_keep_the_first_token_from_ending_the_request() -> None:
+    request = make_request(text="hi", max_tokens=8, min_tokens=3, stop_token_ids=[7])
+    leg = _prefill_request(request, [1], 8)
+    assert leg.sampling.min_tokens == 1 and leg.sampling.ignore_eos
+    assert list(leg.sampling.stop_token_ids) == []
+    # min_tokens 1 is met by the first token: EOS there ends the request.
+    plain = _prefill_request(make_request(text="hi", min_tokens=1, stop_token_ids=[7]), [1], 16)
+    assert not plain.sampling.ignore_eos and list(plain.sampling.stop_token_ids) == [7]
+
+
+def test_the_decode_leg_says_which_prompt_tokens_are_output() -> None:
+    request = make_request(token_ids=[1, 2], max_tokens=5, min_tokens=3, request_id="r")
+    request.num_output_tokens_in_prompt = 1  # the client's own continuation
+    params = dict_to_struct({"do_remote_prefill": True})
+    leg = _decode_request(request, [1, 2], [9], 5, params)
+    assert list(leg.token_ids.ids) == [1, 2, 9]
+    assert leg.num_output_tokens_in_prompt == 2
+    assert (leg.sampling.max_tokens, leg.sampling.min_tokens) == (4, 2)
+    assert struct_to_dict(leg.kv_transfer_params) == {"do_remote_prefill": True}
+
+
+def test_max_tokens_is_the_whole_requests() -> None:
+    assert _max_tokens(pb.GenerateRequest(text="hi")) == DEFAULT_MAX_TOKENS == 16
+    assert _max_tokens(make_request(text="hi", max_tokens=3)) == 3
+    with pytest.raises(_LegFailed) as info:
+        _max_tokens(make_request(text="hi", max_tokens=0))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details.startswith("sampling.max_tokens: ")
+    assert not info.value.maybe_ran
+    with pytest.raises(_LegFailed) as info:
+        _max_tokens(make_request(text="hi", max_tokens=2, min_tokens=3))
+    assert info.value.details == (
+        "sampling.min_tokens: must be between 0 and max_tokens (2), got 3"
+    )
