@@ -39,6 +39,7 @@ class Pod:
     healthy: bool = False
     load: float = 0.0  # running + waiting, plus what this router sent since the last poll
     block_size: int = 0
+    max_model_len: int = 0  # 0 until the pod's GetModelInfo answered
     blocks: set[bytes] = field(default_factory=set)
     in_flight: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)  # its polling and events
@@ -228,6 +229,12 @@ class PodPool:
     def any_healthy(self) -> bool:
         return any(p.healthy for p in self.pods)
 
+    def max_model_len(self) -> int:
+        """The smallest max_model_len among the pods that have said theirs
+        (a request that fits it fits any of them); 0 if none has yet."""
+        known = [p.max_model_len for p in self.pods if p.max_model_len]
+        return min(known, default=0)
+
     def pick(self, hashes: Sequence[bytes] = (), exclude: Sequence[Pod] = ()) -> Pod | None:
         """The pod holding the longest prefix of `hashes`, then the least
         loaded; None if no healthy pod is left."""
@@ -245,6 +252,7 @@ class PodPool:
                 if not pod.block_size:
                     info = await pod.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5.0)
                     pod.block_size = info.block_size
+                    pod.max_model_len = info.max_model_len
                 if not pod.healthy:
                     logger.info("%s pod %s is up", self.name, pod.address)
                 pod.healthy = not status.draining

@@ -33,6 +33,10 @@ difference remains: with min_tokens > 1, a stop string wholly inside the
 first token's text still ends the request there (a colocated server only
 checks stop strings once min_tokens tokens exist).
 
+At the decode pods' max_model_len (GetModelInfo), the request's max_tokens
+is cut to what fits, as a colocated server stops with LENGTH there: a
+prompt one token short of the limit is answered by the prefill leg alone.
+
 KV held for nobody: when no decode leg will read the prefill pod's blocks
 (the first token ended the request, or every decode pod asked refused the
 leg before its engine took it, as a pod's REFUSED_KEY trailing metadata
@@ -138,6 +142,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         assert self.prefill is not None
         max_tokens = _max_tokens(request)
+        limit = self.decode.max_model_len()
+        if limit:
+            # A colocated request stops with LENGTH at max_model_len; the
+            # decode leg's prompt (prompt + first token) must leave it room
+            # to, so at the limit the prefill leg is the whole request.
+            max_tokens = max(1, min(max_tokens, limit - len(ids)))
         prefill_pods: list[Pod] = []
         final: pb.GenerateResponse | None = None
         first: list[int] = []
@@ -409,7 +419,10 @@ def _decode_request(
     out = _with_ids(request, ids + first)
     out.num_output_tokens_in_prompt = request.num_output_tokens_in_prompt + len(first)
     out.sampling.max_tokens = max_tokens - len(first)
-    out.sampling.min_tokens = max(0, request.sampling.min_tokens - len(first))
+    # min_tokens past max_tokens (cut to max_model_len) ends at max_tokens.
+    out.sampling.min_tokens = min(
+        max(0, request.sampling.min_tokens - len(first)), out.sampling.max_tokens
+    )
     out.kv_transfer_params.CopyFrom(kv_transfer_params)
     return out
 

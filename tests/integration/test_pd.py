@@ -283,6 +283,40 @@ def test_min_tokens_and_default_max_tokens_match_colocated(
     assert len(plain.token_ids) == 1 and plain.finish_reason == pb.FINISH_REASON_STOP
 
 
+def test_prompts_at_max_model_len_end_with_length_as_colocated(
+    shm_pd: tuple[str, str, str],
+) -> None:
+    """A colocated server generates until max_model_len and ends with
+    LENGTH. Through the router, a prompt one short of the pods' limit
+    (2048) is answered by the prefill leg alone (a decode leg's prompt
+    would not fit), and one two short by both legs."""
+    router, prefill, decode = shm_pd
+
+    async def run(prompt_len: int) -> pb.GenerateResponse:
+        ids = [100 + i % 1000 for i in range(prompt_len)]
+        merged = pb.GenerateResponse()
+        async with TandemClient(router) as client:
+            request = make_request(token_ids=ids, max_tokens=16, temperature=0.0, ignore_eos=True)
+            async for chunk in client.stub.Generate(request, timeout=120):
+                merged.token_ids.extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    merged.finish_reason = chunk.finish_reason
+                    merged.usage.CopyFrom(chunk.usage)
+        return merged
+
+    for prompt_len, expected in ((2047, 1), (2046, 2)):
+        answer = asyncio.run(run(prompt_len))
+        assert len(answer.token_ids) == expected, prompt_len
+        assert answer.finish_reason == pb.FINISH_REASON_LENGTH
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (
+            prompt_len,
+            expected,
+        )
+    for target in (prefill, decode):
+        status = asyncio.run(_wait_idle(target))
+        assert not (status.num_running or status.num_waiting or status.kv_cache_usage)
+
+
 def test_output_tokens_beyond_the_prompt_are_refused(server: ServerProcess) -> None:
     async def send() -> None:
         request = make_request(token_ids=[5, 6], max_tokens=2)
