@@ -143,11 +143,13 @@ class RouterServicer(pb_grpc.GenerationServicer):
         assert self.prefill is not None
         max_tokens = _max_tokens(request)
         limit = self.decode.max_model_len()
-        if limit:
+        if limit > len(ids):
             # A colocated request stops with LENGTH at max_model_len; the
             # decode leg's prompt (prompt + first token) must leave it room
-            # to, so at the limit the prefill leg is the whole request.
-            max_tokens = max(1, min(max_tokens, limit - len(ids)))
+            # to, so one token short of the limit the prefill leg is the
+            # whole request. (A prompt the decode pods cannot hold at all
+            # is theirs to refuse, as a colocated pod would.)
+            max_tokens = min(max_tokens, limit - len(ids))
         prefill_pods: list[Pod] = []
         final: pb.GenerateResponse | None = None
         first: list[int] = []
