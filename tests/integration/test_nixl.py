@@ -54,17 +54,22 @@ def reference(server: ServerProcess) -> list[pb.GenerateResponse]:
     return asyncio.run(_generate_all(server.target, PROMPTS))
 
 
-@pytest.fixture(scope="module")
-def nixl_pd() -> Iterator[tuple[ServerProcess, ServerProcess, ServerProcess]]:
+def _nixl_stack(prefill_args: list[str], decode_args: list[str]) -> Iterator[Stack]:
+    """Router, prefill pod and decode pod (NIXL producer and consumer)."""
     with (
-        ServerProcess(["--role", "prefill", *SMALL, *PRODUCER, *LEASE]) as prefill,
-        ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as decode,
+        ServerProcess(["--role", "prefill", *prefill_args, *PRODUCER]) as prefill,
+        ServerProcess(["--role", "decode", *decode_args, *CONSUMER]) as decode,
         ServerProcess(
             ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
             command="router",
         ) as router,
     ):
         yield router, prefill, decode
+
+
+@pytest.fixture(scope="module")
+def nixl_pd() -> Iterator[Stack]:
+    yield from _nixl_stack([*SMALL, *LEASE], DECODE_SMALL)
 
 
 def test_pd_over_nixl_matches_colocated(
@@ -218,15 +223,7 @@ LONG = "Refused. " + "A long preamble about serving language models in two pools
 @pytest.fixture(scope="module")
 def nixl_short_decode() -> Iterator[Stack]:
     """Prefill pod with the default 30 s lease; decode pod with max-model-len 64."""
-    with (
-        ServerProcess(["--role", "prefill", *SMALL, *PRODUCER]) as prefill,
-        ServerProcess(["--role", "decode", *SHORT_DECODE, *CONSUMER]) as decode,
-        ServerProcess(
-            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
-            command="router",
-        ) as router,
-    ):
-        yield router, prefill, decode
+    yield from _nixl_stack(SMALL, SHORT_DECODE)
 
 
 def _freed_within(target: str, seconds: float) -> bool:
