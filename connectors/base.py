@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from engine.outputs import KVConnectorOutput
     from engine.request import Request
     from engine.sched.output import SchedulerOutput
+    from engine.stats import KVConnectorStats
 
 
 class KVConnectorRole(enum.Enum):
@@ -162,6 +163,12 @@ class KVConnectorBase(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call."""
         return set()
+
+    def take_stats(self) -> KVConnectorStats | None:
+        """Failures (by kind) and lapsed leases since the last call, or None
+        if there were none (optional). The scheduler sums them for metrics
+        and ``GetServerStatus``."""
+        return None
 
     def side_channel_payload(self) -> bytes | None:
         """What peers fetch over this pod's gRPC side channel

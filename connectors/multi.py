@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from engine.outputs import KVConnectorOutput
     from engine.request import Request
     from engine.sched.output import SchedulerOutput
+    from engine.stats import KVConnectorStats
 
 
 @dataclass
@@ -143,6 +144,18 @@ class MultiConnector(KVConnectorBase):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return {b for tier in self.tiers for b in tier.get_block_ids_with_load_errors()}
+
+    def take_stats(self) -> KVConnectorStats | None:
+        total: KVConnectorStats | None = None
+        for tier in self.tiers:
+            stats = tier.take_stats()
+            if stats is None:
+                continue
+            if total is None:
+                total = stats
+            else:
+                total.add(stats)
+        return total
 
     def side_channel_payload(self) -> bytes | None:
         return next((p for t in self.tiers if (p := t.side_channel_payload()) is not None), None)

@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.kv_cache.events import KVCacheEvent
 from engine.request import FinishReason
-from engine.stats import SchedulerStats
+from engine.stats import KVConnectorStats, SchedulerStats
 
 
 @dataclass
@@ -48,15 +48,20 @@ class KVConnectorOutput:
     (their delayed-free blocks can go). ``finished_recving``: requests whose
     asynchronous load completed (they may leave WAITING_FOR_REMOTE_KVS).
     ``invalid_block_ids``: blocks whose load failed; the scheduler rewinds
-    the affected requests so those tokens are recomputed.
+    the affected requests so those tokens are recomputed. ``stats``: the
+    failures (by kind) and lapsed leases the connector saw this step.
     """
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    stats: KVConnectorStats | None = None
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        has_stats = self.stats is not None and not self.stats.is_empty()
+        return not (
+            self.finished_sending or self.finished_recving or self.invalid_block_ids or has_stats
+        )
 
 
 @dataclass

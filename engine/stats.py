@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -32,6 +33,51 @@ class PrefixCacheStats:
             self.hits += num_hits
 
 
+class TransferFailure(enum.Enum):
+    """Why a KV transfer failed; the value is the metrics label."""
+
+    # Store connectors (Redis, shared memory).
+    MISSING = "missing"  # a block the load expected is not in the store
+    CORRUPT = "corrupt"  # a stored block failed its header or checksum
+    STORE_ERROR = "store_error"  # the store did not answer (down, refused)
+    SAVE_FAILED = "save_failed"  # the store did not take a save
+    # NIXL (consumer side).
+    PEER_UNREACHABLE = "peer_unreachable"  # the producer's handshake failed
+    PEER_INCOMPATIBLE = "peer_incompatible"  # model, layout or version differ
+    PEER_RESTARTED = "peer_restarted"  # the producer's incarnation is gone
+    TRANSFER_ERROR = "transfer_error"  # the READ failed or could not be posted
+    TIMED_OUT = "timed_out"  # the handshake or READ outlived the timeout
+
+
+@dataclass
+class KVConnectorStats:
+    """Degradations one connector saw since its last report (a worker's
+    ``take_stats``), or, summed, since start (the scheduler's totals).
+
+    ``failures``: failed loads and saves by kind, one per request (load) or
+    batch (save) and kind; ``leases_lapsed``: KV blocks a producer held for a
+    consumer and freed unread, because the consumer's heartbeats stopped
+    (the lease lapsed) or the transfer timeout passed.
+    """
+
+    failures: dict[TransferFailure, int] = field(default_factory=dict)
+    leases_lapsed: int = 0
+
+    def add_failure(self, kind: TransferFailure, count: int = 1) -> None:
+        self.failures[kind] = self.failures.get(kind, 0) + count
+
+    def add(self, other: KVConnectorStats) -> None:
+        for kind, count in other.failures.items():
+            self.add_failure(kind, count)
+        self.leases_lapsed += other.leases_lapsed
+
+    def copy(self) -> KVConnectorStats:
+        return KVConnectorStats(dict(self.failures), self.leases_lapsed)
+
+    def is_empty(self) -> bool:
+        return not (self.failures or self.leases_lapsed)
+
+
 @dataclass
 class SchedulerStats:
     """A snapshot of the scheduler after one step."""
@@ -47,3 +93,11 @@ class SchedulerStats:
     num_ignored_kv_completions: int = 0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     connector_prefix_cache_stats: PrefixCacheStats | None = None
+    # Finished requests whose blocks a KV connector still holds (a producer's
+    # blocks waiting for a consumer to read them, a load still writing).
+    num_held_requests: int = 0
+    # Cumulative since start: prompt tokens computed again because their KV
+    # load failed or their blocks were missing (recompute policy).
+    num_kv_recomputed_tokens: int = 0
+    # Cumulative since start (a snapshot: never mutated once reported).
+    kv_connector_totals: KVConnectorStats = field(default_factory=KVConnectorStats)

@@ -36,7 +36,7 @@ from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutp
 from engine.sched.partial_prefill import Admission, PartialPrefillLimiter
 from engine.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from engine.sched.stop import check_stop, remove_all
-from engine.stats import PrefixCacheStats, SchedulerStats
+from engine.stats import KVConnectorStats, PrefixCacheStats, SchedulerStats
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorBase
@@ -122,6 +122,15 @@ class Scheduler(SchedulerInterface):
         self.connector_prefix_cache_stats: PrefixCacheStats | None = (
             PrefixCacheStats() if connector is not None and log_stats else None
         )
+        # Requests started this step -> their computed tokens then (local
+        # and connector hits). A synchronous load runs in this step: its
+        # failure cuts back from there, and the connector hits are counted
+        # once the step's output says what really loaded.
+        self._started: dict[str, int] = {}
+        # Degradations since start (see SchedulerStats).
+        self.num_kv_recomputed_tokens = 0
+        # Replaced, never mutated, when it changes: make_stats hands it out.
+        self.kv_connector_totals = KVConnectorStats()
 
     def _check_cache_fits_one_request(self) -> None:
         # A request that cannot fit even alone would block the queue forever.
@@ -476,12 +485,8 @@ class Scheduler(SchedulerInterface):
     ) -> None:
         if self.partial_prefills is not None:
             self.partial_prefills.on_admitted(request)
-        if self.connector_prefix_cache_stats is not None:
-            self.connector_prefix_cache_stats.record(
-                request.num_tokens,
-                request.num_external_computed_tokens,
-                request.num_preemptions > 0,
-            )
+        if self.connector is not None:
+            self._started[request.request_id] = num_computed
         self.running.append(request)
         if request.status == RequestStatus.WAITING:
             plan.new_reqs.append(request)
@@ -573,8 +578,14 @@ class Scheduler(SchedulerInterface):
         kv_output = model_runner_output.kv_connector_output
         recovered: set[str] = set()
         outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
-        if kv_output is not None and kv_output.invalid_block_ids:
-            recovered = self._handle_invalid_blocks(kv_output.invalid_block_ids)
+        if kv_output is not None:
+            if kv_output.invalid_block_ids:
+                recovered = self._handle_invalid_blocks(kv_output.invalid_block_ids)
+            if kv_output.stats is not None:
+                self._add_connector_stats(kv_output.stats)
+        if self._started:
+            self._record_connector_hits()
+            self._started.clear()
 
         stopped_running: set[Request] = set()
         stopped_preempted: set[Request] = set()
@@ -763,6 +774,29 @@ class Scheduler(SchedulerInterface):
                 )
             )
 
+    def _record_connector_hits(self) -> None:
+        """Count the connector hits of the requests started this step, now
+        that a failed load has taken its lost tokens off them."""
+        stats = self.connector_prefix_cache_stats
+        if stats is None:
+            return
+        for req_id in self._started:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            stats.record(
+                request.num_tokens,
+                request.num_external_computed_tokens,
+                request.num_preemptions > 0,
+            )
+
+    def _add_connector_stats(self, stats: KVConnectorStats) -> None:
+        if stats.is_empty():
+            return
+        totals = self.kv_connector_totals.copy()
+        totals.add(stats)
+        self.kv_connector_totals = totals
+
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """Rewind requests whose loaded KV is invalid so it is recomputed.
         Returns the running requests whose output this step is void."""
@@ -777,6 +811,8 @@ class Scheduler(SchedulerInterface):
                 len(async_affected) + len(sync_affected),
                 async_tokens + sync_tokens,
             )
+        if self.kv_load_failure_policy == "recompute":
+            self.num_kv_recomputed_tokens += async_tokens + sync_tokens
         return sync_affected
 
     def _rewind_invalid(
@@ -785,21 +821,14 @@ class Scheduler(SchedulerInterface):
         """Cut each request's computed tokens back to before its first
         invalid block. A block shared by several requests is recomputed by
         the first; the others only wait for it. Returns (affected request
-        ids, tokens to recompute)."""
+        ids, tokens whose loaded KV was lost and is recomputed)."""
         affected: set[str] = set()
         total_tokens = 0
         claimed: set[int] = set()  # invalid blocks some request recomputes
         for request in requests:
             req_id = request.request_id
             block_ids = self.kv_cache_manager.get_block_ids(req_id)
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                valid_tokens = (
-                    request.num_computed_tokens
-                    if req_id in self.failed_recving_kv_req_ids
-                    else len(block_ids) * self.block_size
-                )
-            else:
-                valid_tokens = request.num_cached_tokens  # sync load: loaded = cached
+            valid_tokens = self._valid_tokens(request, len(block_ids))
             num_blocks = -(-valid_tokens // self.block_size)
             is_affected = claimed_one = False
             for idx, block_id in enumerate(block_ids[:num_blocks]):
@@ -815,14 +844,35 @@ class Scheduler(SchedulerInterface):
                 request.num_computed_tokens = idx * self.block_size
                 lost = valid_tokens - request.num_computed_tokens
                 total_tokens += lost
-                request.num_external_computed_tokens -= lost
+                # The connector's tokens are the tail of the valid ones, so
+                # the lost ones come off them first. More may be lost than
+                # it supplied (a local hit on a block shared with a failed
+                # load): vLLM's plain subtraction went negative there, and
+                # so did the hit count reported from it.
+                request.num_external_computed_tokens = max(
+                    0, request.num_external_computed_tokens - lost
+                )
             if is_affected:
                 if not claimed_one:
-                    # Every bad block is recomputed by an earlier request.
-                    total_tokens += request.num_computed_tokens - request.num_cached_tokens
-                    request.num_computed_tokens = request.num_cached_tokens
+                    # Every bad block is recomputed by an earlier request
+                    # (counted there); this one redoes only this step.
+                    request.num_computed_tokens = valid_tokens
                 affected.add(req_id)
         return affected, total_tokens
+
+    def _valid_tokens(self, request: Request, num_blocks: int) -> int:
+        """The leading tokens a request counts as computed, of which a
+        failed load may take some back."""
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # A synchronous load: what the request started this step with.
+            # (vLLM takes num_cached_tokens, which a resumed request set
+            # when it first started: more than it may have now.)
+            return self._started.get(request.request_id, request.num_cached_tokens)
+        if request.request_id in self.failed_recving_kv_req_ids:
+            return request.num_computed_tokens  # already cut by an earlier failure
+        # What the async load brings, as _update_waiting_for_remote_kv
+        # counts it: its blocks, short of the last token (always computed).
+        return min(num_blocks * self.block_size, request.num_tokens - 1)
 
     # ------------------------------------------------------------------
     # Maintenance and stats
@@ -851,15 +901,20 @@ class Scheduler(SchedulerInterface):
         connector_stats = self.connector_prefix_cache_stats
         if connector_stats is not None:
             self.connector_prefix_cache_stats = PrefixCacheStats()
+        num_running, num_waiting = len(self.running), len(self.waiting)
         return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_running_reqs=num_running,
+            num_waiting_reqs=num_waiting,
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
             num_preemptions=self.num_preemptions,
             num_ignored_kv_completions=self.num_ignored_kv_completions,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             connector_prefix_cache_stats=connector_stats,
+            # The rest of self.requests: finished, blocks held by a connector.
+            num_held_requests=len(self.requests) - num_running - num_waiting,
+            num_kv_recomputed_tokens=self.num_kv_recomputed_tokens,
+            kv_connector_totals=self.kv_connector_totals,
         )
 
     def shutdown(self) -> None:

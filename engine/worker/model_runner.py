@@ -215,6 +215,7 @@ class ModelRunner:
                 finished_sending=sending,
                 finished_recving=recving,
                 invalid_block_ids=connector.get_block_ids_with_load_errors(),
+                stats=connector.take_stats(),
             )
         finally:
             connector.clear_connector_metadata()

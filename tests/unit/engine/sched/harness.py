@@ -96,11 +96,16 @@ class StepResult:
 def step(
     sched: Scheduler,
     sample: Callable[[Request], int | list[int]] = default_token,
-    kv_connector_output: KVConnectorOutput | None = None,
+    kv_connector_output: KVConnectorOutput
+    | Callable[[SchedulerOutput], KVConnectorOutput | None]
+    | None = None,
 ) -> StepResult:
     """schedule() then update_from_output() with a fake model: a request
-    samples when the step brings it level with its tokens."""
+    samples when the step brings it level with its tokens. A callable
+    `kv_connector_output` sees the step's schedule (e.g. to fail its loads)."""
     so = sched.schedule()
+    if callable(kv_connector_output):
+        kv_connector_output = kv_connector_output(so)
     req_ids = list(so.num_scheduled_tokens)
     sampled: list[list[int]] = []
     for rid in req_ids:
