@@ -44,7 +44,7 @@ from engine.models.loader import load_tokenizer
 from engine.output_processor import OutputProcessor, RequestOutput, TokenLogprob
 from engine.outputs import EngineCoreOutputs
 from engine.request import Request, RequestStatus
-from engine.stats import SchedulerStats
+from engine.stats import SchedulerStats, TransferFailure
 from engine.worker.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,13 @@ class StreamDelta:
 
 
 class EngineObserver(Protocol):
-    """Receives timings and counts (the service's Prometheus metrics)."""
+    """Receives timings and counts (the service's Prometheus metrics).
+
+    Called on the event loop after the step's outputs were delivered; an
+    exception from any method is logged (once per method and exception
+    type), counted (``EngineStatus.metrics_errors``, ``on_metrics_error``)
+    and otherwise ignored: metrics never cost a request its tokens.
+    """
 
     def on_step(self, stats: SchedulerStats) -> None: ...
 
@@ -91,6 +97,10 @@ class EngineObserver(Protocol):
     def on_tokens(self, num_tokens: int, seconds_since_previous: float) -> None: ...
 
     def on_finished(self, delta: StreamDelta, seconds_since_arrival: float) -> None: ...
+
+    def on_metrics_error(self, where: str) -> None:
+        """A call above raised: ``where`` is "step" (on_step),
+        "engine_step" or "request" (the per-request calls)."""
 
 
 @dataclass
@@ -107,6 +117,15 @@ class EngineStatus:
     recent_token_step_ms_p50: float = 0.0
     kv_connector_queries: int = 0
     kv_connector_hits: int = 0
+    # Degradations, cumulative since start (see engine.stats).
+    kv_recomputed_tokens: int = 0
+    kv_leases_lapsed: int = 0
+    kv_transfer_failures: dict[TransferFailure, int] = field(default_factory=dict)
+    # Finished requests whose KV blocks a connector still holds (a prefill
+    # pod's blocks waiting for the decode pod's READ): a drain waits for them.
+    kv_held_requests: int = 0
+    # Observer (metrics) calls that raised; outputs were delivered anyway.
+    metrics_errors: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -309,8 +328,13 @@ class AsyncEngine:
         # token-weighted step time, what inter-token latency is compared with.
         self._token_steps: deque[tuple[float, int]] = deque(maxlen=128)
         self._failure_listeners: list[Callable[[BaseException], None]] = []
+        # (observer method, exception type) already logged: log each once.
+        self._metrics_failures_logged: set[tuple[str, str]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        # Set while no finished request's KV is held for a peer to read.
+        self._kv_released = asyncio.Event()
+        self._kv_released.set()
         # (callback, args) for the loop, in the engine thread's order.
         self._handoff: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
@@ -456,6 +480,24 @@ class AsyncEngine:
             return False
         return True
 
+    @property
+    def num_held_kv(self) -> int:
+        """Finished requests whose KV blocks the connector still holds (as
+        of the last step): a prefill pod's blocks a decode pod is to READ."""
+        return self._status.kv_held_requests
+
+    async def wait_kv_released(self, timeout: float) -> bool:
+        """Waits until the connector holds no finished request's KV (each
+        hold ends with the peer's read, its refusal, or the lease lapsing);
+        False if `timeout` passed first or the engine died."""
+        if self._dead is not None:
+            return self._kv_released.is_set()
+        try:
+            await asyncio.wait_for(self._kv_released.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
     async def shutdown(self) -> None:
         """Aborts what is left and stops the engine thread."""
         self.begin_drain()
@@ -523,18 +565,10 @@ class AsyncEngine:
         timestamp: float,
     ) -> None:
         self._applied = applied
-        if step_seconds > 0:
-            self._step_seconds.append(step_seconds)
-            if self.observer is not None:
-                self.observer.on_engine_step(step_seconds)
         now = time.monotonic()
         later_tokens = 0
+        # Tokens first: nothing the figures below do may cost a request them.
         for engine_outputs in outputs.values():
-            if engine_outputs.scheduler_stats is not None:
-                self._record_stats(engine_outputs.scheduler_stats)
-            if engine_outputs.kv_events:
-                for sub in self._subscribers:
-                    sub.publish(engine_outputs.kv_events, timestamp)
             results, stop_matched = self._processor.process(engine_outputs.outputs)
             if stop_matched:
                 self._commands.put("abort", (stop_matched, RequestStatus.FINISHED_STOPPED))
@@ -542,8 +576,21 @@ class AsyncEngine:
                 # A request's first token ends its TTFT, not an inter-token gap.
                 later_tokens += min(len(out.new_token_ids), len(out.token_ids) - 1)
                 self._deliver(out, now)
-        if step_seconds > 0 and later_tokens > 0:
-            self._token_steps.append((step_seconds, later_tokens))
+        if step_seconds > 0:
+            self._step_seconds.append(step_seconds)
+            if later_tokens > 0:
+                self._token_steps.append((step_seconds, later_tokens))
+            if self.observer is not None:
+                try:
+                    self.observer.on_engine_step(step_seconds)
+                except Exception as exc:
+                    self._metrics_failed("engine_step", exc)
+        for engine_outputs in outputs.values():
+            if engine_outputs.scheduler_stats is not None:
+                self._record_stats(engine_outputs.scheduler_stats)
+            if engine_outputs.kv_events:
+                for sub in self._subscribers:
+                    sub.publish(engine_outputs.kv_events, timestamp)
         self._check_idle()
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
@@ -554,15 +601,19 @@ class AsyncEngine:
         if not out.new_token_ids:
             new_logprobs = []
         delta = self._delta(out, new_logprobs)
-        self._observe(stream, delta, now)
         if out.finished:
             del self._streams[out.request_id]
         stream._push(delta)
+        if self.observer is not None:
+            try:
+                self._observe(self.observer, stream, delta, now)
+            except Exception as exc:
+                self._metrics_failed("request", exc)
 
-    def _observe(self, stream: RequestStream, delta: StreamDelta, now: float) -> None:
-        observer = self.observer
-        if observer is None:
-            return
+    @staticmethod
+    def _observe(
+        observer: EngineObserver, stream: RequestStream, delta: StreamDelta, now: float
+    ) -> None:
         if delta.new_token_ids:
             if stream.last_token_at is None:
                 observer.on_first_token(now - stream.arrival)
@@ -600,8 +651,40 @@ class AsyncEngine:
         if connector is not None:
             s.kv_connector_queries += connector.queries
             s.kv_connector_hits += connector.hits
+        s.kv_held_requests = stats.num_held_requests
+        if stats.num_held_requests:
+            self._kv_released.clear()
+        else:
+            self._kv_released.set()
+        s.kv_recomputed_tokens = stats.num_kv_recomputed_tokens
+        totals = stats.kv_connector_totals
+        s.kv_leases_lapsed = totals.leases_lapsed
+        s.kv_transfer_failures = totals.failures  # a snapshot: never mutated
         if self.observer is not None:
-            self.observer.on_step(stats)
+            try:
+                self.observer.on_step(stats)
+            except Exception as exc:
+                self._metrics_failed("step", exc)
+
+    def _metrics_failed(self, where: str, exc: Exception) -> None:
+        """An observer call raised: count it, log it once per (where, type)."""
+        self._status.metrics_errors += 1
+        key = (where, type(exc).__name__)
+        if key not in self._metrics_failures_logged:
+            self._metrics_failures_logged.add(key)
+            logger.error(
+                "metrics (%s) raised %r; the outputs were delivered regardless "
+                "(further %s there are counted in metrics_errors, not logged)",
+                where,
+                exc,
+                type(exc).__name__,
+                exc_info=exc,
+            )
+        try:
+            assert self.observer is not None
+            self.observer.on_metrics_error(where)
+        except Exception:  # a broken observer: the status still counts it
+            pass
 
     def _check_idle(self) -> None:
         if not self._streams:

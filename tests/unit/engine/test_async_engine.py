@@ -19,6 +19,7 @@ from engine.async_engine import (
     EngineDeadError,
     EngineDrainingError,
     QueueFullError,
+    StreamDelta,
     _Commands,
     _EngineThread,
     _weighted_median,
@@ -236,3 +237,59 @@ def test_an_id_the_scheduler_still_holds_fails_that_request_alone() -> None:
             await engine.shutdown()
 
     asyncio.run(go())
+
+
+class RaisingObserver:
+    """Every metrics call raises, as the Prometheus counter did when handed
+    a negative connector hit count."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def on_step(self, stats: SchedulerStats) -> None:
+        raise ValueError("Counters can only be incremented by non-negative amounts.")
+
+    def on_engine_step(self, seconds: float) -> None:
+        raise ValueError("engine step")
+
+    def on_first_token(self, seconds_since_arrival: float) -> None:
+        raise ValueError("first token")
+
+    def on_tokens(self, num_tokens: int, seconds_since_previous: float) -> None:
+        raise ValueError("tokens")
+
+    def on_finished(self, delta: StreamDelta, seconds_since_arrival: float) -> None:
+        raise ValueError("finished")
+
+    def on_metrics_error(self, where: str) -> None:
+        self.errors.append(where)
+
+
+def test_a_failing_observer_never_costs_a_token(caplog: pytest.LogCaptureFixture) -> None:
+    """Metrics that raise on every call: every request still gets every
+    token and its end; the failures are counted, and logged once per kind."""
+
+    async def go() -> tuple[list[list[StreamDelta]], AsyncEngine]:
+        observer = RaisingObserver()
+        engine = await _engine(ScriptedCore(), observer=observer)
+        try:
+            streams = [engine.submit(_request(engine, f"r{i}", max_tokens=5)) for i in range(4)]
+
+            async def collect() -> list[list[StreamDelta]]:
+                return [[d async for d in stream] for stream in streams]
+
+            # A lost step never ends its requests: a bound, not a timing.
+            deltas = await asyncio.wait_for(collect(), 60)
+            assert observer.errors and set(observer.errors) <= {"step", "engine_step", "request"}
+            return deltas, engine
+        finally:
+            await engine.shutdown()
+
+    deltas, engine = asyncio.run(go())
+    for request_deltas in deltas:
+        assert [t for d in request_deltas for t in d.new_token_ids] == [42] * 5
+        assert request_deltas[-1].finished and request_deltas[-1].finish_reason == "length"
+    status = engine.status()
+    assert status.metrics_errors >= 4 * 5  # at least one per token delivered
+    logged = [r for r in caplog.records if "outputs were delivered regardless" in r.message]
+    assert 1 <= len(logged) <= 3  # once per (where, exception type)
