@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from engine.outputs import KVConnectorOutput
     from engine.request import Request
     from engine.sched.output import SchedulerOutput
+    from engine.stats import KVConnectorStats
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +265,9 @@ class NixlConnector(KVConnectorBase):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid() if self.worker is not None else set()
+
+    def take_stats(self) -> KVConnectorStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -17,6 +17,9 @@ blocks are allocated (``recvs``) and polled every step. Any failure (peer
 unreachable or incompatible, peer restarted, transfer error, ``timeout``)
 reports the request's blocks as invalid, and the scheduler recomputes them.
 
+Both sides count what went wrong (``take_stats``): holds freed unread
+(``leases_lapsed``) and failed READs by kind (``engine.stats.TransferFailure``).
+
 All NIXL calls run on the engine thread; only the gRPC handshake runs on a
 helper thread.
 """
@@ -32,6 +35,7 @@ from typing import Any
 
 from connectors.nixl_endpoint import NixlEndpoint, Peer
 from connectors.nixl_handshake import PeerInfo, incompatibility
+from engine.stats import KVConnectorStats, TransferFailure
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,19 @@ class _Read:
     handle: Any = None
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """How a READ ended: ``failure`` None once it delivered the blocks."""
+
+    failure: TransferFailure | None
+    why: str
+
+
+_DONE = _Outcome(None, "done")
+# The request finished before its READ was posted: nothing to fail.
+_ABANDONED = _Outcome(None, "request finished before its transfer")
+
+
 @dataclass
 class _PeerSlot:
     """What we know of the engine at one address."""
@@ -99,7 +116,7 @@ class _PeerSlot:
     # A peer refused for transfers (incompatible) is still told "reject".
     notify_only: str | None = None
     future: Future[PeerInfo] | None = None
-    error: str | None = None
+    error: _Outcome | None = None
     error_at: float = 0.0
     # Agent names a fetch was started for: a source naming one of these
     # that the fetch did not find is from a gone incarnation.
@@ -133,6 +150,8 @@ class NixlWorker:
         self.slots: dict[str, _PeerSlot] = {}
         self._invalid: set[int] = set()
         self._next_heartbeat = 0.0
+        # both: what went wrong since take_stats last ran
+        self._stats = KVConnectorStats()
 
     # ---- instructions from the scheduler half -----------------------------
 
@@ -178,6 +197,12 @@ class NixlWorker:
         invalid, self._invalid = self._invalid, set()
         return invalid
 
+    def take_stats(self) -> KVConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVConnectorStats()
+        return stats
+
     # ---- producer -------------------------------------------------------------
 
     def _poll_holds(self, now: float) -> set[str]:
@@ -197,6 +222,7 @@ class NixlWorker:
                 why = "lease lapsed" if now < hold.hard_until else "transfer timeout"
                 logger.warning("freeing KV blocks of %s nobody fetched (%s)", req_id, why)
                 released.add(req_id)
+                self._stats.leases_lapsed += 1
         for req_id in released:
             self.holds.pop(req_id, None)
             self._early.pop(req_id, None)
@@ -226,24 +252,29 @@ class NixlWorker:
                 continue
             del self.reads[req_id]
             self.awaiting.pop(req_id, None)
-            if outcome != "DONE":
+            if outcome is not _DONE:
                 self._tell(read.spec.source, b"reject")
                 if not orphan:  # nobody computes with an orphan's blocks
-                    logger.warning("KV transfer for %s failed (%s): recomputing", req_id, outcome)
+                    logger.warning(
+                        "KV transfer for %s failed (%s): recomputing", req_id, outcome.why
+                    )
                     self._invalid.update(read.spec.local_ids)
+                    self._stats.add_failure(outcome.failure or TransferFailure.TRANSFER_ERROR)
             (released if orphan else done).add(req_id)
         return done, released
 
-    def _advance(self, read: _Read, now: float, abandon: bool) -> str | None:
-        """None while the READ is pending; else "DONE" or why it failed."""
+    def _advance(self, read: _Read, now: float, abandon: bool) -> _Outcome | None:
+        """None while the READ is pending; else how it ended."""
         if read.handle is None:
             if abandon:
-                return "request finished before its transfer"
+                return _ABANDONED
             peer = self._resolve(read.spec.source, now)
-            if isinstance(peer, str):
+            if isinstance(peer, _Outcome):
                 return peer
             if peer is None:
-                return "handshake timed out" if now >= read.deadline else None
+                if now >= read.deadline:
+                    return _Outcome(TransferFailure.TIMED_OUT, "handshake timed out")
+                return None
             return self._post(read, peer)
         state = self.endpoint.state(read.handle)
         if state == "PROC" and now < read.deadline:
@@ -251,20 +282,24 @@ class NixlWorker:
         if not self.endpoint.release(read.handle):
             return None  # NIXL still owns the blocks: try again next step
         read.handle = None
-        return {"DONE": "DONE", "ERR": "transfer error"}.get(state, "transfer timed out")
+        if state == "DONE":
+            return _DONE
+        if state == "ERR":
+            return _Outcome(TransferFailure.TRANSFER_ERROR, "transfer error")
+        return _Outcome(TransferFailure.TIMED_OUT, "transfer timed out")
 
-    def _post(self, read: _Read, peer: Peer) -> str | None:
+    def _post(self, read: _Read, peer: Peer) -> _Outcome | None:
         spec = read.spec
         notif = b"done:" + spec.source.request_id.encode()
         try:
             read.handle = self.endpoint.read(peer, spec.local_ids, spec.remote_ids, notif)
         except Exception as e:
-            return f"posting the READ failed: {e}"
+            return _Outcome(TransferFailure.TRANSFER_ERROR, f"posting the READ failed: {e}")
         return None
 
-    def _resolve(self, source: RemoteSource, now: float) -> Peer | str | None:
+    def _resolve(self, source: RemoteSource, now: float) -> Peer | _Outcome | None:
         """The peer holding ``source``'s blocks; None while the handshake
-        runs; a string saying why it cannot be had."""
+        runs; the failure when it cannot be had."""
         slot = self.slots.setdefault(source.address, _PeerSlot())
         if slot.future is not None:
             if not slot.future.done():
@@ -276,7 +311,10 @@ class NixlWorker:
             if slot.error is not None:
                 return slot.error
             current = slot.peer.info.agent_name if slot.peer is not None else "none"
-            return f"peer {source.address} restarted: {source.agent_name} gone, now {current}"
+            return _Outcome(
+                TransferFailure.PEER_RESTARTED,
+                f"peer {source.address} restarted: {source.agent_name} gone, now {current}",
+            )
         if slot.error is not None and now - slot.error_at < HANDSHAKE_RETRY_SECONDS:
             return slot.error
         slot.asked.add(source.agent_name)
@@ -293,15 +331,20 @@ class NixlWorker:
             if problem is not None:
                 self.endpoint.add_notify_only(info)
                 slot.notify_only = info.agent_name
-                raise ValueError(f"incompatible KV cache: {problem}")
-            if slot.peer is not None:
-                self.endpoint.remove_peer(slot.peer.info.agent_name)
-                slot.peer = None
-            slot.peer = self.endpoint.add_peer(info)
-            logger.info("NIXL handshake with %s done (agent %s)", address, info.agent_name)
+                why = f"NIXL peer {address} refused: incompatible KV cache: {problem}"
+                slot.error = _Outcome(TransferFailure.PEER_INCOMPATIBLE, why)
+            else:
+                if slot.peer is not None:
+                    self.endpoint.remove_peer(slot.peer.info.agent_name)
+                    slot.peer = None
+                slot.peer = self.endpoint.add_peer(info)
+                logger.info("NIXL handshake with %s done (agent %s)", address, info.agent_name)
         except Exception as e:
-            slot.error, slot.error_at = f"NIXL peer {address} refused: {e}", now
-            logger.error("%s", slot.error)
+            why = f"NIXL peer {address} refused: {e}"
+            slot.error = _Outcome(TransferFailure.PEER_UNREACHABLE, why)
+        if slot.error is not None:
+            slot.error_at = now
+            logger.error("%s", slot.error.why)
 
     def _heartbeat(self, now: float) -> None:
         """One hb message per producer naming every request still to read

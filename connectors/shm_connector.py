@@ -29,6 +29,7 @@ from connectors.kv_blocks import Frames, KVBlockIO
 from connectors.shm_pool import ShmBlockPool, ShmPoolConfig
 from connectors.store import BlockStore, LoadJob, LoadResult
 from connectors.store_connector import StoreConnector
+from engine.stats import TransferFailure
 from kernels import cpu_kernels
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -86,12 +87,14 @@ class ShmBlockStore:
         (a block that fails it is not copied). Absent or bad blocks are
         reported failed."""
         good: list[int] = []
+        unusable: list[int] = []  # present but bad (the rest of the failed are absent)
 
         def use(data: Frames, indices: list[int], slots: list[int], lengths: list[int]) -> None:
             sound: list[tuple[int, int]] = []  # (k, checksum its header states)
             for k, checksum in enumerate(self.codec.check_headers(data, slots, lengths)):
                 if checksum is None:
                     self._log_unusable(job.hashes[indices[k]], data[slots[k], : lengths[k]])
+                    unusable.append(k)
                 else:
                     sound.append((k, checksum))
             if not sound:
@@ -108,6 +111,7 @@ class ShmBlockStore:
             for j, (k, _) in enumerate(sound):
                 if j in mismatched:
                     self._log_unusable(job.hashes[indices[k]], data[slots[k], : lengths[k]])
+                    unusable.append(k)
                 else:
                     good.append(indices[k])
 
@@ -115,10 +119,11 @@ class ShmBlockStore:
         if len(good) == len(job.block_ids):
             return LoadResult(job.req_id)
         kept = set(good)
-        return LoadResult(
-            job.req_id,
-            failed_block_ids=[b for i, b in enumerate(job.block_ids) if i not in kept],
-        )
+        failed = [b for i, b in enumerate(job.block_ids) if i not in kept]
+        kinds = {TransferFailure.CORRUPT} if unusable else set()
+        if len(failed) > len(unusable):
+            kinds.add(TransferFailure.MISSING)
+        return LoadResult(job.req_id, failed_block_ids=failed, failure_kinds=kinds)
 
     def _log_unusable(self, block_hash: bytes, frame: Frames) -> None:
         error = self.codec.header_error(frame.data)

@@ -33,6 +33,7 @@ import numpy as np
 
 from connectors.block_codec import HEADER_BYTES, BlockCodec, FrameError
 from connectors.kv_blocks import FrameBuffers, Frames, KVBlockIO
+from engine.stats import TransferFailure
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ _NO_FRAMES: Frames = np.empty((0, 0), np.uint8)  # shared: a load with nothing t
 class LoadResult:
     """A load's fetched frames (``frames[rows[j]]`` for ``block_ids[j]``),
     their header-stated checksums where still to be verified (in the copy
-    into the cache), and the blocks that failed."""
+    into the cache), the blocks that failed and why (each kind once)."""
 
     req_id: str
     block_ids: list[int] = field(default_factory=list)
@@ -99,6 +100,7 @@ class LoadResult:
     rows: list[int] = field(default_factory=list)
     checksums: list[int] | None = None
     failed_block_ids: list[int] = field(default_factory=list)
+    failure_kinds: set[TransferFailure] = field(default_factory=set)
 
     def apply(self, io: KVBlockIO, buffers: FrameBuffers | None = None) -> None:
         """Write the good frames into the cache (on the step thread); a
@@ -125,6 +127,8 @@ class LoadResult:
         in the copy (and were not written), to the failed ones."""
         for j in mismatched:
             logger.warning("KV block %d failed its checksum: recomputing it", self.block_ids[j])
+        if mismatched:
+            self.failure_kinds.add(TransferFailure.CORRUPT)
         self.failed_block_ids += [self.block_ids[j] for j in mismatched]
         drop = set(mismatched)
         self.block_ids = [b for j, b in enumerate(self.block_ids) if j not in drop]
@@ -146,6 +150,8 @@ def load_blocks(
     n = len(job.hashes)
     frames = buffers.take(n) if buffers is not None else np.empty((n, codec.frame_bytes), np.uint8)
     lengths = store.read_into(job.hashes, frames)
+    # An absent block is a miss, unless the read itself failed (store down).
+    absent = TransferFailure.STORE_ERROR if store.last_error else TransferFailure.MISSING
     stated = codec.check_headers(frames, range(n), lengths)
     result = LoadResult(job.req_id, frames=frames, checksums=[] if verify_in_copy else None)
     for i, (block_id, block_hash) in enumerate(zip(job.block_ids, job.hashes, strict=True)):
@@ -158,6 +164,7 @@ def load_blocks(
             checksum = None
         if checksum is None:
             result.failed_block_ids.append(block_id)
+            result.failure_kinds.add(absent if lengths[i] < 0 else TransferFailure.CORRUPT)
         else:
             result.rows.append(i)
             result.block_ids.append(block_id)
@@ -295,7 +302,8 @@ class TransferThread:
         self._busy_since: float | None = None
         self._died: str | None = None
         self.saved_blocks = 0
-        self.failed_saves = 0
+        self.failed_saves = 0  # blocks
+        self.failed_save_jobs = 0  # only grows: readers diff it
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -360,6 +368,7 @@ class TransferThread:
                     self.saved_blocks += len(job.hashes)
                 else:
                     self.failed_saves += len(job.hashes)
+                    self.failed_save_jobs += 1
             elif job.wait_until > time.monotonic() and not all(
                 self.store.contains_many(job.hashes)
             ):

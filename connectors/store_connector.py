@@ -45,6 +45,7 @@ from connectors.store import (
     load_into_cache,
     stage_save,
 )
+from engine.stats import KVConnectorStats, TransferFailure
 
 if TYPE_CHECKING:
     from engine.kv_cache.manager import KVCacheBlocks
@@ -121,6 +122,9 @@ class StoreConnector(KVConnectorBase):
         # Requests that finished while their async load ran.
         self._orphaned: set[str] = set()
         self._invalid: set[int] = set()
+        # Failed loads and saves since take_stats last ran.
+        self._stats = KVConnectorStats()
+        self._failed_save_jobs_seen = 0
 
     @abstractmethod
     def make_store(self, context: ConnectorContext) -> BlockStore: ...
@@ -341,6 +345,7 @@ class StoreConnector(KVConnectorBase):
             else:
                 result = load_into_cache(self.store, self.codec, self._io, job, self._buffers)
                 self._invalid.update(result.failed_block_ids)
+                self._count_failures(result)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # everything loads before the forward
@@ -386,6 +391,28 @@ class StoreConnector(KVConnectorBase):
         assert self._io is not None
         result.apply(self._io, self._buffers)
         self._invalid.update(result.failed_block_ids)
+        self._count_failures(result)
+
+    def _count_failures(self, result: LoadResult) -> None:
+        """One failed load per request and kind; a store that does not say
+        why a block failed (the direct shared-memory path) counts a miss."""
+        if not result.failed_block_ids:
+            return
+        for kind in result.failure_kinds or {TransferFailure.MISSING}:
+            self._stats.add_failure(kind)
+
+    def take_stats(self) -> KVConnectorStats | None:
+        if self._thread is not None:
+            failed_saves = self._thread.failed_save_jobs
+            if failed_saves > self._failed_save_jobs_seen:
+                self._stats.add_failure(
+                    TransferFailure.SAVE_FAILED, failed_saves - self._failed_save_jobs_seen
+                )
+                self._failed_save_jobs_seen = failed_saves
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVConnectorStats()
+        return stats
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()

@@ -24,6 +24,7 @@ from connectors.nixl_handshake import (
     incompatibility,
 )
 from connectors.nixl_worker import RecvSpec, RemoteSource
+from engine.stats import TransferFailure
 
 nixl_endpoint = pytest.importorskip("connectors.nixl_endpoint")
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
@@ -132,6 +133,7 @@ def test_read_copies_the_blocks_and_frees_the_producer(pair: Pair) -> None:
     for local, remote in ((0, 5), (4, 3)):
         assert torch.equal(_block(pair.cons_caches, local), _block(pair.prod_caches, remote))
     assert pair.fetches == 1
+    assert pair.consumer.take_stats() is None and pair.producer.take_stats() is None
 
 
 def test_heartbeats_keep_a_hold_past_its_lease_until_the_consumer_rejects() -> None:
@@ -160,6 +162,8 @@ def test_a_hold_lapses_without_heartbeats_and_at_the_transfer_timeout() -> None:
         assert sent == {"silent"} and 0.2 <= lapsed < 0.6
         sent, _, _ = pair.pump(lambda: not pair.producer.holds, seconds=2.0)
         assert sent == {"beating"} and time.monotonic() - now >= 0.6
+        stats = pair.producer.take_stats()
+        assert stats is not None and stats.leases_lapsed == 2 and not stats.failures
     finally:
         pair.close()
 
@@ -189,8 +193,24 @@ def test_an_incompatible_peer_is_refused_and_the_blocks_recomputed(pair: Pair) -
     assert done == {"r1"} and not released
     assert sent == {"r1"}, "the refused producer was not told to free its blocks"
     assert pair.consumer.take_invalid() == {0, 1}
-    error = pair.consumer.slots[ADDRESS].error or ""
-    assert "incompatible KV cache: block_size: peer 32, here 4" in error
+    error = pair.consumer.slots[ADDRESS].error
+    assert error is not None
+    assert "incompatible KV cache: block_size: peer 32, here 4" in error.why
+    stats = pair.consumer.take_stats()
+    assert stats is not None and stats.failures == {TransferFailure.PEER_INCOMPATIBLE: 1}
+    assert pair.producer.take_stats() is None  # released by the reject, not lapsed
+
+
+def test_an_unreachable_peer_is_counted_as_such(pair: Pair) -> None:
+    def down() -> PeerInfo:
+        raise ConnectionError("connection refused")
+
+    pair.serve = down
+    pair.consumer.receive(RecvSpec("r1", pair.source(), [0], [5]), time.monotonic())
+    _, _, done = pair.pump(lambda: "r1" not in pair.consumer.reads)
+    assert done == {"r1"} and pair.consumer.take_invalid() == {0}
+    stats = pair.consumer.take_stats()
+    assert stats is not None and stats.failures == {TransferFailure.PEER_UNREACHABLE: 1}
 
 
 def test_a_request_from_a_gone_incarnation_fails_after_one_refetch(pair: Pair) -> None:
@@ -199,6 +219,8 @@ def test_a_request_from_a_gone_incarnation_fails_after_one_refetch(pair: Pair) -
     _, _, done = pair.pump(lambda: "r1" not in pair.consumer.reads)
     assert done == {"r1"} and pair.consumer.take_invalid() == {2}
     assert pair.fetches == 1  # fetched for it once, found another agent
+    stats = pair.consumer.take_stats()
+    assert stats is not None and stats.failures == {TransferFailure.PEER_RESTARTED: 1}
     # A request naming the current incarnation reads without a new handshake.
     good = pair.source("r2")
     pair.consumer.receive(RecvSpec("r2", good, [1], [7]), time.monotonic())
@@ -218,6 +240,7 @@ def test_a_request_finished_before_its_read_is_released_not_failed(pair: Pair) -
     _, released, done = pair.pump(lambda: "r1" not in pair.consumer.reads, finished={"r1"})
     assert released == {"r1"} and not done
     assert pair.consumer.take_invalid() == set()
+    assert pair.consumer.take_stats() is None  # nobody needed those blocks
 
 
 def test_handshake_facts_name_each_difference() -> None:

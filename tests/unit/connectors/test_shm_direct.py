@@ -14,6 +14,7 @@ from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import KVBlockIO
 from connectors.shm_connector import ShmBlockStore
 from connectors.store import LoadJob, direct_store, load_blocks, load_into_cache
+from engine.stats import TransferFailure
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
 
@@ -67,6 +68,9 @@ def test_direct_load_reports_absent_and_corrupt_blocks(store: ShmBlockStore) -> 
     result = store.load_direct(_io(dst), LoadJob("r", hashes, [6, 7, 8]))
     assert sorted(result.failed_block_ids) == [7, 8]  # corrupt, absent
     assert dst[0][:, 6].any() and not dst[0][:, [7, 8]].any()
+    assert result.failure_kinds == {TransferFailure.CORRUPT, TransferFailure.MISSING}
+    only_absent = store.load_direct(_io(dst), LoadJob("r", hashes[2:], [9]))
+    assert only_absent.failure_kinds == {TransferFailure.MISSING}
 
 
 def test_direct_save_skips_blocks_already_stored(store: ShmBlockStore) -> None:

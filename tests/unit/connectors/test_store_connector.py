@@ -30,6 +30,7 @@ from engine.outputs import KVConnectorOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
+from engine.stats import TransferFailure
 from tests.unit.engine.sched.harness import free_blocks, make_scheduler, step
 
 BS = 8
@@ -649,6 +650,7 @@ def test_async_load_lands_in_the_cache_and_is_reported(worker: Worker) -> None:
     assert worker.conn.get_block_ids_with_load_errors() == set()
     # Reported once.
     assert worker.conn.get_finished(set()) == (None, None)
+    assert worker.conn.take_stats() is None  # nothing failed
 
 
 def test_sync_load_lands_before_the_forward(worker: Worker) -> None:
@@ -709,6 +711,9 @@ def test_bad_frame_is_a_load_error(
     assert worker.conn.get_block_ids_with_load_errors() == set()
     assert worker.holds(7, 1) and worker.holds(9, 3)
     assert worker.is_zero(8)
+    stats = worker.conn.take_stats()
+    assert stats is not None and stats.failures == {TransferFailure.CORRUPT: 1}
+    assert worker.conn.take_stats() is None  # reported once
 
 
 def test_missing_block_is_a_load_error(worker: Worker) -> None:
@@ -719,6 +724,38 @@ def test_missing_block_is_a_load_error(worker: Worker) -> None:
     worker.wait_recving("r1")
     assert worker.conn.get_block_ids_with_load_errors() == {4}
     assert worker.holds(3, 1)
+    stats = worker.conn.take_stats()
+    assert stats is not None and stats.failures == {TransferFailure.MISSING: 1}
+
+
+class DownStore(DictStore):
+    """A store that cannot be reached: reads miss and say why, saves fail."""
+
+    def read_into(self, hashes: Sequence[bytes], frames: np.ndarray) -> list[int]:
+        self.last_error = "load failed: ConnectionError: refused"
+        return [-1] * len(hashes)
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> bool:
+        self.last_error = "save failed: ConnectionError: refused"
+        return False
+
+
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
+def test_a_store_that_is_down_counts_store_errors(is_async: bool) -> None:
+    w = Worker(DownStore())
+    try:
+        hashes = [block_hash(i) for i in range(2)]
+        w.run_step(StoreConnectorMetadata(loads=[LoadSpec("r1", [3, 4], hashes, is_async)]))
+        if is_async:
+            w.wait_recving("r1")
+        assert w.conn.get_block_ids_with_load_errors() == {3, 4}
+        stats = w.conn.take_stats()
+        assert stats is not None and stats.failures == {TransferFailure.STORE_ERROR: 1}
+        w.run_step(StoreConnectorMetadata(saves=[(5, block_hash(0)), (6, block_hash(1))]))
+        stats = wait_for(w.conn.take_stats)
+        assert stats.failures == {TransferFailure.SAVE_FAILED: 1}  # one batch
+    finally:
+        w.conn.shutdown()
 
 
 def test_save_copies_out_and_frames_the_blocks(worker: Worker) -> None:
