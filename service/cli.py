@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import (
     CacheConfig,
@@ -27,6 +28,9 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
+
+if TYPE_CHECKING:
+    from service.gen.tandem.v1 import generation_pb2 as pb
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 
@@ -556,8 +560,30 @@ async def _status(args: argparse.Namespace) -> int:
             f"connector  {status.kv_connector_hits}/{status.kv_connector_queries} prompt tokens "
             "loaded instead of computed"
         )
+    for line in _degradation_lines(status):
+        print(line)
     print(f"uptime     {status.uptime_seconds:.0f} s{'; draining' if status.draining else ''}")
     return 0
+
+
+def _degradation_lines(status: pb.ServerStatus) -> list[str]:
+    """What went wrong and was absorbed (recomputed, released, dropped):
+    nothing while nothing did."""
+    lines = []
+    failures = ", ".join(f"{kind} {n}" for kind, n in sorted(status.kv_transfer_failures.items()))
+    if status.kv_recomputed_tokens or failures:
+        lines.append(
+            f"kv faults  {status.kv_recomputed_tokens} prompt tokens recomputed; "
+            f"transfer failures: {failures or 'none'}"
+        )
+    if status.kv_leases_lapsed or status.kv_held_requests:
+        lines.append(
+            f"kv holds   {status.kv_held_requests} held for a peer; "
+            f"{status.kv_leases_lapsed} freed unread (lease lapsed)"
+        )
+    if status.metrics_errors:
+        lines.append(f"metrics    {status.metrics_errors} updates raised (see the server log)")
+    return lines
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -212,6 +212,11 @@ def server_status(status: EngineStatus) -> pb.ServerStatus:
         recent_token_step_ms_p50=status.recent_token_step_ms_p50,
         kv_connector_queries=status.kv_connector_queries,
         kv_connector_hits=status.kv_connector_hits,
+        kv_recomputed_tokens=status.kv_recomputed_tokens,
+        kv_leases_lapsed=status.kv_leases_lapsed,
+        kv_transfer_failures={k.value: n for k, n in status.kv_transfer_failures.items()},
+        kv_held_requests=status.kv_held_requests,
+        metrics_errors=status.metrics_errors,
     )
 
 

@@ -12,6 +12,18 @@ Families (all prefixed `tandem_`):
     inter_token_latency_seconds               histogram (per token)
     e2e_request_latency_seconds               histogram
     engine_step_seconds                       histogram (one engine step)
+    kv_connector_queries_total, kv_connector_hits_total   counters, prompt tokens
+    kv_transfer_ignored_completions_total     counter
+    kv_recomputed_tokens_total                counter: prompt tokens computed
+                                              because their KV load failed
+    kv_transfer_failures_total{kind}          counter: failed loads / saves
+                                              (engine.stats.TransferFailure)
+    kv_leases_lapsed_total                    counter: KV held for a peer,
+                                              freed unread (producer side)
+    kv_held_requests                          gauge: finished requests whose
+                                              KV a peer is still to read
+    metrics_errors_total{where}               counter: metrics updates that
+                                              raised (outputs went out anyway)
 
 Each server owns its registry, so several servers (tests) in one process
 do not collide. `ServiceMetrics` is the engine's `EngineObserver`.
@@ -22,7 +34,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from engine.async_engine import StreamDelta
-from engine.stats import SchedulerStats
+from engine.stats import SchedulerStats, TransferFailure
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -93,8 +105,39 @@ class ServiceMetrics:
             "Late, duplicate or unknown KV transfer completions (logged and ignored)",
             registry=r,
         )
+        self.recomputed_tokens = Counter(
+            "tandem_kv_recomputed_tokens",
+            "Prompt tokens computed because their KV load failed or their blocks were missing",
+            registry=r,
+        )
+        self.transfer_failures = Counter(
+            "tandem_kv_transfer_failures",
+            "Failed KV loads (per request) and saves (per batch), by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.leases_lapsed = Counter(
+            "tandem_kv_leases_lapsed",
+            "KV blocks held for a peer and freed unread (lease or transfer timeout over)",
+            registry=r,
+        )
+        self.held_requests = Gauge(
+            "tandem_kv_held_requests",
+            "Finished requests whose KV blocks a peer is still to read",
+            registry=r,
+        )
+        self.metrics_errors = Counter(
+            "tandem_metrics_errors",
+            "Metrics updates that raised (the outputs were delivered regardless)",
+            ["where"],
+            registry=r,
+        )
+        # The scheduler's cumulative counts as last seen: counters take increments.
         self._last_preemptions = 0
         self._last_ignored = 0
+        self._last_recomputed = 0
+        self._last_lapsed = 0
+        self._last_failures: dict[TransferFailure, int] = {}
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Starts the HTTP endpoint (a daemon thread) at http://host:port/metrics."""
@@ -118,6 +161,24 @@ class ServiceMetrics:
         if connector is not None:
             self.connector_queries.inc(connector.queries)
             self.connector_hits.inc(connector.hits)
+        self.held_requests.set(stats.num_held_requests)
+        self._on_degradations(stats)
+
+    def _on_degradations(self, stats: SchedulerStats) -> None:
+        recomputed = stats.num_kv_recomputed_tokens
+        self.recomputed_tokens.inc(max(0, recomputed - self._last_recomputed))
+        self._last_recomputed = recomputed
+        totals = stats.kv_connector_totals
+        self.leases_lapsed.inc(max(0, totals.leases_lapsed - self._last_lapsed))
+        self._last_lapsed = totals.leases_lapsed
+        for kind, count in totals.failures.items():
+            last = self._last_failures.get(kind, 0)
+            if count > last:
+                self.transfer_failures.labels(kind=kind.value).inc(count - last)
+                self._last_failures[kind] = count
+
+    def on_metrics_error(self, where: str) -> None:
+        self.metrics_errors.labels(where=where).inc()
 
     def on_engine_step(self, seconds: float) -> None:
         self.step.observe(seconds)

@@ -124,8 +124,10 @@ class TandemServer:
         return self.port
 
     async def drain(self, grace: float | None = None) -> None:
-        """Stops admitting, lets in-flight requests finish, then stops."""
+        """Stops admitting, lets in-flight requests finish and peers read
+        the KV blocks held for them, then stops; all within `grace`."""
         grace = self.config.drain_grace_seconds if grace is None else grace
+        deadline = asyncio.get_running_loop().time() + grace
         self._draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.engine is not None:
@@ -133,7 +135,32 @@ class TandemServer:
             logger.info("draining: %d requests in flight", self.engine.num_live)
             if not await self.engine.wait_idle(grace):
                 logger.warning("drain grace (%.0f s) over: aborting the rest", grace)
+            else:
+                await self._wait_kv_released(self.engine, deadline)
         await self.stop()
+
+    async def _wait_kv_released(self, engine: AsyncEngine, deadline: float) -> None:
+        """A prefill pod's finished requests keep their KV blocks until the
+        decode pods READ them: exiting first would make each decode pod
+        recompute. Every hold ends by the peer's done or reject, or its
+        lease lapsing; the gRPC side channel keeps serving meanwhile."""
+        held = engine.num_held_kv
+        if not held:
+            return
+        left = max(0.0, deadline - asyncio.get_running_loop().time())
+        logger.info(
+            "draining: waiting up to %.0f s for peers to read the KV blocks of %d request(s)",
+            left,
+            held,
+        )
+        if await engine.wait_kv_released(left):
+            logger.info("draining: every held KV block was read or released")
+        else:
+            logger.warning(
+                "drain grace over with the KV blocks of %d request(s) unread: "
+                "their decode pods will recompute them",
+                engine.num_held_kv,
+            )
 
     async def stop(self) -> None:
         if self._connector_watch is not None:

@@ -166,3 +166,20 @@ def test_kv_lease_and_transfer_timeout_flags() -> None:
         cli.engine_config_from_args(
             _serve_args("--kv-transfer-config", nixl, "--kv-lease-seconds", "0")
         )
+
+
+def test_status_shows_degradations_only_when_there_are_some() -> None:
+    from service.gen.tandem.v1 import generation_pb2 as pb
+
+    assert cli._degradation_lines(pb.ServerStatus()) == []
+    status = pb.ServerStatus(
+        kv_recomputed_tokens=84,
+        kv_transfer_failures={"peer_unreachable": 2, "missing": 1},
+        kv_leases_lapsed=3,
+        metrics_errors=1,
+    )
+    assert cli._degradation_lines(status) == [
+        "kv faults  84 prompt tokens recomputed; transfer failures: missing 1, peer_unreachable 2",
+        "kv holds   0 held for a peer; 3 freed unread (lease lapsed)",
+        "metrics    1 updates raised (see the server log)",
+    ]
