@@ -844,11 +844,12 @@ class Scheduler(SchedulerInterface):
                 request.num_computed_tokens = idx * self.block_size
                 lost = valid_tokens - request.num_computed_tokens
                 total_tokens += lost
-                # The connector's tokens are the tail of the valid ones, so
-                # the lost ones come off them first. More may be lost than
-                # it supplied (a local hit on a block shared with a failed
-                # load): vLLM's plain subtraction went negative there, and
-                # so did the hit count reported from it.
+                # The connector's tokens are the tail of the valid ones: the
+                # lost come off them first, never below zero. More can be
+                # lost than it supplied (a local hit on a block a failed
+                # load shared; vLLM also counted an async load's last block
+                # whole, and a resumed request's first start): vLLM's plain
+                # subtraction went negative, and the hit count with it.
                 request.num_external_computed_tokens = max(
                     0, request.num_external_computed_tokens - lost
                 )

@@ -65,7 +65,14 @@ class ServerProcess:
         cmd += self.args
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log)
         if self.check_health:
-            self.wait_serving()
+            try:
+                self.wait_serving()
+            except BaseException:
+                # __exit__ will not run: a server left starting would outlive
+                # the test run (a pytest timeout lands here on a busy machine).
+                self.proc.kill()
+                self.proc.wait()
+                raise
         return self
 
     def __exit__(

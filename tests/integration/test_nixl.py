@@ -8,12 +8,17 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
+from connectors.nixl_handshake import fetch_peer_info
+from service.client import TandemClient, make_request
 from service.convert import struct_to_dict
 from service.errors import was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
@@ -21,6 +26,7 @@ from tests.integration.servers import ServerProcess
 from tests.integration.test_pd import (
     PROMPTS,
     SMALL,
+    SYSTEM,
     _check_parity,
     _generate,
     _generate_all,
@@ -58,7 +64,7 @@ def _nixl_stack(prefill_args: list[str], decode_args: list[str]) -> Iterator[Sta
     """Router, prefill pod and decode pod (NIXL producer and consumer)."""
     with (
         ServerProcess(["--role", "prefill", *prefill_args, *PRODUCER]) as prefill,
-        ServerProcess(["--role", "decode", *decode_args, *CONSUMER]) as decode,
+        ServerProcess(["--role", "decode", *decode_args, *CONSUMER], metrics=True) as decode,
         ServerProcess(
             ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
             command="router",
@@ -130,13 +136,18 @@ def test_prefill_frees_blocks_nobody_reads(nixl_pd: Stack) -> None:
     the lease (3 s in this stack), then frees them."""
     prefill = nixl_pd[1].target
     ids = asyncio.run(_tokenize(prefill, FRESH[0]))
+    lapsed_before = asyncio.run(_status(prefill)).kv_leases_lapsed
     _, params = _prefill_leg(prefill, ids)
     assert len(params["remote_block_ids"]) == -(-len(ids) // 16)
     held = asyncio.run(_status(prefill))
     assert held.kv_cache_usage > 0, "the prefill pod let the blocks go at once"
+    assert held.kv_held_requests == 1
     start = time.monotonic()
     _idle(prefill)
     assert time.monotonic() - start < 20
+    # Counted where it happened: the prefill pod freed a hold unread.
+    after = asyncio.run(_status(prefill))
+    assert after.kv_leases_lapsed == lapsed_before + 1 and after.kv_held_requests == 0
 
 
 def test_prefill_pod_killed_before_the_read(server: ServerProcess, nixl_pd: Stack) -> None:
@@ -144,6 +155,7 @@ def test_prefill_pod_killed_before_the_read(server: ServerProcess, nixl_pd: Stac
     and the answer is unchanged."""
     decode = nixl_pd[2].target
     ids, want = _want(server, FRESH[1])
+    before = asyncio.run(_status(decode))
     pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
     pre.__enter__()  # not a `with`: it is killed, not drained
     try:
@@ -156,6 +168,12 @@ def test_prefill_pod_killed_before_the_read(server: ServerProcess, nixl_pd: Stac
         assert rest.usage.cached_tokens == 0  # all recomputed
         assert f"NIXL peer {pre.target} refused" in nixl_pd[2].log()
         _idle(decode)
+        # Counted on the decode pod: a failed load by kind, and its tokens.
+        after = asyncio.run(_status(decode))
+        assert after.kv_recomputed_tokens - before.kv_recomputed_tokens == len(ids)
+        failures = Counter(after.kv_transfer_failures)
+        failures.subtract(before.kv_transfer_failures)
+        assert +failures == {"peer_unreachable": 1}
     finally:
         if pre.proc is not None and pre.proc.poll() is None:
             pre.proc.kill()
@@ -168,6 +186,7 @@ def test_mismatched_block_size_is_refused(server: ServerProcess, nixl_pd: Stack)
     its refusal frees the prefill pod's blocks at once."""
     decode = nixl_pd[2].target
     ids, want = _want(server, FRESH[2])
+    before = asyncio.run(_status(decode)).kv_transfer_failures.get("peer_incompatible", 0)
     with ServerProcess(["--role", "prefill", *SMALL, "--block-size", "32", *PRODUCER]) as pre:
         first, params = _prefill_leg(pre.target, ids)
         rest = _decode_leg(decode, ids, first, params)
@@ -175,6 +194,8 @@ def test_mismatched_block_size_is_refused(server: ServerProcess, nixl_pd: Stack)
         assert rest.usage.cached_tokens == 0
         assert "incompatible KV cache: block_size: peer 32, here 16" in nixl_pd[2].log()
         _idle(decode)
+        after = asyncio.run(_status(decode)).kv_transfer_failures.get("peer_incompatible", 0)
+        assert after == before + 1
         _idle(pre.target)
 
 
@@ -207,6 +228,123 @@ def test_restarted_peers_are_handshaken_again(server: ServerProcess, nixl_pd: St
             assert rest.usage.cached_tokens == len(ids)
             assert _handshakes(dec, pre.target) == 2
             _idle(again.target)
+
+
+# --- a prefill pod drained mid-run ----------------------------------------------------
+# Twenty requests sharing SYSTEM's first four blocks, none a whole number of
+# blocks long. The decode pod has those blocks cached, so it READs only each
+# prompt's tail. Before the fix the drain did not wait for those READs; each
+# failed one cut the request back past what the connector had supplied, its
+# hit count went negative, the Prometheus update raised, and that step's
+# tokens were lost for every request in it: answers OK but a token short.
+DRAIN_PROMPTS = [SYSTEM + f"Question {i}: what is {i} plus {i + 3}?" for i in range(20)]
+HELD_PROMPT = SYSTEM + "Question 20: what is 20 plus 23?"
+
+
+async def _generate_each(target: str, prompts: list[str]) -> list[pb.GenerateResponse]:
+    return list(await asyncio.gather(*(_generate(target, p, max_tokens=32) for p in prompts)))
+
+
+async def _burst(
+    target: str, prompts: list[str], on_first_token: Callable[[], None]
+) -> list[pb.GenerateResponse | grpc.aio.AioRpcError]:
+    """Every prompt at once (greedy, 32 tokens), each merged into one
+    response or its error; `on_first_token()` runs once, as soon as any
+    request's first token reaches the client."""
+    fired: list[bool] = []
+
+    async def one(client: TandemClient, prompt: str) -> pb.GenerateResponse:
+        request = make_request(text=prompt, max_tokens=32, temperature=0.0, ignore_eos=True)
+        merged = pb.GenerateResponse()
+        async for chunk in client.stub.Generate(request, timeout=120):
+            if not fired:
+                fired.append(True)
+                on_first_token()
+            merged.token_ids.extend(chunk.token_ids)
+            merged.text += chunk.text
+            if chunk.finish_reason:
+                merged.finish_reason = chunk.finish_reason
+                merged.usage.CopyFrom(chunk.usage)
+        return merged
+
+    async with TandemClient(target) as client:
+        got = await asyncio.gather(*(one(client, p) for p in prompts), return_exceptions=True)
+    for answer in got:
+        if not isinstance(answer, pb.GenerateResponse | grpc.aio.AioRpcError):
+            raise answer
+    return got
+
+
+def _prometheus(proc: ServerProcess, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics").read()
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} is not in the metrics")
+
+
+def _refused_while_draining(target: str) -> bool:
+    try:
+        asyncio.run(_generate(target, "Hello", max_tokens=2))
+    except grpc.aio.AioRpcError as e:
+        return bool(e.code() == grpc.StatusCode.UNAVAILABLE)
+    return False
+
+
+def _health(proc: ServerProcess) -> int | None:
+    """The pod's health, asked a few times (one check may time out on a
+    busy machine)."""
+    for _ in range(5):
+        status = proc.health()
+        if status is not None:
+            return status
+    return None
+
+
+def test_a_prefill_drain_waits_for_the_reads(server: ServerProcess, nixl_pd: Stack) -> None:
+    """SIGTERM on the prefill pod as the first token reaches the client:
+    every answer is the colocated one or an explicit error, never OK with
+    other text. The drain waits for the decode pod to READ what the pod
+    holds (here also a prefill leg whose decode leg is sent only once the
+    burst is over), refusing new requests and NOT_SERVING meanwhile, its
+    side channel still answering; so the decode pod recomputes nothing, and
+    it ends idle, its counters agreeing."""
+    decode = nixl_pd[2]
+    held_ids, held_want = _want(server, HELD_PROMPT)
+    want = asyncio.run(_generate_each(server.target, DRAIN_PROMPTS))
+    # The case under test: no prompt fills its last block.
+    assert all(w.usage.prompt_tokens % 16 for w in want) and len(held_ids) % 16
+    before = asyncio.run(_status(decode.target))
+    # Lease and grace well past the burst's length on a busy machine: only
+    # the decode pod's READ should end the drain.
+    patient = ["--kv-lease-seconds", "300", "--drain-grace", "300"]
+    with (
+        ServerProcess(["--role", "prefill", *SMALL, *patient, *PRODUCER]) as pre,
+        ServerProcess(
+            ["--prefill", pre.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+            command="router",
+        ) as router,
+    ):
+        first, params = _prefill_leg(pre.target, held_ids)  # held: nobody reads it yet
+        got = asyncio.run(_burst(router.target, DRAIN_PROMPTS, pre.signal_drain))
+        pairs = zip(got, want, strict=True)
+        answered = [(g, w) for g, w in pairs if isinstance(g, pb.GenerateResponse)]
+        assert answered, f"every request failed: {got}"
+        _check_parity([g for g, _ in answered], [w for _, w in answered])
+        assert pre.proc is not None and pre.proc.poll() is None, "the drain did not wait"
+        assert _health(pre) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert _refused_while_draining(pre.target)
+        assert fetch_peer_info(pre.target, 30).agent_name == params["remote_agent"]
+        rest = _decode_leg(decode.target, held_ids, first, params)
+        assert pre.proc.wait(timeout=120) == 0
+    assert first + list(rest.token_ids) == held_want
+    assert rest.usage.cached_tokens == len(held_ids)  # read, not recomputed
+    after = asyncio.run(_wait_idle(decode.target))
+    assert (after.num_running, after.num_waiting, after.kv_cache_usage) == (0, 0, 0.0)
+    assert after.kv_recomputed_tokens == before.kv_recomputed_tokens
+    assert dict(after.kv_transfer_failures) == dict(before.kv_transfer_failures)
+    assert after.kv_connector_hits == _prometheus(decode, "tandem_kv_connector_hits_total")
+    assert after.metrics_errors == 0
 
 
 # --- holds nobody will read --------------------------------------------------------

@@ -441,7 +441,9 @@ def _faults(
     reference: list[pb.GenerateResponse],
     extra: dict[str, str],
 ) -> None:
-    with ServerProcess(["--role", "decode", *SMALL, *_kv("redis", "kv_consumer", extra)]) as dec:
+    # Blocks that never come are given up on after 2 s (not the default 10).
+    consumer = _kv("redis", "kv_consumer", {**extra, "load_wait_seconds": 2})
+    with ServerProcess(["--role", "decode", *SMALL, *consumer]) as dec:
         ids = asyncio.run(_tokenize(server.target, PROMPTS[1]))
         # The prefill answers, then dies (SIGKILL): its blocks are in Redis.
         first = asyncio.run(_leg(pre.target, ids, 1, {"do_remote_decode": True}))
@@ -459,15 +461,27 @@ def _faults(
         rest = asyncio.run(_leg(dec.target, ids + list(first.token_ids), 11, params))
         assert list(first.token_ids) + list(rest.token_ids) == list(reference[1].token_ids)
         assert rest.usage.cached_tokens >= 16 * (len(ids) // 16 - 1)
-        # Redis gone: the decode pod's load fails and it recomputes.
+        # Redis gone: the same request again (the decode pod now has its
+        # blocks cached), and one whose blocks only Redis was to supply
+        # (beyond the system prompt's): that load fails and it recomputes.
+        before = asyncio.run(_status(dec.target))
+        ids2 = asyncio.run(_tokenize(server.target, PROMPTS[2]))
+        want2 = list(reference[2].token_ids)
+        params2 = {"do_remote_prefill": True, "num_blocks": len(ids2) // 16}
         redis_server.kill()
         try:
             again = asyncio.run(_leg(dec.target, ids + list(first.token_ids), 11, params))
+            other = asyncio.run(_leg(dec.target, ids2 + want2[:1], 11, params2))
         finally:
             redis_server.start()
         assert list(again.token_ids) == list(rest.token_ids)
+        assert want2[:1] + list(other.token_ids) == want2
         status = asyncio.run(_wait_idle(dec.target))
         assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+        # The decode pod counts what it recomputed, and why.
+        assert status.kv_recomputed_tokens > before.kv_recomputed_tokens
+        failures = status.kv_transfer_failures
+        assert failures["store_error"] == before.kv_transfer_failures.get("store_error", 0) + 1
 
 
 async def _tokenize(target: str, text: str) -> list[int]:
