@@ -31,6 +31,7 @@ from engine.config import (
 
 if TYPE_CHECKING:
     from service.gen.tandem.v1 import generation_pb2 as pb
+    from service.router import RouterConfig
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 
@@ -224,28 +225,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=1024,
         help="queue bound: past it Generate gets RESOURCE_EXHAUSTED (default: 1024)",
     )
-    n.add_argument(
-        "--api-key",
-        default=os.environ.get("TANDEM_API_KEY"),
-        help="require 'authorization: Bearer KEY' metadata (default: $TANDEM_API_KEY)",
-    )
-    n.add_argument("--tls-cert", type=Path, help="server certificate (PEM); enables TLS")
-    n.add_argument("--tls-key", type=Path, help="server private key (PEM)")
-    n.add_argument(
-        "--tls-client-ca",
-        type=Path,
-        help="CA bundle (PEM) that client certificates must chain to: mTLS",
-    )
-    n.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus metrics on this port at /metrics (default: off)",
-    )
-    n.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        help="address for the metrics endpoint (default: 127.0.0.1)",
-    )
+    _add_front_door_flags(n)
     n.add_argument(
         "--drain-grace",
         type=float,
@@ -398,25 +378,102 @@ def _add_router(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         help="how often a pool address that is a DNS name (e.g. a Kubernetes headless "
         "Service) is resolved again into one pod per address (default: 5)",
     )
+    p.add_argument(
+        "--no-prefill-fallback",
+        action="store_true",
+        help="fail requests (UNAVAILABLE) while no prefill pod is available, instead of "
+        "sending them whole to a decode pod (colocated, counted as prefill fallbacks)",
+    )
+    front = p.add_argument_group("front door (as tandem serve)")
+    _add_front_door_flags(front)
+    pods = p.add_argument_group("reaching the pods")
+    pods.add_argument(
+        "--pod-api-key",
+        default=os.environ.get("TANDEM_POD_API_KEY"),
+        help="the API key the pods require, sent to them on every call "
+        "(default: $TANDEM_POD_API_KEY)",
+    )
+    pods.add_argument(
+        "--pod-tls-ca", type=Path, help="CA (PEM) to verify the pods with: TLS towards them"
+    )
+    pods.add_argument(
+        "--pod-tls-cert", type=Path, help="client certificate (PEM) for pods requiring mTLS"
+    )
+    pods.add_argument("--pod-tls-key", type=Path, help="its private key (PEM)")
+    pods.add_argument(
+        "--pod-tls-server-name",
+        help="the name the pods' certificates are for, when pods are dialled by IP "
+        "(default: the address dialled)",
+    )
     p.set_defaults(run=_run_router)
+
+
+def _add_front_door_flags(n: argparse._ArgumentGroup) -> None:
+    """--api-key, TLS and metrics: the same for `serve` and `router`."""
+    n.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="require 'authorization: Bearer KEY' metadata (default: $TANDEM_API_KEY)",
+    )
+    n.add_argument("--tls-cert", type=Path, help="server certificate (PEM); enables TLS")
+    n.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    n.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="CA bundle (PEM) that client certificates must chain to: mTLS",
+    )
+    n.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port at /metrics (default: off)",
+    )
+    n.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address for the metrics endpoint (default: 127.0.0.1)",
+    )
 
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
 
 
-def _run_router(args: argparse.Namespace) -> int:
-    from service.router import RouterConfig, serve_router
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    from service.pods import PodAccess
+    from service.router import RouterConfig
+    from service.tls import ClientTLS, ServerTLS
 
-    config = RouterConfig(
+    return RouterConfig(
         prefill=_addresses(args.prefill),
         decode=_addresses(args.decode),
         host=args.host,
         port=args.port,
         poll_seconds=args.poll_seconds,
         resolve_seconds=args.resolve_seconds,
+        api_key=args.api_key or None,
+        tls=ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca),
+        pods=PodAccess(
+            api_key=args.pod_api_key or None,
+            tls=ClientTLS(
+                args.pod_tls_ca, args.pod_tls_cert, args.pod_tls_key, args.pod_tls_server_name
+            ),
+        ),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        prefill_fallback=not args.no_prefill_fallback,
     )
-    asyncio.run(serve_router(config))
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from service.router import serve_router
+    from service.tls import ListenError
+
+    config = router_config_from_args(args)
+    try:
+        asyncio.run(serve_router(config))
+    except ListenError as e:
+        print(f"tandem router: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

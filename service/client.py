@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service import tls
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -31,14 +32,7 @@ def open_channel(
     tls_key: Path | None = None,
 ) -> grpc.aio.Channel:
     """An insecure channel, or TLS when `tls_ca` is given (mTLS with cert+key)."""
-    if tls_ca is None:
-        return grpc.aio.insecure_channel(target)
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=tls_ca.read_bytes(),
-        private_key=tls_key.read_bytes() if tls_key else None,
-        certificate_chain=tls_cert.read_bytes() if tls_cert else None,
-    )
-    return grpc.aio.secure_channel(target, creds)
+    return tls.open_channel(target, tls.ClientTLS(tls_ca, tls_cert, tls_key))
 
 
 class TandemClient:

@@ -9,11 +9,16 @@ longest prefix of a prompt's block hashes, then the least loaded.
 A pool address whose host is a DNS name (a Kubernetes headless Service)
 stands for every address it resolves to: one pod each, re-resolved every few
 seconds. An IP literal (or any other gRPC target) is one pod, used as given.
+
+Pods that require an API key or TLS are reached as `PodAccess` says. Each
+pod's state (up, draining, down) is logged once per change, with the reason
+when it is down (unreachable, or refusing the router's key).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import ipaddress
 import logging
 import re
@@ -24,11 +29,38 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.kv_cache.hashing import hash_block_tokens
-from service.client import open_channel
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+from service.tls import ClientTLS, open_channel
 
 logger = logging.getLogger(__name__)
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class PodAccess:
+    """How the router reaches its pods: the API key they require (sent as
+    `authorization: Bearer KEY` on every call) and TLS towards them."""
+
+    api_key: str | None = None
+    tls: ClientTLS = field(default_factory=ClientTLS)
+
+    @property
+    def metadata(self) -> Metadata:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+
+class PodState(enum.Enum):
+    UNKNOWN = "unknown"  # not polled yet
+    UP = "up"
+    DRAINING = "draining"
+    DOWN = "down"
+
+
+Transition = Callable[[str, bool], None]
+"""(pool name, whether the pod is now healthy): called when a pod turns
+healthy or unhealthy."""
 
 
 @dataclass(eq=False)  # a pod is itself, whatever its fields say
@@ -36,13 +68,18 @@ class Pod:
     address: str
     channel: grpc.aio.Channel
     stub: pb_grpc.GenerationStub
-    healthy: bool = False
+    metadata: Metadata = ()  # sent with every call (the pods' API key)
+    state: PodState = PodState.UNKNOWN
     load: float = 0.0  # running + waiting, plus what this router sent since the last poll
     block_size: int = 0
     max_model_len: int = 0  # 0 until the pod's GetModelInfo answered
     blocks: set[bytes] = field(default_factory=set)
     in_flight: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)  # its polling and events
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == PodState.UP
 
     def prefix_blocks(self, hashes: Sequence[bytes]) -> int:
         for i, block_hash in enumerate(hashes):
@@ -113,12 +150,16 @@ class PodPool:
         poll_seconds: float,
         resolve_seconds: float = 5.0,
         resolver: Resolver = resolve_host,
+        access: PodAccess | None = None,
+        on_transition: Transition | None = None,
     ) -> None:
         self.name = name
         self.follow_kv_events = follow_kv_events
         self.poll_seconds = poll_seconds
         self.resolve_seconds = resolve_seconds
         self._resolver = resolver
+        self.access = access or PodAccess()
+        self._on_transition = on_transition
         # Per address given, its pods by their own address; in the order given,
         # which `pick` keeps among equals.
         self._by_address: dict[str, dict[str, Pod]] = {}
@@ -197,9 +238,25 @@ class PodPool:
         self.pods = [pod for pods in self._by_address.values() for pod in pods.values()]
 
     def _new_pod(self, address: str) -> Pod:
-        channel = open_channel(address)
+        channel = open_channel(address, self.access.tls)
         stub = pb_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
-        return Pod(address, channel, stub)
+        return Pod(address, channel, stub, self.access.metadata)
+
+    def set_state(self, pod: Pod, state: PodState, why: str = "") -> None:
+        """Records what is known of `pod`, logging each change once (the
+        address is logged here, never sent to clients)."""
+        if state == pod.state:
+            return
+        was_healthy = pod.healthy
+        pod.state = state
+        if state == PodState.UP:
+            logger.info("%s pod %s is up", self.name, pod.address)
+        elif state == PodState.DRAINING:
+            logger.warning("%s pod %s is draining: no new requests to it", self.name, pod.address)
+        elif state == PodState.DOWN:
+            logger.warning("%s pod %s is down: %s", self.name, pod.address, why or "unreachable")
+        if pod.healthy != was_healthy and self._on_transition is not None:
+            self._on_transition(self.name, pod.healthy)
 
     def _start_pod(self, pod: Pod) -> None:
         pod.tasks.append(asyncio.create_task(self._poll(pod)))
@@ -209,7 +266,7 @@ class PodPool:
     def _retire(self, pod: Pod) -> None:
         """Stop following the pod; its channel closes once the calls on it
         (requests picked before) have ended."""
-        pod.healthy = False
+        pod.state = PodState.DOWN  # gone from DNS: not a death to report
         for task in pod.tasks:
             task.cancel()
         self._retiring.append(pod)
@@ -229,6 +286,10 @@ class PodPool:
     def any_healthy(self) -> bool:
         return any(p.healthy for p in self.pods)
 
+    @property
+    def num_healthy(self) -> int:
+        return sum(p.healthy for p in self.pods)
+
     def max_model_len(self) -> int:
         """The smallest max_model_len among the pods that have said theirs
         (a request that fits it fits any of them); 0 if none has yet."""
@@ -247,20 +308,20 @@ class PodPool:
         while True:
             try:
                 status = await pod.stub.GetServerStatus(
-                    pb.GetServerStatusRequest(), timeout=max(1.0, 2 * self.poll_seconds)
+                    pb.GetServerStatusRequest(),
+                    timeout=max(1.0, 2 * self.poll_seconds),
+                    metadata=pod.metadata,
                 )
                 if not pod.block_size:
-                    info = await pod.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5.0)
+                    info = await pod.stub.GetModelInfo(
+                        pb.GetModelInfoRequest(), timeout=5.0, metadata=pod.metadata
+                    )
                     pod.block_size = info.block_size
                     pod.max_model_len = info.max_model_len
-                if not pod.healthy:
-                    logger.info("%s pod %s is up", self.name, pod.address)
-                pod.healthy = not status.draining
                 pod.load = status.num_running + status.num_waiting
+                self.set_state(pod, PodState.DRAINING if status.draining else PodState.UP)
             except grpc.aio.AioRpcError as e:
-                if pod.healthy:
-                    logger.warning("%s pod %s is down: %s", self.name, pod.address, e.code())
-                pod.healthy = False
+                self.set_state(pod, PodState.DOWN, f"{e.code().name}: {e.details()}")
                 pod.blocks.clear()
             await asyncio.sleep(self.poll_seconds)
 
@@ -269,7 +330,9 @@ class PodPool:
         (starting from empty: AllBlocksCleared semantics)."""
         while True:
             try:
-                call = pod.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest())
+                call = pod.stub.SubscribeKvEvents(
+                    pb.SubscribeKvEventsRequest(), metadata=pod.metadata
+                )
                 async for batch in call:
                     for event in batch.events:
                         _apply_event(pod.blocks, event)

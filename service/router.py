@@ -50,30 +50,47 @@ A pool address with a DNS name (a Kubernetes headless Service) stands for
 every pod it resolves to, re-resolved every ``resolve_seconds`` (service/pods.py).
 
 A client that cancels or disconnects cancels both legs (each pod aborts its
-request and frees its blocks). A pod error ends the call with that pod's
-status.
+request and frees its blocks): at any moment after the prefill leg was
+sent and before a decode pod took its KV, the router also aborts the
+prefill leg on its pod, which releases blocks it may already hold for a
+decode leg that will now never come.
+
+No prefill pod available (none healthy, or each refused UNAVAILABLE): the
+request goes whole to a decode pod (colocated, no kv_transfer_params),
+counted and logged as a prefill fallback, unless ``--no-prefill-fallback``.
+
+A pod error ends the call with that pod's status and details, never with
+a pod's address (those go to the log). The front door is guarded as
+`tandem serve`'s is (API key, TLS or mTLS), and the router reaches pods
+that require a key or TLS as `PodAccess` says. Metrics: service/router_metrics.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
+import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf import struct_pb2
+from google.protobuf import descriptor, struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.config import ConfigError
 from engine.sampling_params import SamplingParams
+from service.auth import ApiKeyInterceptor
 from service.convert import dict_to_struct
 from service.errors import refused_metadata, was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
-from service.pods import Pod, PodPool, prompt_block_hashes
+from service.pods import Pod, PodAccess, PodPool, PodState, prompt_block_hashes
+from service.router_metrics import RouterMetrics
+from service.tls import ListenError, ServerTLS, listen
 
 logger = logging.getLogger(__name__)
 
@@ -92,29 +109,74 @@ class RouterConfig:
     port: int = 50050
     poll_seconds: float = 0.5
     resolve_seconds: float = 5.0  # how often pool addresses with DNS names are resolved
+    api_key: str | None = None  # clients must send it (health stays open)
+    tls: ServerTLS = field(default_factory=ServerTLS)  # the router's own front door
+    pods: PodAccess = field(default_factory=PodAccess)  # how the router reaches its pods
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    # With no prefill pod available, send requests whole to a decode pod.
+    prefill_fallback: bool = True
 
     def __post_init__(self) -> None:
         if not self.decode:
-            raise ValueError("decode: the router needs at least one decode (or colocated) pod")
+            raise ConfigError("decode: the router needs at least one decode (or colocated) pod")
         for name in ("poll_seconds", "resolve_seconds"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected seconds > 0")
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is invalid: expected seconds > 0"
+                )
 
 
 class _LegFailed(Exception):
     def __init__(self, code: grpc.StatusCode, details: str, *, maybe_ran: bool = False) -> None:
         """`maybe_ran`: whether a pod's engine may have taken the request
-        (unless set, every pod asked refused it up front and said so)."""
+        (unless set, every pod asked refused it up front and said so).
+        `details` go to the client: never a pod's address."""
         super().__init__(details)
         self.code = code
         self.details = details
         self.maybe_ran = maybe_ran
 
 
+# Codes a pod gives for the request itself (passed on; logged at debug).
+_REQUEST_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+# An IP address (v4, or v6 in brackets), with gRPC's "ipv4:"/"ipv6:" prefix
+# and a port if present: what gRPC's own connection errors name.
+_IP_ADDRESS = re.compile(
+    r"(?:ipv[46]:)?(?:\[[0-9A-Fa-f:.%]+\]|\b\d{1,3}(?:\.\d{1,3}){3}\b)(?::\d+)?"
+)
+
+
+def _redact(details: str, addresses: Iterable[str]) -> str:
+    """`details` without pod addresses (known ones, and any IP address)."""
+    for address in sorted(addresses, key=len, reverse=True):
+        details = details.replace(address, "<pod>")
+    return _IP_ADDRESS.sub("<address>", details)
+
+
 class RouterServicer(pb_grpc.GenerationServicer):
-    def __init__(self, prefill: PodPool | None, decode: PodPool) -> None:
+    def __init__(
+        self,
+        prefill: PodPool | None,
+        decode: PodPool,
+        metrics: RouterMetrics | None = None,
+        *,
+        prefill_fallback: bool = True,
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
+        self.metrics = metrics or RouterMetrics()
+        self.prefill_fallback = prefill_fallback
+        self.started = time.monotonic()
+        self._falling_back = False  # the last request fell back (for the log)
         self._releases: set[asyncio.Task[None]] = set()  # referenced until done
 
     # ---- Generate -----------------------------------------------------------
@@ -124,10 +186,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        self.metrics.requests.inc()
+        self.metrics.running.inc()
         try:
             ids = await self._token_ids(request)
             if self.prefill is None:
-                async for resp in self._forward(self.decode, request, ids):
+                async for resp in self._forward(self.decode, request, ids, leg="colocated"):
                     yield resp
                 return
             async for resp in self._disaggregated(request, ids):
@@ -135,11 +199,21 @@ class RouterServicer(pb_grpc.GenerationServicer):
         except _LegFailed as e:
             # Refused as a whole only if nothing ran anywhere (so nothing was
             # streamed either: a pod that answered ran).
+            self.metrics.errors.labels(code=e.code.name).inc()
             await context.abort(e.code, e.details, refused_metadata(not e.maybe_ran))
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.cancelled.inc()
+            raise
+        finally:
+            self.metrics.running.dec()
 
     async def _disaggregated(
         self, request: pb.GenerateRequest, ids: list[int]
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Both legs. From the moment the prefill leg is sent until a decode
+        pod took its KV, leaving here (the client cancelled, a leg failed, or
+        no decode leg is needed) aborts the prefill leg on the pods that may
+        hold its KV: they release it at once instead of when the lease lapses."""
         assert self.prefill is not None
         max_tokens = _max_tokens(request)
         limit = self.decode.max_model_len()
@@ -150,45 +224,94 @@ class RouterServicer(pb_grpc.GenerationServicer):
             # whole request. (A prompt the decode pods cannot hold at all
             # is theirs to refuse, as a colocated pod would.)
             max_tokens = min(max_tokens, limit - len(ids))
-        prefill_pods: list[Pod] = []
-        final: pb.GenerateResponse | None = None
-        first: list[int] = []
         prefill_req = _prefill_request(request, ids, max_tokens)
-        async for resp in self._forward(self.prefill, prefill_req, ids, prefill_pods):
-            first.extend(resp.token_ids)
-            final = resp if resp.finish_reason else final
-            yield _first_leg_response(resp, max_tokens)
-        if final is None:
-            return
-        if _ends_request(final, max_tokens):
-            if final.HasField("kv_transfer_params"):
-                self._release(prefill_pods[-1], prefill_req.request_id)
-            return
-        decode_req = _decode_request(request, ids, first, max_tokens, final.kv_transfer_params)
+        holders: list[Pod] = []  # prefill pods that may hold the leg's KV
+        # Settled: nothing is held, or a decode pod has (or may have) it.
+        settled = not prefill_req.HasField("kv_transfer_params")
         try:
-            async for resp in self._forward(self.decode, decode_req, ids + first):
-                if resp.finish_reason:
-                    resp.usage.prompt_tokens = len(ids)
-                    resp.usage.completion_tokens += len(first)
-                yield resp
-        except _LegFailed as e:
-            if not e.maybe_ran:
-                self._release(prefill_pods[-1], prefill_req.request_id)
-            e.maybe_ran = True  # the prefill leg did
-            raise
+            final: pb.GenerateResponse | None = None
+            first: list[int] = []
+            streamed = False
+            try:
+                async for resp in self._forward(
+                    self.prefill, prefill_req, ids, leg="prefill", holders=holders
+                ):
+                    first.extend(resp.token_ids)
+                    final = resp if resp.finish_reason else final
+                    streamed = True
+                    yield _first_leg_response(resp, max_tokens)
+            except _LegFailed as e:
+                if streamed or not self._falls_back(e):
+                    raise
+                async for resp in self._fallback(request, ids, e):
+                    yield resp
+                return
+            self._prefill_answered()
+            if final is None or not final.HasField("kv_transfer_params"):
+                settled = True  # the pod holds nothing
+            if final is None or _ends_request(final, max_tokens):
+                return
+            decode_req = _decode_request(request, ids, first, max_tokens, final.kv_transfer_params)
+            try:
+                async for resp in self._forward(self.decode, decode_req, ids + first, leg="decode"):
+                    if resp.finish_reason:
+                        resp.usage.prompt_tokens = len(ids)
+                        resp.usage.completion_tokens += len(first)
+                    yield resp
+                settled = True  # the decode pod read the KV (and told the prefill pod)
+            except _LegFailed as e:
+                # A decode pod that may have taken the leg may still be
+                # reading: the prefill pod's lease ends that hold.
+                settled = e.maybe_ran
+                e.maybe_ran = True  # the prefill leg ran
+                raise
+        finally:
+            if not settled:
+                for pod in holders:
+                    self._release(pod, prefill_req.request_id)
+
+    def _falls_back(self, error: _LegFailed) -> bool:
+        return self.prefill_fallback and error.code == grpc.StatusCode.UNAVAILABLE
+
+    async def _fallback(
+        self, request: pb.GenerateRequest, ids: list[int], error: _LegFailed
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """No prefill pod answered: the whole request to a decode pod, as a
+        colocated server would serve it (nothing was streamed yet)."""
+        self.metrics.fallback()
+        if not self._falling_back:
+            self._falling_back = True
+            logger.warning(
+                "prefill fallback: %s; sending requests whole to decode pods until one answers",
+                error.details,
+            )
+        logger.debug("request %s: prefill fallback", request.request_id)
+        async for resp in self._forward(self.decode, _with_ids(request, ids), ids, leg="colocated"):
+            yield resp
+
+    def _prefill_answered(self) -> None:
+        if self._falling_back:
+            self._falling_back = False
+            logger.info(
+                "a prefill pod answered again (%d prefill fallbacks so far)",
+                self.metrics.num_prefill_fallbacks,
+            )
 
     def _release(self, pod: Pod, request_id: str) -> None:
         """Tells a prefill pod that no decode pod will read the blocks it
-        keeps for `request_id`: Abort of a finished prefill-role request
-        releases them (else they wait for the lease). In the background: the
-        client's answer does not wait for it."""
+        may keep for `request_id`: Abort of a prefill-role request, live or
+        finished, releases them (else they wait for the lease). In the
+        background: the client's answer does not wait for it."""
+        self.metrics.releases.inc()
         task = asyncio.create_task(self._abort_on(pod, request_id))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
     async def _abort_on(self, pod: Pod, request_id: str) -> None:
         try:
-            await pod.stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=5.0)
+            await pod.stub.Abort(
+                pb.AbortRequest(request_ids=[request_id]), timeout=5.0, metadata=pod.metadata
+            )
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:  # UsageError: pod retired
             logger.warning(
                 "could not release %s's KV on prefill pod %s (its lease will): %s",
@@ -202,46 +325,81 @@ class RouterServicer(pb_grpc.GenerationServicer):
         pool: PodPool,
         request: pb.GenerateRequest,
         ids: list[int],
-        answered_by: list[Pod] | None = None,
+        *,
+        leg: str,
+        holders: list[Pod] | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one leg from the best pod; before its first answer, an
-        unavailable pod is skipped for the next best. The pod that answers
-        is appended to `answered_by`."""
+        unavailable pod is skipped for the next best. Each pod that may have
+        taken the request (it did not refuse it) is in `holders`."""
         tried: list[Pod] = []
         maybe_ran = False  # whether a pod tried so far may have taken the request
         while True:
             pod = pool.pick(self._hashes(pool, ids), exclude=tried)
             if pod is None:
+                if tried:
+                    logger.warning(
+                        "no %s pod available for %s (tried %s)",
+                        pool.name,
+                        request.request_id,
+                        ", ".join(p.address for p in tried),
+                    )
                 raise _LegFailed(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"no {pool.name} pod available (tried {[p.address for p in tried]})",
+                    f"no {pool.name} pod available",
                     maybe_ran=maybe_ran,
                 )
             tried.append(pod)
+            if holders is not None:
+                holders.append(pod)
             answered = False
             pod.in_flight += 1
-            call = pod.stub.Generate(request)
+            self.metrics.legs.labels(leg=leg).inc()
+            call = pod.stub.Generate(request, metadata=pod.metadata)
             try:
                 async for resp in call:
-                    if not answered and answered_by is not None:
-                        answered_by.append(pod)
                     answered = True
                     yield resp
                 return
             except grpc.aio.AioRpcError as e:
                 # Without the pod's word (a connection broken mid-call, say)
                 # it may have taken the request.
-                maybe_ran = maybe_ran or answered or not was_refused(e)
+                refused = not answered and was_refused(e)
+                if refused and holders is not None:
+                    holders.remove(pod)
+                maybe_ran = maybe_ran or not refused
                 if e.code() == grpc.StatusCode.UNAVAILABLE and not answered:
-                    logger.warning("%s pod %s unavailable: trying another", pool.name, pod.address)
-                    pod.healthy = False
+                    why = f"{e.code().name}: {e.details()}"
+                    logger.warning(
+                        "%s pod %s unavailable (%s): trying another", pool.name, pod.address, why
+                    )
+                    pool.set_state(pod, PodState.DOWN, why)
                     continue
-                raise _LegFailed(
-                    e.code(), f"{pool.name} pod {pod.address}: {e.details()}", maybe_ran=maybe_ran
-                ) from e
+                raise self._failed(pool, pod, e, maybe_ran) from e
             finally:
                 pod.in_flight -= 1
                 call.cancel()  # a no-op once done; aborts the leg if we were cancelled
+
+    def _failed(
+        self, pool: PodPool, pod: Pod, error: grpc.aio.AioRpcError, maybe_ran: bool = False
+    ) -> _LegFailed:
+        """A pod's error as the client sees it: its code and details, with
+        no pod address in them (the log has it)."""
+        code, details = error.code(), error.details() or ""
+        level = logging.DEBUG if code in _REQUEST_CODES else logging.WARNING
+        logger.log(level, "%s pod %s: %s: %s", pool.name, pod.address, code.name, details)
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            # The client got past the router's own check: the pod refused
+            # the router, which is the router's problem, not the client's.
+            return _LegFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{pool.name} pod unavailable: it refused the router's credentials",
+                maybe_ran=maybe_ran,
+            )
+        addresses = [p.address for p in self._all_pods()]
+        return _LegFailed(
+            code, f"{pool.name} pod: {_redact(details, addresses)}", maybe_ran=maybe_ran
+        )
 
     def _hashes(self, pool: PodPool, ids: list[int]) -> list[bytes]:
         if not pool.follow_kv_events:
@@ -273,21 +431,20 @@ class RouterServicer(pb_grpc.GenerationServicer):
         if pod is None:
             raise _LegFailed(grpc.StatusCode.UNAVAILABLE, "no decode pod available")
         try:
-            return await getattr(pod.stub, method)(message, timeout=30.0)
+            return await getattr(pod.stub, method)(message, timeout=30.0, metadata=pod.metadata)
         except grpc.aio.AioRpcError as e:
-            raise _LegFailed(e.code(), f"decode pod {pod.address}: {e.details()}") from e
+            raise self._failed(self.decode, pod, e) from e
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         aborted: set[str] = set()
-        for pool in self._pools():
-            for pod in pool.pods:
-                try:
-                    resp = await pod.stub.Abort(request, timeout=5.0)
-                    aborted.update(resp.aborted_request_ids)
-                except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: pod retired
-                    continue
+        for pod in self._all_pods():
+            try:
+                resp = await pod.stub.Abort(request, timeout=5.0, metadata=pod.metadata)
+                aborted.update(resp.aborted_request_ids)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: pod retired
+                continue
         return pb.AbortResponse(aborted_request_ids=sorted(aborted))
 
     async def _forwarded(
@@ -297,6 +454,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         try:
             return await self._unary(method, message)
         except _LegFailed as e:
+            self.metrics.errors.labels(code=e.code.name).inc()
             await context.abort(e.code, e.details)
             raise  # context.abort raises; this keeps the type checker informed
 
@@ -318,23 +476,25 @@ class RouterServicer(pb_grpc.GenerationServicer):
     async def GetServerStatus(
         self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStatus:
-        """Sums over the pods that answer (a router's load is its pods')."""
+        """The router's own uptime and figures (fields 40-49), and the sum
+        of its pods' counts over the pods that answer."""
+        pods = self._all_pods()
+        answers = await asyncio.gather(
+            *(p.stub.GetServerStatus(request, timeout=5.0, metadata=p.metadata) for p in pods),
+            return_exceptions=True,
+        )
         total = pb.ServerStatus()
-        for pool in self._pools():
-            for pod in pool.pods:
-                try:
-                    status = await pod.stub.GetServerStatus(request, timeout=5.0)
-                except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: pod retired
-                    continue
-                total.num_running += status.num_running
-                total.num_waiting += status.num_waiting
-                total.prefix_cache_queries += status.prefix_cache_queries
-                total.prefix_cache_hits += status.prefix_cache_hits
-                total.num_preemptions += status.num_preemptions
-                total.kv_connector_queries += status.kv_connector_queries
-                total.kv_connector_hits += status.kv_connector_hits
+        for status in answers:
+            if isinstance(status, pb.ServerStatus):
+                _add_counts(total, status)
+            elif not isinstance(status, grpc.aio.AioRpcError | grpc.aio.UsageError):
+                raise status  # UsageError: a pod retired meanwhile
         if total.prefix_cache_queries:
             total.prefix_cache_hit_rate = total.prefix_cache_hits / total.prefix_cache_queries
+        total.uptime_seconds = time.monotonic() - self.started
+        total.num_prefill_fallbacks = self.metrics.num_prefill_fallbacks
+        total.num_pods = len(pods)
+        total.num_pods_healthy = sum(p.healthy for p in pods)
         return total
 
     async def SubscribeKvEvents(
@@ -348,6 +508,40 @@ class RouterServicer(pb_grpc.GenerationServicer):
 
     def _pools(self) -> list[PodPool]:
         return [p for p in (self.prefill, self.decode) if p is not None]
+
+    def _all_pods(self) -> list[Pod]:
+        return [pod for pool in self._pools() for pod in pool.pods]
+
+
+_INTEGERS = frozenset(
+    {
+        descriptor.FieldDescriptor.TYPE_UINT32,
+        descriptor.FieldDescriptor.TYPE_UINT64,
+        descriptor.FieldDescriptor.TYPE_INT32,
+        descriptor.FieldDescriptor.TYPE_INT64,
+    }
+)
+# A router's own fields: never summed from pods.
+_ROUTER_FIELDS = range(40, 50)
+
+
+def _add_counts(total: pb.ServerStatus, status: pb.ServerStatus) -> None:
+    """Adds a pod's integer fields (counts of requests, tokens, events) and
+    integer-valued maps (counts by kind) into `total`. By type, not by name,
+    so a count added to ServerStatus is summed without a change here."""
+    for field_desc in pb.ServerStatus.DESCRIPTOR.fields:
+        if field_desc.number in _ROUTER_FIELDS:
+            continue
+        name = field_desc.name
+        value = getattr(status, name)
+        entry = field_desc.message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            if entry.fields_by_name["value"].type in _INTEGERS:
+                counts = getattr(total, name)
+                for key, count in value.items():
+                    counts[key] += count
+        elif field_desc.type in _INTEGERS and isinstance(value, int):
+            setattr(total, name, getattr(total, name) + value)
 
 
 def _with_ids(request: pb.GenerateRequest, ids: list[int]) -> pb.GenerateRequest:
@@ -438,53 +632,79 @@ def _ends_request(resp: pb.GenerateResponse, max_tokens: int) -> bool:
 class TandemRouter:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.prefill = (
-            PodPool(
-                "prefill",
-                config.prefill,
-                follow_kv_events=False,
-                poll_seconds=config.poll_seconds,
-                resolve_seconds=config.resolve_seconds,
-            )
-            if config.prefill
-            else None
+        self.metrics = RouterMetrics()
+        self.prefill = self._pool("prefill", config.prefill) if config.prefill else None
+        self.decode = self._pool("decode", config.decode)
+        self.servicer = RouterServicer(
+            self.prefill, self.decode, self.metrics, prefill_fallback=config.prefill_fallback
         )
-        self.decode = PodPool(
-            "decode",
-            config.decode,
-            follow_kv_events=True,
-            poll_seconds=config.poll_seconds,
-            resolve_seconds=config.resolve_seconds,
+        self.metrics.watch_pools(
+            lambda: [(p.name, len(p.pods), p.num_healthy) for p in self.servicer._pools()]
         )
-        self.servicer = RouterServicer(self.prefill, self.decode)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
 
+    def _pool(self, name: str, addresses: tuple[str, ...]) -> PodPool:
+        return PodPool(
+            name,
+            addresses,
+            follow_kv_events=name == "decode",  # prefix-aware routing is the decode pool's
+            poll_seconds=self.config.poll_seconds,
+            resolve_seconds=self.config.resolve_seconds,
+            access=self.config.pods,
+            on_transition=self.metrics.pod_transition,
+        )
+
     async def start(self) -> int:
-        server = grpc.aio.server()
+        """Listens (and serves metrics); raises ListenError if the port (or
+        the metrics port) is taken."""
+        cfg = self.config
+        interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+        # so_reuseport 0: a port another server holds is refused, not shared.
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        self.port = listen(server, f"{cfg.host}:{cfg.port}", cfg.tls)
+        if cfg.metrics_port is not None:
+            try:
+                self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            except OSError as e:
+                raise ListenError(
+                    f"--metrics-port: cannot listen on {cfg.metrics_host}:{cfg.metrics_port}: "
+                    f"{e.strerror or e}"
+                ) from None
+            logger.info("metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
         for pool in self.servicer._pools():
             pool.start()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
         self._health_task = asyncio.create_task(self._track_health())
-        logger.info("router on %s:%d", self.config.host, self.port)
+        logger.info(
+            "router on %s:%d (%s%s)",
+            cfg.host,
+            self.port,
+            "TLS" if cfg.tls.cert is not None else "plaintext",
+            ", API key required" if cfg.api_key else "",
+        )
         return self.port
 
+    def _serving(self) -> bool:
+        """Whether requests can be served: a healthy decode pod, and a
+        healthy prefill pod too unless requests may fall back without one."""
+        prefill = self.prefill
+        if prefill is not None and not self.config.prefill_fallback and not prefill.any_healthy:
+            return False
+        return self.decode.any_healthy
+
     async def _track_health(self) -> None:
-        """SERVING while every pool has a healthy pod."""
         serving: bool | None = None
         while True:
-            now = all(pool.any_healthy for pool in self.servicer._pools())
+            now = self._serving()
             if now != serving:
                 serving = now
                 await self._set_health(
@@ -508,7 +728,8 @@ class TandemRouter:
 
 
 async def serve_router(config: RouterConfig) -> None:
-    """Runs the router until SIGTERM/SIGINT."""
+    """Runs the router until SIGTERM/SIGINT. Raises ListenError (an
+    OSError) if its port or metrics port is taken."""
     router = TandemRouter(config)
     await router.start()
     stop = asyncio.Event()

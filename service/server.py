@@ -29,6 +29,7 @@ from service.gen.tandem.v1 import kv_transfer_pb2_grpc
 from service.metrics import ServiceMetrics
 from service.servicer import GenerationServicer
 from service.side_channel import KVTransferServicer, with_side_channel
+from service.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
 
@@ -209,13 +210,7 @@ class TandemServer:
 
 
 def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
-    if cfg.tls_cert is None or cfg.tls_key is None:
-        return None
-    pair = (cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())
-    client_ca = cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca is not None else None
-    return grpc.ssl_server_credentials(
-        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
+    return ServerTLS(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca).credentials()
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:

@@ -175,9 +175,9 @@ class Scheduler(SchedulerInterface):
         # which blocks are reused first, and this keeps it equal to vLLM's
         # under the same PYTHONHASHSEED.
         ids = (request_ids,) if isinstance(request_ids, str) else set(request_ids)
-        to_finish = [
-            r for rid in ids if (r := self.requests.get(rid)) is not None and not r.is_finished()
-        ]
+        known = [r for rid in ids if (r := self.requests.get(rid)) is not None]
+        to_finish = [r for r in known if not r.is_finished()]
+        held = [r.request_id for r in known if r.is_finished()]
         running = {r for r in to_finish if r.status == RequestStatus.RUNNING}
         if running:
             self.running = remove_all(self.running, running)
@@ -187,6 +187,12 @@ class Scheduler(SchedulerInterface):
         for request in to_finish:
             request.status = finished_status
             self._free_request(request)
+        if held and finished_status == RequestStatus.FINISHED_ABORTED:
+            # An abort that comes after the request finished here (a prefill
+            # leg whose one step ended it while the abort was on its way):
+            # whoever aborts never passed its kv_transfer_params on, so no
+            # decode side will fetch the blocks a connector holds for it.
+            self.release_held_kv(held)
 
     def release_held_kv(self, request_ids: Iterable[str]) -> None:
         """Only the connector knows whether something still reads the blocks

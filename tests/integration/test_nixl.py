@@ -35,6 +35,7 @@ from tests.integration.test_pd import (
     _status,
     _tokenize,
     _wait_idle,
+    cancel_at_every_phase,
 )
 
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
@@ -393,3 +394,12 @@ def test_a_first_token_that_ends_the_request_frees_the_prefill_blocks(
     got = asyncio.run(_generate(router, PROMPTS[5], ignore_eos=False))
     assert len(got.token_ids) == 1 and got.finish_reason == pb.FINISH_REASON_STOP
     assert _freed_within(prefill, 10.0), "the prefill pod held the blocks (lease is 30 s)"
+
+
+def test_a_cancel_at_any_phase_frees_both_pods_at_once(nixl_short_decode: Stack) -> None:
+    """A client cancelling at the router before the first token, right
+    after it or mid-decode: the prefill pod (30 s lease here) frees the
+    blocks it may hold for the decode leg at once, as does the decode pod.
+    (A short prompt: this stack's decode pod holds 64 tokens.)"""
+    router, prefill, decode = (p.target for p in nixl_short_decode)
+    cancel_at_every_phase(router, [prefill, decode], "Count from one to fifty.", 10.0)

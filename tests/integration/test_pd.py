@@ -332,30 +332,58 @@ def test_output_tokens_beyond_the_prompt_are_refused(server: ServerProcess) -> N
     assert was_refused(err.value)  # nothing of it ran
 
 
+# When a client cancels at the router: (phase, seconds after sending without
+# reading anything, or None: on receiving this many chunks). The first
+# chunk is the prefill pod's token; the delays land before it, while the
+# prefill leg runs or its answer is on its way.
+CANCEL_PHASES: list[tuple[str, float | None, int]] = [
+    ("at once", 0.0, 0),
+    ("before the first token, 50 ms in", 0.05, 0),
+    ("before the first token, 150 ms in", 0.15, 0),
+    ("before the first token, 300 ms in", 0.3, 0),
+    ("right after the first token", None, 1),
+    ("mid-decode", None, 3),
+]
+
+
+async def _cancel(router: str, prompt: str, delay: float | None, chunks: int) -> None:
+    async with TandemClient(router) as client:
+        call = client.stub.Generate(
+            make_request(text=prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
+        )
+        if delay is not None:
+            await asyncio.sleep(delay)
+            call.cancel()
+            return
+        seen = 0
+        async for _ in call:
+            seen += 1
+            if seen >= chunks:
+                call.cancel()
+                return
+
+
+def cancel_at_every_phase(router: str, pods: list[str], prompt: str, within: float) -> None:
+    """Cancels one request at the router at each of CANCEL_PHASES; after
+    each, every pod holds no request and no KV block within `within`
+    seconds (a step or two, on a loaded machine)."""
+    for i, (phase, delay, chunks) in enumerate(CANCEL_PHASES):
+        asyncio.run(_cancel(router, f"Case {i}. {prompt}", delay, chunks))
+        for target in pods:
+            status = asyncio.run(_wait_idle(target, timeout=within))
+            held = (status.num_running, status.num_waiting, status.kv_cache_usage)
+            assert held == (0, 0, 0.0), f"cancelled {phase}: {target} still holds {held}"
+
+
 def test_client_cancel_at_the_router_frees_both_pods(shm_pd: tuple[str, str, str]) -> None:
+    """The shm connector copies blocks out as they are computed: the prefill
+    pod holds nothing for the decode leg, whenever the client cancels."""
     router, prefill, decode = shm_pd
-
-    async def cancel_midway() -> int:
-        async with TandemClient(router) as client:
-            call = client.stub.Generate(
-                make_request(text=SYSTEM + "Count to one hundred.", max_tokens=400, ignore_eos=True)
-            )
-            seen = 0
-            async for chunk in call:
-                seen += len(chunk.token_ids)
-                if seen >= 4:
-                    call.cancel()
-                    break
-            return seen
-
-    assert asyncio.run(cancel_midway()) >= 4
-    for target in (prefill, decode):
-        status = asyncio.run(_wait_idle(target))
-        assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+    cancel_at_every_phase(router, [prefill, decode], SYSTEM + "Count to one hundred.", 10.0)
 
 
 def test_router_passes_pod_errors_through(shm_pd: tuple[str, str, str]) -> None:
-    router, _, _ = shm_pd
+    router = shm_pd[0]
 
     async def bad() -> None:
         async with TandemClient(router) as client:
@@ -367,7 +395,11 @@ def test_router_passes_pod_errors_through(shm_pd: tuple[str, str, str]) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(bad())
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "temperature" in (err.value.details() or "")
+    details = err.value.details() or ""
+    assert details.startswith("prefill pod: sampling.temperature: "), details
+    # The pods' addresses are the router's business, not its clients'.
+    for target in shm_pd:
+        assert target.rpartition(":")[2] not in details, details
     assert was_refused(err.value)  # the prefill pod refused: nothing ran anywhere
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -13,6 +15,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2
 
 from service.client import TandemClient
 from tests.integration.servers import ServerProcess
@@ -104,25 +107,108 @@ def test_tls(pki: Path) -> None:
         asyncio.run(go())
 
 
-def test_mutual_tls_requires_a_client_certificate(pki: Path) -> None:
+POD_KEY = "pod-s3cret"
+ROUTER_KEY = "router-s3cret"
+
+
+@pytest.fixture(scope="module")
+def mtls_server(pki: Path) -> Iterator[ServerProcess]:
+    """A server requiring a client certificate and an API key."""
     args = [
         "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
-        "--tls-client-ca", str(pki / "ca.pem"),
+        "--tls-client-ca", str(pki / "ca.pem"), "--api-key", POD_KEY,
     ]  # fmt: skip
     with ServerProcess(args, check_health=False) as srv:
         srv.wait_serving(_creds(pki, client_cert=True))
+        yield srv
+
+
+def _client(target: str, pki: Path, *, cert: bool = True, key: str | None = None) -> TandemClient:
+    """A TLS client (verifying with the test CA), with the client certificate
+    unless `cert` is false, sending `key`."""
+    return TandemClient(
+        target,
+        api_key=key,
+        tls_ca=pki / "ca.pem",
+        tls_cert=pki / "client.pem" if cert else None,
+        tls_key=pki / "client.key" if cert else None,
+    )
+
+
+async def _code(client: TandemClient) -> grpc.StatusCode:
+    async with client:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.model_info()
+    return info.value.code()
+
+
+def test_mutual_tls_requires_a_client_certificate(pki: Path, mtls_server: ServerProcess) -> None:
+    async def go() -> None:
+        async with _client(mtls_server.target, pki, key=POD_KEY) as client:
+            assert await _generate(client) == 3
+        no_cert = _client(mtls_server.target, pki, cert=False, key=POD_KEY)
+        assert await _code(no_cert) == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(go())
+
+
+def _router_args(pki: Path, pod: ServerProcess) -> list[str]:
+    """A router in front of the mTLS + key pod, guarded the same way."""
+    return [
+        "--decode", pod.target,
+        "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+        "--tls-client-ca", str(pki / "ca.pem"), "--api-key", ROUTER_KEY,
+        "--pod-tls-ca", str(pki / "ca.pem"), "--pod-tls-cert", str(pki / "client.pem"),
+        "--pod-tls-key", str(pki / "client.key"), "--pod-api-key", POD_KEY,
+        "--poll-seconds", "0.2",
+    ]  # fmt: skip
+
+
+def test_the_router_guards_its_door_and_reaches_guarded_pods(
+    pki: Path, mtls_server: ServerProcess
+) -> None:
+    """Clients need the router's certificate chain, a client certificate and
+    the router's key (health stays open); the router reaches the pod over
+    mTLS with the pod's key."""
+    router = ServerProcess(_router_args(pki, mtls_server), command="router", check_health=False)
+    with router:
+        router.wait_serving(_creds(pki, client_cert=True))  # health: no key needed
 
         async def go() -> None:
-            async with TandemClient(
-                srv.target,
-                tls_ca=pki / "ca.pem",
-                tls_cert=pki / "client.pem",
-                tls_key=pki / "client.key",
-            ) as client:
+            async with _client(router.target, pki, key=ROUTER_KEY) as client:
                 assert await _generate(client) == 3
-            async with TandemClient(srv.target, tls_ca=pki / "ca.pem") as no_cert:
+                status = await client.status()
+                assert status.uptime_seconds > 0 and status.num_pods_healthy == 1
+            no_key = _client(router.target, pki)
+            assert await _code(no_key) == grpc.StatusCode.UNAUTHENTICATED
+            pods_key = _client(router.target, pki, key=POD_KEY)  # not the router's
+            assert await _code(pods_key) == grpc.StatusCode.UNAUTHENTICATED
+            no_cert = _client(router.target, pki, cert=False, key=ROUTER_KEY)
+            assert await _code(no_cert) == grpc.StatusCode.UNAVAILABLE
+            async with TandemClient(router.target, api_key=ROUTER_KEY) as plaintext:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await no_cert.model_info()
+                    await plaintext.model_info()
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
         asyncio.run(go())
+
+
+def test_a_router_without_the_pods_key_says_why_they_are_down(
+    pki: Path, mtls_server: ServerProcess
+) -> None:
+    """It cannot use the pod: NOT_SERVING, and its log says the pod refused
+    its (missing) key, once."""
+    args = _router_args(pki, mtls_server)
+    i = args.index("--pod-api-key")
+    del args[i : i + 2]
+    router = ServerProcess(args, command="router", check_health=False)
+    with router:
+        deadline = time.monotonic() + 60
+        while "is down" not in router.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # several more polls
+        assert router.health(_creds(pki, client_cert=True)) == (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        log = router.log()
+    assert log.count(f"decode pod {mtls_server.target} is down: UNAUTHENTICATED") == 1, log

@@ -143,6 +143,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- $e := include "tandem.pool.engine" . | fromJson }}
 {{- $pool := index $root.Values .pool }}
 {{- $args := list "--log-level" $root.Values.logLevel "serve" "--role" .pool "--host" "0.0.0.0" "--port" (toString (int $e.port)) "--metrics-host" "0.0.0.0" "--metrics-port" (toString (int $root.Values.metrics.port)) "--drain-grace" (toString $e.drainGraceSeconds) }}
+{{- with $root.Values.tls.pools }}
+{{- if .existingSecret }}
+{{- /* The Secret is mounted at /etc/tandem/tls (pools-deployment.yaml). */}}
+{{- $args = concat $args (list "--tls-cert" "/etc/tandem/tls/tls.crt" "--tls-key" "/etc/tandem/tls/tls.key") }}
+{{- if .clientAuth }}
+{{- $args = concat $args (list "--tls-client-ca" "/etc/tandem/tls/ca.crt") }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if ne $root.Values.model.source "package" }}
 {{- $args = concat $args (list "--model" (trimSuffix "/" (printf "/models/%s" $root.Values.model.path))) }}
 {{- end }}
@@ -179,4 +188,41 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "tandem.pool.terminationGracePeriodSeconds" -}}
 {{- $e := include "tandem.pool.engine" . | fromJson }}
 {{- add (int (ceil $e.drainGraceSeconds)) (int $e.terminationMarginSeconds) }}
+{{- end }}
+
+{{/* ---- API keys and TLS -------------------------------------------------- */}}
+
+{{/* The name the router checks the pools' certificate for. */}}
+{{- define "tandem.tls.poolsServerName" -}}
+{{- default (printf "%s-pools" (include "tandem.fullname" .)) .Values.tls.pools.serverName }}
+{{- end }}
+
+{{/* A probe of a gRPC port: grpc.health.v1 for tandem.v1.Generation, or, with
+TLS on the port (the kubelet's gRPC probe speaks plaintext), that it listens.
+(dict "port" 50051 "tls" <TLS Secret name or "">) */}}
+{{- define "tandem.probe" -}}
+{{- if .tls }}
+tcpSocket:
+  port: {{ .port }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+  service: tandem.v1.Generation
+{{- end }}
+{{- end }}
+
+{{/* An env entry from a Secret's key: (dict "name" "TANDEM_API_KEY" "secret" (dict "existingSecret" .. "key" ..)) */}}
+{{- define "tandem.secretEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .secret.existingSecret }}
+      key: {{ .secret.key }}
+{{- end }}
+
+{{/* Settings the chart cannot honour fail the render, saying why. */}}
+{{- define "tandem.security.check" -}}
+{{- if and (eq .Values.kvTransfer.connector "nixl") (or .Values.auth.pools.existingSecret .Values.tls.pools.existingSecret) }}
+{{- fail "auth.pools and tls.pools are not supported with kvTransfer.connector=nixl: the NIXL handshake between pods (their gRPC side channel) sends no API key and speaks no TLS yet. The NetworkPolicy keeps the pools' port to the router and the pools." }}
+{{- end }}
 {{- end }}

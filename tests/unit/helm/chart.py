@@ -43,6 +43,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "hostpath-model": {
         "model": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "path": "m.gguf"}
     },
+    # API keys and TLS (mTLS both ways) from Secrets the user brings.
+    "secured": {
+        "auth": {
+            "router": {"existingSecret": "clients-key", "key": "token"},
+            "pools": {"existingSecret": "pools-key"},
+        },
+        "tls": {
+            "router": {"existingSecret": "router-tls", "clientAuth": True},
+            "pools": {
+                "existingSecret": "pools-tls",
+                "clientAuth": True,
+                "clientSecret": "router-client-tls",
+            },
+        },
+    },
     "everything": {
         "image": {"flavor": "cpu"},
         "logLevel": "debug",

@@ -18,7 +18,6 @@ from connectors.factory import known_connectors
 from service import cli
 from service import router as router_module
 from service import server as server_module
-from service.router import RouterConfig
 from service.server import ServerConfig
 from tests.unit.helm.chart import (
     FULLNAME,
@@ -137,17 +136,27 @@ def test_probes_and_ports_are_where_the_servers_listen(variant: str) -> None:
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports == {"grpc": args.port, "metrics": args.metrics_port}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if args.tls_cert is not None:
+                # The kubelet's gRPC probe speaks plaintext: a TLS port is
+                # only checked to listen.
+                assert c[probe]["tcpSocket"] == {"port": args.port}, (name, probe)
+                continue
             grpc_probe = c[probe]["grpc"]
             assert grpc_probe["port"] == args.port, (name, probe)
             # The name the server reports in grpc.health.v1 (NOT_SERVING while loading).
             assert grpc_probe["service"] == server_module.SERVICE_NAME
     _, c, args = _router(variant)
     assert args.host in WILDCARD_HOSTS
-    assert [p["containerPort"] for p in c["ports"]] == [args.port]
-    assert c["readinessProbe"]["grpc"] == {
-        "port": args.port,
-        "service": router_module.SERVICE_NAME,
-    }
+    assert args.metrics_host in WILDCARD_HOSTS
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
+    if args.tls_cert is not None:
+        assert c["readinessProbe"]["tcpSocket"] == {"port": args.port}
+    else:
+        assert c["readinessProbe"]["grpc"] == {
+            "port": args.port,
+            "service": router_module.SERVICE_NAME,
+        }
     assert c["livenessProbe"]["tcpSocket"]["port"] == args.port
 
 
@@ -155,13 +164,7 @@ def test_probes_and_ports_are_where_the_servers_listen(variant: str) -> None:
 def test_the_router_reaches_every_pool_through_its_headless_service(variant: str) -> None:
     objects = render(VARIANTS[variant])
     _, _, args = _router(variant)
-    config = RouterConfig(
-        prefill=cli._addresses(args.prefill),
-        decode=cli._addresses(args.decode),
-        host=args.host,
-        port=args.port,
-        poll_seconds=args.poll_seconds,
-    )
+    config = cli.router_config_from_args(args)
     pools = _pools(variant)
     for name, addresses in (("prefill", config.prefill), ("decode", config.decode)):
         (address,) = addresses
@@ -182,9 +185,11 @@ def test_the_router_reaches_every_pool_through_its_headless_service(variant: str
         {"matchLabels": router_service["spec"]["selector"]},
         router_deployment["spec"]["template"]["metadata"]["labels"],
     )
-    (port,) = router_service["spec"]["ports"]
-    assert port["targetPort"] == "grpc"
-    assert container(router_deployment)["ports"][0]["containerPort"] == args.port
+    ports = {p["name"]: p for p in router_service["spec"]["ports"]}
+    assert set(ports) == {"grpc", "metrics"}
+    named = {p["name"]: p["containerPort"] for p in container(router_deployment)["ports"]}
+    assert named[ports["grpc"]["targetPort"]] == args.port
+    assert named[ports["metrics"]["targetPort"]] == args.metrics_port
 
 
 @pytest.mark.parametrize("variant", ["default", "everything"])

@@ -107,6 +107,7 @@ REDIS = {
         ("shm", BASE),
         ("nixl", BASE),
         ("pvc-model", BASE | REDIS),
+        ("secured", BASE | REDIS),  # no Secret of its own: the user's
         (
             "everything",
             BASE

@@ -371,7 +371,7 @@ def test_autoscaler_bounds_are_checked() -> None:
     assert "decode.autoscaling: maxReplicas (4) must be >= minReplicas (5)" in error
 
 
-def test_service_monitor_scrapes_the_pools_metrics_port() -> None:
+def test_service_monitor_scrapes_the_pools_and_routers_metrics_port() -> None:
     objects = render(VARIANTS["everything"])
     monitor = find(objects, "ServiceMonitor", FULLNAME)
     (endpoint,) = monitor["spec"]["endpoints"]
@@ -385,13 +385,14 @@ def test_service_monitor_scrapes_the_pools_metrics_port() -> None:
     assert sorted(s["metadata"]["name"] for s in selected) == [
         f"{FULLNAME}-decode",
         f"{FULLNAME}-prefill",
+        f"{FULLNAME}-router",
     ]
     for service in selected:
         (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
-        pool = _pool(objects, service["metadata"]["name"].rsplit("-", 1)[1])
-        args = cli._parser().parse_args(expanded_args(objects, container(pool)))
+        workload = find(objects, "Deployment", service["metadata"]["name"])
+        args = cli._parser().parse_args(expanded_args(objects, container(workload)))
         assert args.metrics_port == 9400
-        named = {p["name"]: p["containerPort"] for p in container(pool)["ports"]}
+        named = {p["name"]: p["containerPort"] for p in container(workload)["ports"]}
         assert named[port["targetPort"]] == args.metrics_port
 
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from service.gen.tandem.v1 import generation_pb2 as pb
-from service.pods import PodPool, dns_name
+from service.pods import PodAccess, PodPool, PodState, dns_name
 
 PORT = 9  # discard: nothing listens there
 
@@ -156,6 +156,58 @@ def test_a_dns_failure_keeps_the_pods_known() -> None:
         dns.answers["pool"] = OSError("Temporary failure in name resolution")
         await pool.resolve()
         assert _addresses(pool) == [f"127.0.0.2:{PORT}"]
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_pod_states_are_logged_and_counted_once_per_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pod that never answers is logged down once, with why; turning
+    healthy and unhealthy again each log once and reach the callback."""
+    changes: list[tuple[str, bool]] = []
+
+    async def run() -> None:
+        pool = PodPool(
+            "prefill",
+            [f"127.0.0.1:{PORT}"],
+            follow_kv_events=False,
+            poll_seconds=0.01,
+            on_transition=lambda name, up: changes.append((name, up)),
+        )
+        (pod,) = pool.pods
+        pool.start()
+        await _until(lambda: pod.state == PodState.DOWN)
+        await asyncio.sleep(0.1)  # more failed polls
+        await pool.close()
+        pool.set_state(pod, PodState.UP)
+        pool.set_state(pod, PodState.UP)
+        pool.set_state(pod, PodState.DRAINING)
+        pool.set_state(pod, PodState.DOWN, "UNAVAILABLE: gone")
+
+    with caplog.at_level(logging.INFO, logger="service.pods"):
+        asyncio.run(run())
+    messages = [r.getMessage() for r in caplog.records]
+    down = [m for m in messages if " is down: " in m]
+    assert len(down) == 2, messages
+    assert down[0].startswith(f"prefill pod 127.0.0.1:{PORT} is down: UNAVAILABLE")
+    assert down[1] == f"prefill pod 127.0.0.1:{PORT} is down: UNAVAILABLE: gone"
+    assert sum(" is up" in m for m in messages) == 1
+    assert sum(" is draining" in m for m in messages) == 1
+    assert changes == [("prefill", True), ("prefill", False)]  # healthy, then not
+
+
+def test_pods_get_the_api_key_on_every_call() -> None:
+    async def run() -> None:
+        pool = PodPool(
+            "decode",
+            [f"127.0.0.1:{PORT}"],
+            follow_kv_events=True,
+            poll_seconds=1.0,
+            access=PodAccess(api_key="k"),
+        )
+        assert pool.pods[0].metadata == (("authorization", "Bearer k"),)
         await pool.close()
 
     asyncio.run(run())

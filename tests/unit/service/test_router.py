@@ -10,10 +10,12 @@ from service.convert import dict_to_struct, struct_to_dict
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.router import (
     DEFAULT_MAX_TOKENS,
+    _add_counts,
     _decode_request,
     _LegFailed,
     _max_tokens,
     _prefill_request,
+    _redact,
 )
 
 
@@ -62,3 +64,35 @@ def test_max_tokens_is_the_whole_requests() -> None:
     assert info.value.details == (
         "sampling.min_tokens: must be between 0 and max_tokens (2), got 3"
     )
+
+
+def test_pod_addresses_never_reach_the_client() -> None:
+    grpc_error = (
+        "failed to connect to all addresses; last error: UNKNOWN: "
+        "ipv4:10.4.2.17:50051: Failed to connect to remote host: Connection refused"
+    )
+    redacted = _redact(grpc_error, ["10.4.2.17:50051"])
+    assert "10.4.2.17" not in redacted and "50051" not in redacted
+    assert _redact("peer [fd00::7]:50061 and 192.168.1.9 refused", []) == (
+        "peer <address> and <address> refused"
+    )
+    assert _redact("pod-a.svc:50051 said no", ["pod-a.svc:50051"]) == "<pod> said no"
+    # Text without addresses is left alone.
+    text = "sampling.temperature: must be >= 0, got -1.0"
+    assert _redact(text, ["10.0.0.1:1"]) == text
+
+
+def test_router_status_sums_the_pods_counts_only() -> None:
+    total = pb.ServerStatus()
+    for running, hits in ((2, 100), (3, 50)):
+        pod = pb.ServerStatus(
+            num_running=running,
+            prefix_cache_hits=hits,
+            kv_cache_usage=0.5,
+            uptime_seconds=99.0,
+            num_prefill_fallbacks=7,  # a router's field: a pod never counts it
+        )
+        _add_counts(total, pod)
+    assert (total.num_running, total.prefix_cache_hits) == (5, 150)
+    assert total.kv_cache_usage == 0.0 and total.uptime_seconds == 0.0
+    assert total.num_prefill_fallbacks == 0

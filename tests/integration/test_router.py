@@ -1,0 +1,128 @@
+"""`tandem router` as a front door, over real processes: with its only
+prefill pod down it serves requests colocated on a decode pod (unless told
+not to), counts that in its metrics and status, logs the pod's death once,
+keeps pod addresses out of client errors, and refuses a taken port.
+
+Routers start in a second or two (no model); the decode pod is the
+session's colocated server, which is also the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.client import TandemClient, make_request
+from tests.integration.servers import ROOT, ServerProcess, free_port
+from tests.integration.test_pd import PROMPTS, _check_parity, _generate, _status
+
+
+def _metrics(port: int | None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample at the metrics endpoint: (name, labels) -> value."""
+    assert port is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _wait_pods_healthy(target: str, count: int, timeout: float = 60.0) -> int:
+    """How many of the router's pods are healthy, once `count` are (or the
+    time is up); the router may not listen yet at first."""
+    deadline = time.monotonic() + timeout
+    healthy = -1
+    while healthy != count and time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            healthy = asyncio.run(_status(target)).num_pods_healthy
+        except grpc.aio.AioRpcError:
+            continue
+    return healthy
+
+
+async def _bad_request(target: str) -> grpc.aio.AioRpcError:
+    async with TandemClient(target) as client:
+        try:
+            async for _ in client.stub.Generate(make_request(text="hi", temperature=-1.0)):
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e
+    raise AssertionError("a negative temperature was accepted")
+
+
+def test_with_its_prefill_pod_down_the_router_serves_colocated(server: ServerProcess) -> None:
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    args = ["--prefill", dead, "--decode", server.target, "--poll-seconds", "0.2"]
+    with ServerProcess(args, command="router", metrics=True) as router:
+        got = asyncio.run(_generate(router.target, PROMPTS[0]))
+        got_too = asyncio.run(_generate(router.target, PROMPTS[1]))
+        error = asyncio.run(_bad_request(router.target))
+        status = asyncio.run(_status(router.target))
+        samples = _metrics(router.metrics_port)
+        log = router.log()
+    want = asyncio.run(_generate(server.target, PROMPTS[0]))
+    want_too = asyncio.run(_generate(server.target, PROMPTS[1]))
+    _check_parity([got, got_too], [want, want_too])
+    # The decode pod's own refusal, without its address.
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (error.details() or "").startswith("decode pod: sampling.temperature")
+    assert str(server.port) not in (error.details() or "")
+    # Status: the router's own uptime and figures, its pods' counts summed.
+    assert status.num_prefill_fallbacks == 3
+    assert status.uptime_seconds > 0
+    assert (status.num_pods, status.num_pods_healthy) == (2, 1)
+    assert status.prefix_cache_queries > 0  # the decode pod's, summed
+    # Metrics.
+    assert samples[("tandem_router_requests_total", ())] == 3
+    assert samples[("tandem_router_prefill_fallbacks_total", ())] == 3
+    assert samples[("tandem_router_legs_total", (("leg", "colocated"),))] == 3
+    assert samples[("tandem_router_errors_total", (("code", "INVALID_ARGUMENT"),))] == 1
+    up = (("pool", "decode"), ("state", "up"))
+    assert samples[("tandem_router_pod_transitions_total", up)] == 1
+    assert samples[("tandem_router_pods", (("pool", "prefill"),))] == 1
+    assert samples[("tandem_router_pods_healthy", (("pool", "prefill"),))] == 0
+    assert samples[("tandem_router_pods_healthy", (("pool", "decode"),))] == 1
+    # Logged once each, however many polls and requests: the pod's death
+    # (with why) and the start of the fallback.
+    assert log.count(f"prefill pod {dead} is down: UNAVAILABLE") == 1, log
+    assert log.count("prefill fallback: no prefill pod available") == 1, log
+
+
+def test_without_prefill_fallback_the_router_fails_unavailable(server: ServerProcess) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    args = ["--prefill", dead, "--decode", server.target, "--poll-seconds", "0.2"]
+    router = ServerProcess([*args, "--no-prefill-fallback"], command="router", check_health=False)
+    with router:
+        # Not SERVING (no prefill pod), but its decode pod is up: the
+        # request fails for the want of a prefill pod, and for nothing else.
+        assert _wait_pods_healthy(router.target, 1) == 1
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(_generate(router.target, PROMPTS[0]))
+        assert router.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.details() == "no prefill pod available"
+
+
+@pytest.mark.parametrize("which", ["--port", "--metrics-port"])
+def test_a_router_refuses_a_taken_port(server: ServerProcess, which: str) -> None:
+    """The session server holds both ports: the router exits at once with
+    one line naming the address, and the server keeps serving."""
+    assert server.metrics_port is not None
+    taken = server.port if which == "--port" else server.metrics_port
+    cmd = [sys.executable, "-m", "service.cli", "router", "--decode", server.target]
+    cmd += ["--port", "0", which, str(taken)] if which != "--port" else ["--port", str(taken)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{taken}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING
