@@ -466,7 +466,8 @@ async def _refused(client: TandemClient, text: str) -> grpc.aio.AioRpcError:
 def test_huge_prompts_stall_neither_streams_nor_health(server: ServerProcess) -> None:
     """Four ~4 MB prompts and one of 1 MB (tokenized, then too long), all
     refused for length, while a stream runs and health is polled: every
-    health check answers within its deadline and the stream completes."""
+    health check answers within its 2 s deadline (tokenizing one such
+    prompt on the event loop blocked it for ~5 s) and the stream completes."""
     huge = "hello world " * 330_000  # 3.96 MB: the size alone says it cannot fit
     big = "hello world " * 85_000  # 1.02 MB: tokenized, ~170k tokens
 
@@ -485,7 +486,7 @@ def test_huge_prompts_stall_neither_streams_nor_health(server: ServerProcess) ->
             checks = 0
             while not refusals.done() or checks < 3:
                 try:
-                    await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
                 except grpc.aio.AioRpcError as e:
                     missed.append(f"{e.code().name} after {checks} checks")
                 checks += 1
