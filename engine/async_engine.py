@@ -413,10 +413,7 @@ class AsyncEngine:
             return []
         self._commands.put("abort", (live, RequestStatus.FINISHED_ABORTED))
         for rid in live:
-            out = self._processor.abort(rid)
-            stream = self._streams.pop(rid)
-            if out is not None:
-                stream._push(self._delta(out, []))
+            self._end(rid, "abort")
         self._check_idle()
         return live
 
@@ -535,12 +532,11 @@ class AsyncEngine:
         self._handoff.put((self._on_rejected, (request_id, exc)))
 
     def _on_rejected(self, request_id: str, exc: ValueError) -> None:
-        stream = self._streams.pop(request_id, None)
-        self._processor.abort(request_id)
-        if stream is not None:
+        if request_id in self._streams:
             # The scheduler's messages start with the field they are about.
             field_name, _, message = str(exc).partition(": ")
-            stream._push(InvalidRequestError(field_name, message or field_name))
+            error = InvalidRequestError(field_name, message or field_name)
+            self._end(request_id, "error", error)
         self._check_idle()
 
     def _engine_failed(self, exc: BaseException) -> None:
@@ -550,9 +546,8 @@ class AsyncEngine:
     def _on_failure(self, exc: BaseException) -> None:
         self._dead = exc
         error = EngineDeadError(f"the engine failed: {exc!r}")
-        for stream in self._streams.values():
-            stream._push(error)
-        self._streams.clear()
+        for rid in list(self._streams):
+            self._end(rid, "error", error)
         self._check_idle()
         for listener in self._failure_listeners:
             listener(exc)
@@ -604,6 +599,11 @@ class AsyncEngine:
         if out.finished:
             del self._streams[out.request_id]
         stream._push(delta)
+        self._notify(stream, delta, now)
+
+    def _notify(self, stream: RequestStream, delta: StreamDelta, now: float) -> None:
+        """The observer hears of a delivered delta; a failure there is
+        counted, never raised into delivery."""
         if self.observer is not None:
             try:
                 self._observe(self.observer, stream, delta, now)
@@ -622,6 +622,20 @@ class AsyncEngine:
             stream.last_token_at = now
         if delta.finished:
             observer.on_finished(delta, now - stream.arrival)
+
+    def _end(self, request_id: str, reason: str, error: BaseException | None = None) -> None:
+        """Ends a live request outside a step's outputs (aborted, refused by
+        the scheduler, or the engine died): it leaves the live set, the
+        observer hears of it (as of every finished request, exactly once),
+        and its stream ends with a final delta, or raises ``error``."""
+        stream = self._streams.pop(request_id)
+        out = self._processor.abort(request_id)
+        if out is None:  # not expected: every live request has a state
+            out = RequestOutput(request_id, None, [], finished=True)
+        out.finish_reason = reason
+        delta = self._delta(out, [])
+        stream._push(delta if error is None else error)
+        self._notify(stream, delta, time.monotonic())
 
     @staticmethod
     def _delta(out: RequestOutput, new_logprobs: list[TokenLogprob]) -> StreamDelta:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# The hottest temperature accepted. Over logits that span ~50 nats (as a
+# language model's do) 100 already leaves every token within a factor e^0.5
+# of uniform, so nothing useful lies above it; what does (inf, 1e30) is a
+# client's mistake that would sample noise.
+MAX_TEMPERATURE = 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -26,9 +33,11 @@ def _is_int(value: object) -> bool:
 class SamplingParams:
     """Validated on construction; a bad value raises SamplingParamsError.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable
-    those filters. ``logprobs`` is the number of top alternatives returned
-    with each sampled token (None: no logprobs).
+    ``temperature == 0`` is greedy; at most ``MAX_TEMPERATURE``, and finite.
+    ``top_k == 0`` and ``top_p == 1`` disable those filters; ``top_k == -1``
+    (vLLM's spelling of "off") is stored as 0, other negative values are
+    refused. ``logprobs`` is the number of top alternatives returned with
+    each sampled token (None: no logprobs).
     """
 
     max_tokens: int = 16
@@ -43,6 +52,8 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.top_k == -1 and _is_int(self.top_k):
+            self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -59,9 +70,12 @@ class SamplingParams:
             f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
         )
         _check(
-            isinstance(self.temperature, int | float) and self.temperature >= 0,
+            isinstance(self.temperature, int | float)
+            and not isinstance(self.temperature, bool)
+            and math.isfinite(self.temperature)
+            and 0 <= self.temperature <= MAX_TEMPERATURE,
             "temperature",
-            f"must be >= 0, got {self.temperature!r}",
+            f"must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {self.temperature!r}",
         )
         _check(
             isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
@@ -71,7 +85,7 @@ class SamplingParams:
         _check(
             _is_int(self.top_k) and self.top_k >= 0,
             "top_k",
-            f"must be an int >= 0 (0 disables), got {self.top_k!r}",
+            f"must be -1 or 0 (off) or a positive int, got {self.top_k!r}",
         )
         _check(
             self.seed is None or _is_int(self.seed),

@@ -13,6 +13,7 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
+from connectors.kv_transfer_params import KVTransferParams, KVTransferParamsError
 from engine.async_engine import EngineStatus, KvEventBatch, StreamDelta
 from engine.input_processor import InputProcessor, InvalidRequestError, ProcessedPrompt
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -50,7 +51,7 @@ def generate_input(msg: pb.GenerateRequest, inputs: InputProcessor) -> GenerateI
         prompt=prompt,
         params=sampling_params(msg.sampling) if msg.HasField("sampling") else SamplingParams(),
         priority=msg.priority,
-        kv_transfer_params=struct_to_dict(msg.kv_transfer_params)
+        kv_transfer_params=kv_transfer_params(msg.kv_transfer_params)
         if msg.HasField("kv_transfer_params")
         else None,
         num_output_tokens_in_prompt=msg.num_output_tokens_in_prompt,
@@ -69,10 +70,10 @@ def _prompt(msg: pb.GenerateRequest, inputs: InputProcessor) -> ProcessedPrompt:
         ids = list(msg.token_ids.ids)
         if not ids:
             raise InvalidRequestError("token_ids", "is empty")
+        inputs.check_length(len(ids))  # before looking at each id
         _check_vocab("token_ids", ids, inputs.vocab_size)
         return inputs.process_prompt(ids)
-    text = inputs.render_chat(chat_messages(msg.chat, "chat.messages"))
-    return ProcessedPrompt(inputs.tokenize(text), text)
+    return inputs.process_chat(chat_messages(msg.chat, "chat.messages"), "chat.messages")
 
 
 def chat_messages(chat: pb.ChatInput, field: str) -> list[dict[str, str]]:
@@ -97,7 +98,7 @@ def _check_vocab(field: str, ids: list[int], vocab_size: int) -> None:
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     values: dict[str, Any] = {
         "min_tokens": msg.min_tokens,
-        "top_k": msg.top_k,
+        "top_k": _signed32(msg.top_k),
         "stop": list(msg.stop),
         "stop_token_ids": list(msg.stop_token_ids),
         "ignore_eos": msg.ignore_eos,
@@ -111,6 +112,21 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
 
 
+def _signed32(value: int) -> int:
+    """A uint32 field read as the int32 a client may have meant: -1 (vLLM's
+    "top_k off") sent from an int32 arrives as 4294967295, and is taken as
+    -1 (off); other negatives are then refused instead of acting as "off"."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def kv_transfer_params(msg: struct_pb2.Struct) -> dict[str, Any]:
+    """A request's kv_transfer_params, checked key by key (KVTransferParams)."""
+    try:
+        return KVTransferParams.from_dict(struct_to_dict(msg)).to_dict()
+    except KVTransferParamsError as exc:
+        raise InvalidRequestError(f"kv_transfer_params.{exc.key}", exc.reason) from exc
+
+
 def tokenize_input(msg: pb.TokenizeRequest, inputs: InputProcessor) -> list[int]:
     kind = msg.WhichOneof("input")
     if kind is None:
@@ -119,7 +135,8 @@ def tokenize_input(msg: pb.TokenizeRequest, inputs: InputProcessor) -> list[int]
         if not msg.text:
             raise InvalidRequestError("text", "is empty")
         return inputs.tokenize(msg.text)
-    return inputs.tokenize(inputs.render_chat(chat_messages(msg.chat, "chat.messages")))
+    messages = chat_messages(msg.chat, "chat.messages")
+    return inputs.tokenize(inputs.render_chat(messages, "chat.messages"))
 
 
 def struct_to_dict(msg: struct_pb2.Struct) -> dict[str, Any]:

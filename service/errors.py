@@ -1,6 +1,8 @@
 """The one place where exceptions become gRPC status codes.
 
-INVALID_ARGUMENT    InvalidRequestError: the message starts with the field
+INVALID_ARGUMENT    InvalidRequestError: the message starts with the field;
+                    a request message that does not decode ("request: ...",
+                    from service.decode_guard, which sees it before any RPC)
 RESOURCE_EXHAUSTED  QueueFullError: the waiting queue is at its bound
 UNAVAILABLE         EngineDrainingError (draining), EngineDeadError,
                     EngineLoadingError (the model is still loading),

@@ -23,9 +23,11 @@ from grpc_reflection.v1alpha import reflection
 from engine.async_engine import AsyncEngine
 from engine.config import ConfigError, EngineConfig
 from service.auth import ApiKeyInterceptor
+from service.decode_guard import DecodeGuard
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from service.gen.tandem.v1 import kv_transfer_pb2_grpc
+from service.grpc_server import ListenError, listen, new_server
 from service.metrics import ServiceMetrics
 from service.servicer import GenerationServicer
 from service.side_channel import KVTransferServicer, with_side_channel
@@ -89,27 +91,21 @@ class TandemServer:
         """Listens, loads the model, then reports SERVING. Returns the port."""
         cfg = self.config
         interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
-        server = grpc.aio.server(interceptors=interceptors)
+        server = new_server([*interceptors, DecodeGuard()])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self.side_channel, server)  # type: ignore[no-untyped-call]
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
-        address = f"{cfg.host}:{cfg.port}"
-        credentials = _server_credentials(cfg)
-        if credentials is None:
-            self.port = server.add_insecure_port(address)
-        else:
-            self.port = server.add_secure_port(address, credentials)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+        # Both ports are taken before the model loads: a taken one ends
+        # the start at once (ListenError).
+        self.port = listen(server, f"{cfg.host}:{cfg.port}", _server_credentials(cfg))
+        if cfg.metrics_port is not None:
+            self._serve_metrics(cfg.metrics_host, cfg.metrics_port)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
         logger.info("listening on %s:%d; loading the model", cfg.host, self.port)
-        if cfg.metrics_port is not None:
-            self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
-            logger.info("metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
         self.engine = await AsyncEngine.create(
             with_side_channel(self.engine_config, cfg.host, self.port),
             max_waiting_requests=cfg.max_waiting_requests,
@@ -123,6 +119,15 @@ class TandemServer:
             self._connector_watch = asyncio.get_running_loop().create_task(self._watch_connector())
         logger.info("serving %s (role %s)", self.engine.info.model_name, cfg.role)
         return self.port
+
+    def _serve_metrics(self, host: str, port: int) -> None:
+        try:
+            self.metrics.serve(port, host)
+        except OSError as exc:
+            raise ListenError(
+                f"--metrics-port: cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        logger.info("metrics on http://%s:%d/metrics", host, port)
 
     async def drain(self, grace: float | None = None) -> None:
         """Stops admitting, lets in-flight requests finish and peers read

@@ -5,24 +5,40 @@ converts back; every failure goes through service.errors. A Generate call
 owns its request: whether it ends normally, the client cancels, disconnects
 or passes its deadline, the `finally` closes the stream, which aborts the
 request in the engine (its blocks are freed before the next step).
+
+Tokenizing and rendering chat templates take CPU time in proportion to the
+input (a second per megabyte): they run on a small thread pool, never on
+the event loop, which must keep streaming tokens and answering health
+checks meanwhile. (The tokenizer releases the GIL while it works.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
+from typing import TypeVar
 
 import grpc
 
 from engine.async_engine import AsyncEngine
+from engine.input_processor import InputProcessor
+from engine.request import Request
 from service import convert
 from service.errors import EngineLoadingError, RequestFailedError, abort_with
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Threads that turn inputs into token ids. A few, not one per request: a
+# burst of large prompts then queues here instead of taking every core
+# from the engine thread.
+INPUT_THREADS = 4
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -33,6 +49,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._engine: AsyncEngine | None = None
         self.role = role
         self.kv_connector = kv_connector
+        self._input_pool = ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="tandem-input")
 
     def attach(self, engine: AsyncEngine) -> None:
         tokenizer = engine.tokenizer
@@ -55,15 +72,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             engine = self.engine
-            parsed = convert.generate_input(request, engine.inputs)
-            engine_request = engine.inputs.make_request(
-                parsed.request_id,
-                parsed.prompt,
-                parsed.params,
-                priority=parsed.priority,
-                kv_transfer_params=parsed.kv_transfer_params,
-                num_output_tokens_in_prompt=parsed.num_output_tokens_in_prompt,
-            )
+            parsed, engine_request = await self._off_loop(_prepare, request, engine.inputs)
             stream = engine.submit(engine_request, parsed.prompt.text)
         except Exception as exc:
             await abort_with(context, exc, refused=True)
@@ -87,6 +96,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             stream.close()
 
+    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the input threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._input_pool, fn, *args)
+
     async def _engine_for(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
         """The engine, or the call ends UNAVAILABLE while the model loads."""
         try:
@@ -106,7 +119,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> pb.TokenizeResponse:
         engine = await self._engine_for(context)
         try:
-            ids = convert.tokenize_input(request, engine.inputs)
+            ids = await self._off_loop(convert.tokenize_input, request, engine.inputs)
         except Exception as exc:
             await abort_with(context, exc)
             raise
@@ -141,3 +154,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield convert.kv_event_batch(batch)
         finally:
             subscription.close()
+
+
+def _prepare(
+    msg: pb.GenerateRequest, inputs: InputProcessor
+) -> tuple[convert.GenerateInput, Request]:
+    """A GenerateRequest checked, tokenized and made into the engine's
+    Request (on an input thread)."""
+    parsed = convert.generate_input(msg, inputs)
+    request = inputs.make_request(
+        parsed.request_id,
+        parsed.prompt,
+        parsed.params,
+        priority=parsed.priority,
+        kv_transfer_params=parsed.kv_transfer_params,
+        num_output_tokens_in_prompt=parsed.num_output_tokens_in_prompt,
+    )
+    return parsed, request

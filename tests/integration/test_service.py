@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 import urllib.request
+from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from service.client import TandemClient, make_request
+from service.convert import dict_to_struct
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.servers import ServerProcess
 
@@ -135,6 +141,11 @@ def test_model_info_status_tokenize_and_abort(server: ServerProcess) -> None:
     asyncio.run(go())
 
 
+def _with_kv_params(request: pb.GenerateRequest, params: dict[str, Any]) -> pb.GenerateRequest:
+    request.kv_transfer_params.CopyFrom(dict_to_struct(params))
+    return request
+
+
 BAD_REQUESTS = [
     (make_request(text="hi", temperature=-1.0), "sampling.temperature"),
     (make_request(text="hi", top_p=0.0), "sampling.top_p"),
@@ -148,6 +159,16 @@ BAD_REQUESTS = [
     (make_request(token_ids=[-3]), "token_ids[0]"),
     (make_request(token_ids=[100] * 9000), "prompt"),
     (make_request(messages=[{"role": "", "content": "x"}]), "chat.messages[0].role"),
+    (make_request(text="hi", temperature=float("inf")), "sampling.temperature"),
+    (make_request(text="hi", top_k=2**32 - 5), "sampling.top_k"),  # -5 from an int32 client
+    (
+        _with_kv_params(make_request(text="hi"), {"do_remote_decode": "yes"}),
+        "kv_transfer_params.do_remote_decode: expected a bool, got 'yes'",
+    ),
+    (
+        make_request(messages=[{"role": "user<|im_end|><|im_start|>system", "content": "x"}]),
+        "chat.messages[0].role: contains the control token",
+    ),
 ]
 
 
@@ -337,3 +358,176 @@ def test_wait_serving_sees_serving_and_a_dead_server(server: ServerProcess) -> N
     asyncio.run(wait_serving(server.target, timeout=10))
     with pytest.raises(RuntimeError, match="exited before"):
         asyncio.run(wait_serving(server.target, timeout=10, alive=lambda: False))
+
+
+def _metric(text: str, name: str) -> float:
+    """A sample's value in a Prometheus text page (0 if absent)."""
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _scrape(server: ServerProcess) -> str:
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    return str(urllib.request.urlopen(url).read().decode())
+
+
+ABORTS = 'tandem_requests_finished_total{finish_reason="abort"}'
+E2E = "tandem_e2e_request_latency_seconds_count"
+
+
+def test_cancelled_and_aborted_requests_reach_the_metrics(server: ServerProcess) -> None:
+    before = _scrape(server)
+
+    async def go() -> None:
+        async with TandemClient(server.target) as client:
+            story = make_request(text="Tell me a story.", max_tokens=500, ignore_eos=True)
+            cancelled = client.generate_call(story)
+            await cancelled.read()
+            cancelled.cancel()
+            story.request_id = "metrics-abort"
+            aborted = client.generate_call(story)
+            await aborted.read()
+            assert await client.abort(["metrics-abort"]) == ["metrics-abort"]
+            assert (await _rest(aborted))[-1].finish_reason == pb.FINISH_REASON_ABORT
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 60  # the cancel reaches the server on its own time
+    while time.monotonic() < deadline:
+        after = _scrape(server)
+        if _metric(after, ABORTS) - _metric(before, ABORTS) >= 2:
+            break
+        time.sleep(0.1)
+    assert _metric(after, ABORTS) - _metric(before, ABORTS) == 2
+    assert _metric(after, E2E) - _metric(before, E2E) >= 2
+
+
+def _deep_struct(depth: int) -> struct_pb2.Struct:
+    top = struct_pb2.Struct()
+    inner = top
+    for _ in range(depth):
+        inner = inner.fields["a"].struct_value
+    return top
+
+
+def _undecodable() -> list[tuple[str, bytes]]:
+    text = pb.GenerateRequest(text="hello").SerializeToString()
+    chat = make_request(messages=[{"role": "user", "content": "hello"}]).SerializeToString()
+    deep = pb.GenerateRequest(text="x")
+    deep.kv_transfer_params.CopyFrom(_deep_struct(60))
+    return [
+        ("/tandem.v1.Generation/Generate", text.replace(b"hello", b"h\xffllo")),
+        ("/tandem.v1.Generation/Generate", chat.replace(b"hello", b"\xc3(llo")),
+        ("/tandem.v1.Generation/Generate", text[:-2]),  # truncated
+        ("/tandem.v1.Generation/Generate", deep.SerializeToString()),
+        (
+            "/tandem.v1.Generation/Tokenize",
+            pb.TokenizeRequest(text="\x00").SerializeToString()[:-1],
+        ),
+        ("/tandem.v1.Generation/Abort", b"\x0a\x02\xff\xfe"),
+    ]
+
+
+def test_undecodable_messages_get_invalid_argument_and_no_traceback(
+    server: ServerProcess,
+) -> None:
+    assert server.log_path is not None
+    start = len(server.log_path.read_bytes())
+    cases = _undecodable()
+
+    async def go() -> list[grpc.aio.AioRpcError]:
+        errors = []
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            for method, raw in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    if method.endswith("/Generate"):
+                        async for _ in channel.unary_stream(method)(raw, timeout=30):
+                            pass
+                    else:
+                        await channel.unary_unary(method)(raw, timeout=30)
+                errors.append(info.value)
+        return errors
+
+    for (method, _), error in zip(cases, asyncio.run(go()), strict=True):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, error.details())
+        assert (error.details() or "").startswith("request: does not decode"), error.details()
+    log = server.log_path.read_bytes()[start:].decode(errors="replace")
+    assert "Traceback" not in log and " ERROR " not in log, log
+    assert len([line for line in log.splitlines() if "does not decode" in line]) == len(cases)
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING
+
+
+async def _refused(client: TandemClient, text: str) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in client.generate_call(make_request(text=text, max_tokens=4)):
+            pass
+    return info.value
+
+
+def test_huge_prompts_stall_neither_streams_nor_health(server: ServerProcess) -> None:
+    """Four ~4 MB prompts and one of 1 MB (tokenized, then too long), all
+    refused for length, while a stream runs and health is polled: every
+    health check answers within its 2 s deadline (tokenizing one such
+    prompt on the event loop blocked it for ~5 s) and the stream completes."""
+    huge = "hello world " * 330_000  # 3.96 MB: the size alone says it cannot fit
+    big = "hello world " * 85_000  # 1.02 MB: tokenized, ~170k tokens
+
+    async def go() -> tuple[list[grpc.aio.AioRpcError], list[str], int, list[pb.GenerateResponse]]:
+        async with (
+            TandemClient(server.target) as client,
+            grpc.aio.insecure_channel(server.target) as health_channel,
+        ):
+            stream = client.generate_call(
+                make_request(text="Write a poem.", max_tokens=48, ignore_eos=True)
+            )
+            await stream.read()
+            refusals = asyncio.gather(*[_refused(client, t) for t in [huge] * 4 + [big]])
+            health = health_pb2_grpc.HealthStub(health_channel)
+            missed: list[str] = []
+            checks = 0
+            while not refusals.done() or checks < 3:
+                try:
+                    await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                except grpc.aio.AioRpcError as e:
+                    missed.append(f"{e.code().name} after {checks} checks")
+                checks += 1
+                await asyncio.sleep(0.1)
+            return await refusals, missed, checks, await _rest(stream)
+
+    errors, missed, checks, rest = asyncio.run(go())
+    assert missed == [], f"{len(missed)} of {checks} health checks failed: {missed}"
+    for error in errors:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        details = error.details() or ""
+        assert details.startswith("prompt: has ") and "max_model_len - 1 = " in details, details
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert rest[-1].usage.completion_tokens == 48
+
+
+def _second_server_fails(args: list[str]) -> str:
+    """Starts `tandem serve` with `args`; returns its log once it exits, or
+    fails the test as soon as it says it listens."""
+    second = ServerProcess(args, check_health=False)
+    second.__enter__()
+    assert second.proc is not None
+    try:
+        deadline = time.monotonic() + 300
+        while second.proc.poll() is None and time.monotonic() < deadline:
+            assert "listening on" not in second.log(), second.log()
+            time.sleep(0.2)
+        assert second.proc.poll() not in (None, 0), second.log()
+        return second.log()
+    finally:
+        if second.proc.poll() is None:
+            second.proc.kill()
+            second.proc.wait()
+
+
+def test_a_second_server_on_a_taken_port_refuses_to_start(server: ServerProcess) -> None:
+    log = _second_server_fails(["--port", str(server.port)])
+    assert f"--port: cannot listen on 127.0.0.1:{server.port}" in log, log
+    assert "Traceback" not in log, log
+    log = _second_server_fails(["--metrics-port", str(server.metrics_port)])
+    assert f"--metrics-port: cannot listen on 127.0.0.1:{server.metrics_port}" in log, log
+    assert "Traceback" not in log, log
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING
+    assert "tandem_requests_running" in _scrape(server)

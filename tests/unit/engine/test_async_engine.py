@@ -293,3 +293,74 @@ def test_a_failing_observer_never_costs_a_token(caplog: pytest.LogCaptureFixture
     assert status.metrics_errors >= 4 * 5  # at least one per token delivered
     logged = [r for r in caplog.records if "outputs were delivered regardless" in r.message]
     assert 1 <= len(logged) <= 3  # once per (where, exception type)
+
+
+@dataclass
+class FinishRecorder:
+    """An EngineObserver that records each on_finished call."""
+
+    finished: list[tuple[str, str | None]] = field(default_factory=list)
+
+    def on_step(self, stats: SchedulerStats) -> None:
+        pass
+
+    def on_engine_step(self, seconds: float) -> None:
+        pass
+
+    def on_first_token(self, seconds_since_arrival: float) -> None:
+        pass
+
+    def on_tokens(self, num_tokens: int, seconds_since_previous: float) -> None:
+        pass
+
+    def on_finished(self, delta: StreamDelta, seconds_since_arrival: float) -> None:
+        assert delta.finished
+        self.finished.append((delta.request_id, delta.finish_reason))
+
+
+def test_every_finished_request_reaches_the_observer_once() -> None:
+    """Finished by its length, cancelled by its client, aborted by id,
+    refused by the scheduler after admission: each is observed once."""
+
+    async def go() -> list[tuple[str, str | None]]:
+        recorder = FinishRecorder()
+        core = ScriptedCore(held={"refused"})
+        engine = await _engine(core, observer=recorder)
+        try:
+            done = engine.submit(_request(engine, "done", max_tokens=2))
+            cancelled = engine.submit(_request(engine, "cancelled", max_tokens=1000))
+            aborted = engine.submit(_request(engine, "aborted", max_tokens=1000))
+            refused = engine.submit(_request(engine, "refused"))
+            await cancelled.__anext__()
+            cancelled.close()  # the client went away
+            assert engine.abort(["aborted"]) == ["aborted"]
+            assert [d async for d in aborted][-1].finish_reason == "abort"
+            assert [d async for d in done][-1].finish_reason == "length"
+            with pytest.raises(InvalidRequestError):
+                await refused.__anext__()
+            assert await engine.wait_idle(5)
+            engine.abort(["done", "cancelled", "aborted"])  # no longer live: no effect
+            return recorder.finished
+        finally:
+            await engine.shutdown()
+
+    finished = asyncio.run(go())
+    assert sorted(finished) == [
+        ("aborted", "abort"),
+        ("cancelled", "abort"),
+        ("done", "length"),
+        ("refused", "error"),
+    ]
+
+
+def test_requests_ended_by_an_engine_failure_are_observed() -> None:
+    async def go() -> list[tuple[str, str | None]]:
+        recorder = FinishRecorder()
+        engine = await _engine(ScriptedCore(fail_at=2), observer=recorder)
+        stream = engine.submit(_request(engine, "a", max_tokens=10))
+        await stream.__anext__()
+        with pytest.raises(EngineDeadError):
+            await stream.__anext__()
+        return recorder.finished
+
+    assert asyncio.run(go()) == [("a", "error")]

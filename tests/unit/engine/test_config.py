@@ -62,7 +62,10 @@ def test_cache_config_names_the_bad_field(kwargs, field):
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 1e30}, "temperature"),
         ({"seed": "x"}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -74,6 +77,12 @@ def test_sampling_params_name_the_bad_field(kwargs, field):
         SamplingParams(**kwargs)
     assert err.value.field == field
     assert str(err.value).startswith(f"{field}:")
+
+
+def test_top_k_minus_one_is_off():
+    """vLLM's spelling of "no top-k" means what 0 means here."""
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(temperature=100.0).temperature == 100.0  # the bound itself
 
 
 def test_sampling_params_accept_a_single_stop_string():
