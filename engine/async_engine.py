@@ -487,7 +487,7 @@ class AsyncEngine:
         """Waits until the connector holds no finished request's KV (each
         hold ends with the peer's read, its refusal, or the lease lapsing);
         False if `timeout` passed first or the engine died."""
-        if self._dead is not None:
+        if self._dead is not None or self._kv_released.is_set():
             return self._kv_released.is_set()
         try:
             await asyncio.wait_for(self._kv_released.wait(), timeout)

@@ -45,6 +45,10 @@ class ScriptedCore:
     released: list[str] = field(default_factory=list)
     # Ids the scheduler still holds (finished, KV kept for a remote decode).
     held: set[str] = field(default_factory=set)
+    # With hold_kv, a finished request's KV stays held (in held_kv) until
+    # released, as a prefill pod's for its decode pod.
+    hold_kv: bool = False
+    held_kv: set[str] = field(default_factory=set)
     steps: int = 0
     config: EngineConfig = field(default_factory=EngineConfig)
     info: WorkerInfo = field(
@@ -71,9 +75,10 @@ class ScriptedCore:
 
     def release_held_kv(self, ids: list[str]) -> None:
         self.released.extend(ids)
+        self.held_kv.difference_update(ids)
 
     def has_work(self) -> bool:
-        return bool(self.live)
+        return bool(self.live or self.held_kv)
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         # A real step's forward releases the GIL for most of its time.
@@ -88,11 +93,15 @@ class ScriptedCore:
             outs.append(EngineCoreOutput(rid, [42], FinishReason.LENGTH if done else None))
             if done:
                 del self.live[rid]
-        stats = SchedulerStats(num_running_reqs=len(self.live))
-        return {0: EngineCoreOutputs(outs, scheduler_stats=stats)}
+                if self.hold_kv:
+                    self.held_kv.add(rid)
+        return {0: EngineCoreOutputs(outs, scheduler_stats=self._stats())}
 
     def stats_only(self) -> dict[int, EngineCoreOutputs]:
-        return {0: EngineCoreOutputs(scheduler_stats=SchedulerStats(len(self.live)))}
+        return {0: EngineCoreOutputs(scheduler_stats=self._stats())}
+
+    def _stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.live), num_held_requests=len(self.held_kv))
 
     def shutdown(self) -> None:
         pass
@@ -364,3 +373,24 @@ def test_requests_ended_by_an_engine_failure_are_observed() -> None:
         return recorder.finished
 
     assert asyncio.run(go()) == [("a", "error")]
+
+
+def test_wait_kv_released_waits_for_held_blocks() -> None:
+    """A finished request whose KV is held for a peer keeps the engine
+    unreleased (what a drain waits for) until the hold ends."""
+
+    async def go() -> None:
+        engine = await _engine(ScriptedCore(hold_kv=True))
+        try:
+            assert await engine.wait_kv_released(0)  # nothing held
+            stream = engine.submit(_request(engine, "a", max_tokens=1))
+            assert [d.finished async for d in stream] == [True]
+            assert engine.num_held_kv == 1
+            assert not await engine.wait_kv_released(0.2)  # still held: nobody released it
+            engine.abort(["a"])  # finished: releases what it holds
+            assert await engine.wait_kv_released(30)
+            assert engine.num_held_kv == 0 and engine.status().kv_held_requests == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(go())
