@@ -616,6 +616,11 @@ async def _status(args: argparse.Namespace) -> int:
             f"connector  {status.kv_connector_hits}/{status.kv_connector_queries} prompt tokens "
             "loaded instead of computed"
         )
+    if info.role == "router":
+        print(
+            f"router     {status.num_pods_healthy}/{status.num_pods} pods healthy; "
+            f"{status.num_prefill_fallbacks} requests served colocated for want of a prefill pod"
+        )
     print(f"uptime     {status.uptime_seconds:.0f} s{'; draining' if status.draining else ''}")
     return 0
 
