@@ -619,6 +619,11 @@ async def _status(args: argparse.Namespace) -> int:
         )
     for line in _degradation_lines(status):
         print(line)
+    if info.role == "router":
+        print(
+            f"router     {status.num_pods_healthy}/{status.num_pods} pods healthy; "
+            f"{status.num_prefill_fallbacks} requests served colocated for want of a prefill pod"
+        )
     print(f"uptime     {status.uptime_seconds:.0f} s{'; draining' if status.draining else ''}")
     return 0
 

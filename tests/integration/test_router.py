@@ -69,6 +69,13 @@ def test_with_its_prefill_pod_down_the_router_serves_colocated(server: ServerPro
         error = asyncio.run(_bad_request(router.target))
         status = asyncio.run(_status(router.target))
         samples = _metrics(router.metrics_port)
+        shown = subprocess.run(
+            [sys.executable, "-m", "service.cli", "status", "--server", router.target],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        ).stdout
         log = router.log()
     want = asyncio.run(_generate(server.target, PROMPTS[0]))
     want_too = asyncio.run(_generate(server.target, PROMPTS[1]))
@@ -82,6 +89,7 @@ def test_with_its_prefill_pod_down_the_router_serves_colocated(server: ServerPro
     assert status.uptime_seconds > 0
     assert (status.num_pods, status.num_pods_healthy) == (2, 1)
     assert status.prefix_cache_queries > 0  # the decode pod's, summed
+    assert "router     1/2 pods healthy; 3 requests served colocated" in shown, shown
     # Metrics.
     assert samples[("tandem_router_requests_total", ())] == 3
     assert samples[("tandem_router_prefill_fallbacks_total", ())] == 3
