@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -63,6 +64,10 @@ HEAD_DIMS = (64, 128, 256)
 
 _STATE: dict[str, ModuleType | None] = {}
 
+# A build takes about a minute (several on a loaded host); a lock older than
+# this was left by a build that was killed (OOM, SIGKILL), not one running.
+STALE_LOCK_SECONDS = 15 * 60
+
 
 def load() -> ModuleType | None:
     """The compiled module, or None if it is disabled or cannot be built."""
@@ -89,9 +94,11 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
+        name = _extension_name()
+        clear_stale_lock(name)
         logger.info("loading Tandem's CPU kernels (built on first use: ~1 min)")
         module: ModuleType = load_extension(
-            name=_extension_name(),
+            name=name,
             sources=[str(_CSRC / name) for name in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
@@ -101,3 +108,21 @@ def _build() -> ModuleType | None:
     except Exception as exc:  # a missing compiler must not stop serving
         logger.warning("CPU kernels unavailable (%s); using the torch paths", exc)
         return None
+
+
+def clear_stale_lock(name: str) -> bool:
+    """Removes torch's build lock for extension `name` if a killed build
+    left it: torch waits on that file forever, so every later start of
+    every process would hang. Returns whether a lock was removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False  # a build may be running: wait for it, as torch does
+    logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +105,20 @@ def test_cache_kv_refuses_a_slot_outside_the_cache(kernel) -> None:
     with pytest.raises(RuntimeError, match="slot 64 outside the cache"):
         kernel.cache_kv(cache, key, value, torch.tensor([1, 64]))
     assert not cache.any()  # checked before anything is written
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch waits forever on a build lock; one a killed build left behind
+    must not hang every later start, and a fresh one (a build running
+    elsewhere) must be left alone."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "stale_ext" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    assert not cpu_kernels.clear_stale_lock("stale_ext") and lock.exists()
+    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert cpu_kernels.clear_stale_lock("stale_ext") and not lock.exists()
+    assert not cpu_kernels.clear_stale_lock("stale_ext")
