@@ -32,10 +32,12 @@ torch's extension directory, keyed by the sources). If it cannot be built,
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -64,10 +66,6 @@ HEAD_DIMS = (64, 128, 256)
 
 _STATE: dict[str, ModuleType | None] = {}
 
-# A build takes about a minute (several on a loaded host); a lock older than
-# this was left by a build that was killed (OOM, SIGKILL), not one running.
-STALE_LOCK_SECONDS = 15 * 60
-
 
 def load() -> ModuleType | None:
     """The compiled module, or None if it is disabled or cannot be built."""
@@ -81,10 +79,12 @@ def load() -> ModuleType | None:
 
 
 def _extension_name() -> str:
-    """Named after its sources: checkouts of different Tandem versions on one
-    machine share torch's extension cache, and one must never load (or
-    rebuild over) another's module."""
-    digest = hashlib.sha256()
+    """Named after its sources and where they are: checkouts of Tandem on one
+    machine share torch's extension cache, and one must never load another
+    version's module, nor rebuild the module of another checkout (torch's
+    build files name the sources' paths, so a shared name would be rebuilt
+    each time a process from the other checkout starts)."""
+    digest = hashlib.sha256(str(_CSRC.resolve()).encode())
     for name in _SOURCES + _HEADERS:
         digest.update((_CSRC / name).read_bytes())
     return f"tandem_cpu_kernels_{digest.hexdigest()[:12]}"
@@ -95,34 +95,41 @@ def _build() -> ModuleType | None:
         from torch.utils.cpp_extension import load as load_extension
 
         name = _extension_name()
-        clear_stale_lock(name)
         logger.info("loading Tandem's CPU kernels (built on first use: ~1 min)")
-        module: ModuleType = load_extension(
-            name=name,
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with build_lock(name):
+            module: ModuleType = load_extension(
+                name=name,
+                sources=[str(_CSRC / name) for name in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
         return module
     except Exception as exc:  # a missing compiler must not stop serving
         logger.warning("CPU kernels unavailable (%s); using the torch paths", exc)
         return None
 
 
-def clear_stale_lock(name: str) -> bool:
-    """Removes torch's build lock for extension `name` if a killed build
-    left it: torch waits on that file forever, so every later start of
-    every process would hang. Returns whether a lock was removed."""
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Held while torch loads (and maybe builds) extension `name`.
+
+    torch's own lock is a file whose existence is the lock: a build that is
+    killed (OOM, SIGKILL) leaves it, and every later load waits on it
+    forever. This lock is an flock, which the kernel drops when its holder
+    dies; whoever holds it is the only Tandem process in torch's build
+    directory, so a torch lock found there was left by a dead build and is
+    removed."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < STALE_LOCK_SECONDS:
-        return False  # a build may be running: wait for it, as torch does
-    logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
-    lock.unlink(missing_ok=True)
-    return True
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with open(build_dir.parent / f"{name}.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

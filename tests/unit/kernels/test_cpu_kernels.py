@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -110,15 +111,56 @@ def test_cache_kv_refuses_a_slot_outside_the_cache(kernel) -> None:
 def test_a_lock_left_by_a_killed_build_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """torch waits forever on a build lock; one a killed build left behind
-    must not hang every later start, and a fresh one (a build running
-    elsewhere) must be left alone."""
+    """torch waits forever on its build lock; one a killed build left behind
+    must not hang every later start."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "stale_ext" / "lock"
     lock.parent.mkdir()
     lock.touch()
-    assert not cpu_kernels.clear_stale_lock("stale_ext") and lock.exists()
-    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    assert cpu_kernels.clear_stale_lock("stale_ext") and not lock.exists()
-    assert not cpu_kernels.clear_stale_lock("stale_ext")
+    with cpu_kernels.build_lock("stale_ext"):
+        assert not lock.exists()
+
+
+def test_the_build_lock_excludes_other_processes_until_its_holder_dies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one process builds, another waits (and leaves torch's lock of
+    the running build alone); when the builder is killed, the next one goes
+    on."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_THE_LOCK],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).parents[3],
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"holding\n"
+        lock = tmp_path / "busy_ext" / "lock"
+        assert lock.exists()  # torch's lock of the "running build"
+        waiter = threading.Thread(target=_take_and_release, args=("busy_ext",))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and lock.exists()
+        holder.kill()
+        waiter.join(timeout=30.0)
+        assert not waiter.is_alive() and not lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+_HOLD_THE_LOCK = """
+import sys, time
+from pathlib import Path
+from kernels import cpu_kernels
+with cpu_kernels.build_lock("busy_ext"):
+    from torch.utils.cpp_extension import _get_build_directory
+    (Path(_get_build_directory("busy_ext", verbose=False)) / "lock").touch()
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def _take_and_release(name: str) -> None:
+    with cpu_kernels.build_lock(name):
+        pass
