@@ -10,6 +10,7 @@ interpreter (``baselines/vllm_scheduler_diff.py``); Tandem never imports it.
 
     python benchmarks/scheduler_diff.py --vllm-python /work/vllmenv/bin/python \
         --traces 2450
+    python benchmarks/scheduler_diff.py --dump before.jsonl   # Tandem alone
 
 Each trace that differs is classified by its first differing step: Tandem's
 documented max_model_len and min_tokens departures, Tandem's deadlock
@@ -274,7 +275,8 @@ def classify(trace: Trace, tandem: TraceResult, vllm: TraceResult) -> Verdict | 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", required=True, help="interpreter with vllm==0.12.0")
+    parser.add_argument("--vllm-python", help="interpreter with vllm==0.12.0 (else Tandem only)")
+    parser.add_argument("--dump", type=Path, help="write Tandem's step records here (JSON lines)")
     parser.add_argument("--traces", type=int, default=2450)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--show", type=int, default=5, help="differences to print per kind")
@@ -290,8 +292,15 @@ def main() -> None:
     if args.explain is not None:
         seeds = [args.explain]
     t0 = time.monotonic()
-    proc = start_vllm(args.vllm_python, seeds)
+    proc = start_vllm(args.vllm_python, seeds) if args.vllm_python else None
     tandem = run_tandem(seeds)
+    if args.dump is not None:
+        # Before/after a refactor of Tandem alone: the dumps must be equal.
+        with args.dump.open("w") as f:
+            f.writelines(json.dumps(tandem[seed].to_json()) + "\n" for seed in seeds)
+    if proc is None:
+        print(f"{len(seeds)} traces through Tandem ({time.monotonic() - t0:.0f} s)")
+        return
     vllm_out, _ = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"the vLLM side failed with exit code {proc.returncode}")
