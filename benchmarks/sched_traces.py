@@ -51,6 +51,10 @@ class RequestSpec:
     external_tokens: int
     load_async: bool
     delay_free: bool
+    # Fixed steps until an async load / a delayed free completes (scenarios);
+    # None: drawn at random.
+    recv_delay: int | None = None
+    send_delay: int | None = None
 
     @property
     def arrival_time(self) -> float:
@@ -63,6 +67,7 @@ class Trace:
     seed: int
     config: TraceConfig
     requests: list[RequestSpec]
+    load_failure_rate: float = 0.15
 
 
 def make_trace(seed: int) -> Trace:
@@ -257,7 +262,6 @@ class TraceResult:
 
 MAX_STEPS = 1500
 IDLE_STEPS = 40  # idle with nothing pending this long: a deadlock
-LOAD_FAILURE_RATE = 0.15
 
 
 def replay(trace: Trace, side: Side, max_steps: int = MAX_STEPS) -> TraceResult:
@@ -308,7 +312,7 @@ class _World:
         invalid: set[int] = set()
         for load in side.script.loads:
             if load.is_async:
-                delay = self.rng(load.request_id, "recv").randint(0, 4)
+                delay = self.delay(load.request_id, "recv")
                 self.pending_recv[load.request_id] = (step_no + delay, load)
             else:
                 invalid |= self.failed_blocks(load)
@@ -330,7 +334,7 @@ class _World:
                 sampled[rid] = []
         finished = side.update(sampled, send, recv, invalid)
         for rid in side.script.delayed_frees:
-            self.pending_send[rid] = step_no + 1 + self.rng(rid, "send").randint(0, 4)
+            self.pending_send[rid] = step_no + 1 + self.delay(rid, "send")
         side.script.delayed_frees.clear()
         self.steps.append(
             StepRecord(
@@ -343,10 +347,15 @@ class _World:
         )
         return bool(num_scheduled)
 
+    def delay(self, request_id: str, kind: str) -> int:
+        spec = self.side.script.specs[request_id]
+        fixed = spec.recv_delay if kind == "recv" else spec.send_delay
+        return self.rng(request_id, kind).randint(0, 4) if fixed is None else fixed
+
     def failed_blocks(self, load: Load) -> set[int]:
         """Now and then one block of a load fails (invalid_block_ids)."""
         rng = self.rng(load.request_id, "fail")
-        if rng.random() >= LOAD_FAILURE_RATE:
+        if rng.random() >= self.trace.load_failure_rate:
             return set()
         bs = self.trace.config.block_size
         first = load.num_local_tokens // bs
@@ -362,3 +371,102 @@ def run_traces(
     for seed in seeds:
         trace = make_trace(seed)
         emit(replay(trace, make_side(trace)))
+
+
+def _scenario_request(
+    index: int, prompt: int, max_tokens: int, *, external: int = 0, **kw: Any
+) -> RequestSpec:
+    """Distinct tokens per request (no accidental prefix hits), no EOS."""
+    fields: dict[str, Any] = {
+        "priority": 0,
+        "arrival_step": 0,
+        "load_async": external > 0,
+        "delay_free": False,
+        "recv_delay": 1,
+        **kw,
+    }
+    return RequestSpec(
+        request_id=f"r{index}",
+        prompt=list(range(1000 * (index + 1), 1000 * (index + 1) + prompt)),
+        max_tokens=max_tokens,
+        min_tokens=0,
+        ignore_eos=True,
+        external_tokens=external,
+        **fields,
+    )
+
+
+def _scenario_config(usable_blocks: int, **kw: Any) -> TraceConfig:
+    fields: dict[str, Any] = {
+        "block_size": 16,
+        "num_blocks": usable_blocks + 1,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 96,
+        "prefix_caching": True,
+        "chunked_prefill": True,
+        "policy": "fcfs",
+        "long_prefill_token_threshold": 0,
+        "connector": True,
+        **kw,
+    }
+    return TraceConfig(**fields)
+
+
+# Hand-made traces of the deadlock breaker's cases (scheduler_diff.py
+# --scenarios; tests/unit/engine/sched/test_scheduler_breaker.py asserts the
+# same decisions). Block size 16; loads finish one step after they start.
+SCENARIOS: dict[str, Trace] = {
+    # The last running request (r1) would preempt itself while r2's finished
+    # load is parked, but r0 finishes in that same step: vLLM preempts r1
+    # and resumes it (its prefix cached) beside r2 two steps later.
+    "finish_in_same_step": Trace(
+        -1,
+        _scenario_config(7),
+        [
+            _scenario_request(0, 30, 3),
+            _scenario_request(1, 31, 4),
+            _scenario_request(2, 60, 2, external=48),
+        ],
+        load_failure_rate=0.0,
+    ),
+    # Nothing runs and the head (r1, its load finished) does not fit while
+    # r2's finished load is parked, but r0's held blocks come back by
+    # finished_sending in that same step: vLLM waits one step and admits
+    # both.
+    "free_in_same_step": Trace(
+        -2,
+        _scenario_config(8, prefix_caching=False),
+        [
+            _scenario_request(0, 48, 1, delay_free=True, send_delay=1),
+            _scenario_request(1, 56, 2, external=32),
+            _scenario_request(2, 40, 2, external=32),
+        ],
+        load_failure_rate=0.0,
+    ),
+    # As above with no held blocks to wait for: a deadlock vLLM stays in.
+    # r3's parked load is released (the least urgent), which is enough for
+    # the head r1; r2 keeps its load.
+    "deadlock": Trace(
+        -3,
+        _scenario_config(7, prefix_caching=False),
+        [
+            _scenario_request(1, 56, 2, external=32),
+            _scenario_request(2, 40, 2, external=32),
+            _scenario_request(3, 40, 2, external=32),
+        ],
+        load_failure_rate=0.0,
+    ),
+    # r1 runs alone in 16-token chunks (no prefix caching) and hits the
+    # blocks r0's finished load parks: it preempts itself and starts over,
+    # forever in vLLM. Tandem does so once, then releases r0's blocks.
+    "livelock": Trace(
+        -4,
+        _scenario_config(6, prefix_caching=False, max_num_batched_tokens=16),
+        [
+            _scenario_request(0, 64, 2, external=32),
+            _scenario_request(1, 80, 2),
+        ],
+        load_failure_rate=0.0,
+    ),
+}

@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from sched_traces import (  # noqa: E402
+    SCENARIOS,
     ConnectorScript,
     RequestSpec,
     StepRecord,
@@ -202,22 +203,19 @@ class TandemSide:
         return list(self.log.notes)
 
 
-def run_tandem(seeds: list[int]) -> dict[int, TraceResult]:
+def run_tandem(traces: list[Trace]) -> dict[int, TraceResult]:
     log = BreakerLog()
     sched_logger = logging.getLogger("engine.sched")
     sched_logger.addHandler(log)
     sched_logger.propagate = False  # the breaker's warnings are counted, not printed
-    results = {}
-    for seed in seeds:
-        trace = make_trace(seed)
-        results[seed] = replay(trace, TandemSide(trace, log))
-    return results
+    return {trace.seed: replay(trace, TandemSide(trace, log)) for trace in traces}
 
 
-def start_vllm(python: str, seeds: list[int]) -> subprocess.Popen[str]:
+def start_vllm(python: str, seeds: list[int], scenarios: bool) -> subprocess.Popen[str]:
     script = HERE / "baselines" / "vllm_scheduler_diff.py"
+    which = ["--scenarios"] if scenarios else ["--first-seed", str(seeds[0])]
     return subprocess.Popen(
-        [python, str(script), "--first-seed", str(seeds[0]), "--traces", str(len(seeds))],
+        [python, str(script), *which, "--traces", str(len(seeds))],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONHASHSEED": "0"},
@@ -282,6 +280,9 @@ def main() -> None:
     parser.add_argument("--show", type=int, default=5, help="differences to print per kind")
     parser.add_argument("--show-kind", default="other", help="which kind (a prefix) to print")
     parser.add_argument("--explain", type=int, help="one trace: print both sides step by step")
+    parser.add_argument(
+        "--scenarios", action="store_true", help="the hand-made traces (sched_traces.SCENARIOS)"
+    )
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
         # Several frees in one step go in set order (as in vLLM), which
@@ -291,23 +292,28 @@ def main() -> None:
     seeds = list(range(args.first_seed, args.first_seed + args.traces))
     if args.explain is not None:
         seeds = [args.explain]
+    traces = list(SCENARIOS.values()) if args.scenarios else [make_trace(s) for s in seeds]
+    seeds = [trace.seed for trace in traces]
     t0 = time.monotonic()
-    proc = start_vllm(args.vllm_python, seeds) if args.vllm_python else None
-    tandem = run_tandem(seeds)
+    proc = start_vllm(args.vllm_python, seeds, args.scenarios) if args.vllm_python else None
+    tandem = run_tandem(traces)
     if args.dump is not None:
         # Before/after a refactor of Tandem alone: the dumps must be equal.
         with args.dump.open("w") as f:
             f.writelines(json.dumps(tandem[seed].to_json()) + "\n" for seed in seeds)
     if proc is None:
-        print(f"{len(seeds)} traces through Tandem ({time.monotonic() - t0:.0f} s)")
+        outcomes = Counter(r.outcome.split(":")[0] for r in tandem.values())
+        print(f"{len(seeds)} traces through Tandem: {dict(outcomes)}")
         return
     vllm_out, _ = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"the vLLM side failed with exit code {proc.returncode}")
     lines = vllm_out.splitlines()
     vllm = {r.seed: r for r in (TraceResult.from_json(json.loads(line)) for line in lines)}
-    if args.explain is not None:
-        explain(make_trace(args.explain), tandem[args.explain], vllm[args.explain])
+    if args.explain is not None or args.scenarios:
+        for name, trace in zip(SCENARIOS if args.scenarios else ["trace"], traces, strict=False):
+            print(f"--- {name}")
+            explain(trace, tandem[trace.seed], vllm[trace.seed])
         return
     report(seeds, tandem, vllm, args.show, args.show_kind)
     print(f"({time.monotonic() - t0:.0f} s)")
@@ -323,12 +329,17 @@ def explain(trace: Trace, tandem: TraceResult, vllm: TraceResult) -> None:
             f"delay_free {spec.delay_free}"
         )
     print(f"outcomes: tandem {tandem.outcome}, vllm {vllm.outcome}")
-    for i in range(max(len(tandem.steps), len(vllm.steps))):
+    num_steps = max(len(tandem.steps), len(vllm.steps))
+    differ = first_difference(tandem.steps, vllm.steps)
+    end = num_steps if differ is None else min(num_steps, differ + 6)
+    for i in range(end):
         t = tandem.steps[i] if i < len(tandem.steps) else None
         v = vllm.steps[i] if i < len(vllm.steps) else None
         print(f"{i:4d} T {t}")
         if v != t or (t is not None and t.notes):
             print(f"     V {v}")
+    if end < num_steps:
+        print(f"     ... ({num_steps} steps)")
 
 
 def report(
@@ -342,7 +353,7 @@ def report(
     shown = 0
     num_steps = num_connector = 0
     for seed in seeds:
-        trace = make_trace(seed)
+        trace = make_trace(seed)  # seeds of random traces only
         num_steps += len(vllm[seed].steps)
         num_connector += trace.config.connector
         verdict = classify(trace, tandem[seed], vllm[seed])

@@ -19,7 +19,15 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-from sched_traces import EOS, ConnectorScript, RequestSpec, Trace, make_trace, replay
+from sched_traces import (
+    EOS,
+    SCENARIOS,
+    ConnectorScript,
+    RequestSpec,
+    Trace,
+    make_trace,
+    replay,
+)
 from vllm.config import SchedulerConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.sampling_params import SamplingParams
@@ -200,12 +208,16 @@ class VllmSide:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--first-seed", type=int, required=True)
-    parser.add_argument("--traces", type=int, required=True)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--traces", type=int, default=0)
+    parser.add_argument("--scenarios", action="store_true", help="the hand-made traces instead")
     args = parser.parse_args()
     init_none_hash(sha256)
-    for seed in range(args.first_seed, args.first_seed + args.traces):
-        trace = make_trace(seed)
+    if args.scenarios:
+        traces = list(SCENARIOS.values())
+    else:
+        traces = [make_trace(s) for s in range(args.first_seed, args.first_seed + args.traces)]
+    for trace in traces:
         result = replay(trace, VllmSide(trace))
         print(json.dumps(result.to_json()), flush=True)
 

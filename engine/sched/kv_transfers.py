@@ -12,7 +12,9 @@ reads as the catch-up algorithm:
   rewound to recompute, or ended under ``kv_load_failure_policy="fail"``;
 * finished sends (``finished_sending``): the held blocks can go;
 * parked blocks: waiting requests holding the blocks of finished loads,
-  which give them back when the queue would otherwise never move;
+  which give them back, one at a time, when nothing else could ever make
+  room (the scheduler decides when: ``pending`` tells it whether a transfer
+  still could);
 * counts for SchedulerStats: connector hits, recomputed tokens, ignored
   completions, the connector's failure totals.
 
@@ -130,12 +132,28 @@ class KVTransfers:
         self.finished_loads.remove(request_id)
         return True
 
-    def release_parked(self, waiting: Iterable[Request], keep: Request | None) -> bool:
-        """Waiting requests (but ``keep``) holding the blocks of finished
-        loads give them back and start over (what they loaded stays in the
-        prefix cache). Returns whether any block was released."""
-        released = False
-        for request in list(waiting):
+    def pending(self) -> bool:
+        """Whether a transfer may still change what fits: a connector holds
+        a finished request's blocks (finished_sending frees them), or an
+        asynchronous load has not finished."""
+        finished_loads = self.finished_loads
+        for request in self.requests.values():
+            if request.is_finished():
+                return True
+            if (
+                request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and request.request_id not in finished_loads
+            ):
+                return True
+        return False
+
+    def release_one_parked(self, queue: Iterable[Request], keep: Request | None, why: str) -> bool:
+        """The deadlock breaker's action: the least urgent request in
+        ``queue`` (waiting requests in queue order; never ``keep``) that
+        holds the blocks of a finished load gives them back and starts over
+        (what it loaded stays in the prefix cache). Returns whether one
+        did."""
+        for request in reversed(list(queue)):
             request_id = request.request_id
             if request is keep or not self.kv_cache_manager.num_blocks(request_id):
                 continue
@@ -146,13 +164,15 @@ class KVTransfers:
                     continue
                 request.status = RequestStatus.WAITING
             logger.warning(
-                "releasing the blocks of waiting request %s to avoid a deadlock", request_id
+                "releasing the blocks of waiting request %s to avoid a deadlock: %s",
+                request_id,
+                why,
             )
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
             request.num_external_computed_tokens = 0
-            released = True
-        return released
+            return True
+        return False
 
     # ------------------------------------------------------------------
     # A step's output

@@ -34,6 +34,7 @@ from engine.outputs import (
     ModelRunnerOutput,
 )
 from engine.request import FinishReason, Request, RequestStatus
+from engine.sched.deadlock import DeadlockBreaker
 from engine.sched.interface import SchedulerInterface
 from engine.sched.kv_transfers import KVTransfers
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -60,6 +61,8 @@ class _StepPlan:
     running_reqs: list[Request] = field(default_factory=list)
     preempted_reqs: list[Request] = field(default_factory=list)
     spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The waiting head's last try found too few free blocks.
+    head_lacks_blocks: bool = False
 
 
 class Scheduler(SchedulerInterface):
@@ -116,7 +119,7 @@ class Scheduler(SchedulerInterface):
         # The previous step's num_scheduled_tokens (only membership is used).
         self._prev_step_scheduled: dict[str, int] = {}
         self.num_preemptions = 0
-        self._head_lacks_blocks = False
+        self.deadlock_breaker = DeadlockBreaker(self.kv_transfers)
 
     def _check_cache_fits_one_request(self) -> None:
         # A request that cannot fit even alone would block the queue forever.
@@ -280,13 +283,13 @@ class Scheduler(SchedulerInterface):
         ``request`` itself was the one preempted."""
         allocate = self.kv_cache_manager.allocate_slots
         while True:
-            if self._preemption_victim() is request and self.kv_transfers.release_parked(
-                self.waiting, keep=None
-            ):
-                # Blocks parked in the waiting queue went back to the pool
-                # rather than this request stalling behind them.
-                new_blocks = allocate(
-                    request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+            if self._preemption_victim() is request and len(self.running) == 1:
+                new_blocks = self.deadlock_breaker.unblock_lone(
+                    request,
+                    self.waiting,
+                    lambda: allocate(
+                        request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+                    ),
                 )
                 if new_blocks is not None:
                     return new_blocks, req_index
@@ -345,7 +348,6 @@ class Scheduler(SchedulerInterface):
         request.spec_token_ids = []
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        self._head_lacks_blocks = False
         skipped = create_request_queue(self.policy)
         waiting = self.waiting
         limiter = self.partial_prefills
@@ -365,14 +367,18 @@ class Scheduler(SchedulerInterface):
                 if verdict is Admission.SKIP:
                     skipped.prepend_request(waiting.pop_request())
                     continue
-            if not self._try_admit(request, plan, skipped):
+            if self._try_admit(request, plan, skipped):
+                continue
+            if not (
+                plan.head_lacks_blocks
+                and self.deadlock_breaker.unblock_head(
+                    request, bool(self.running), skipped, waiting
+                )
+            ):
                 break
+            plan.head_lacks_blocks = False  # blocks were released: try again
         if skipped:
             waiting.prepend_requests(skipped)
-        if self._head_lacks_blocks and not self.running:
-            # A deadlock vLLM would stay in: the head cannot start with
-            # nothing running while waiting requests park blocks.
-            self.kv_transfers.release_parked(self.waiting, keep=self.waiting.peek_request())
 
     def _try_admit(self, request: Request, plan: _StepPlan, skipped: RequestQueue) -> bool:
         """Try to start (or resume) the request at the head of the queue.
@@ -409,7 +415,7 @@ class Scheduler(SchedulerInterface):
             delay_cache_blocks=load_async,
         )
         if new_blocks is None:
-            self._head_lacks_blocks = True
+            plan.head_lacks_blocks = True
             return False
         if self.connector is not None:
             self.connector.update_state_after_alloc(
@@ -601,6 +607,8 @@ class Scheduler(SchedulerInterface):
         failed = self.kv_transfers.take_failed_loads(recovered)
         if failed:
             self._end_failed_loads(failed, outputs)
+        if outputs:
+            self.deadlock_breaker.step_had_output()
         return self._package_outputs(outputs)
 
     @staticmethod

@@ -172,16 +172,36 @@ def test_connector_totals_are_summed_into_a_new_object() -> None:
     assert reported.is_empty()  # what was handed out before never changes
 
 
-def test_release_parked_frees_finished_loads_but_not_the_kept_head() -> None:
+def test_release_one_parked_frees_the_least_urgent_finished_load() -> None:
     transfers, kvm, requests = make_transfers()
     head = loading(kvm, requests, "r0", 50, 32)
-    parked = loading(kvm, requests, "r1", 50, 32)
-    still_loading = loading(kvm, requests, "r2", 50, 32)
-    transfers.completions(KVConnectorOutput(finished_recving={"r0", "r1"}))
+    first = loading(kvm, requests, "r1", 50, 32)
+    last = loading(kvm, requests, "r2", 50, 32)
+    still_loading = loading(kvm, requests, "r3", 50, 32)
+    transfers.completions(KVConnectorOutput(finished_recving={"r0", "r1", "r2"}))
+    queue = [head, first, last, still_loading]
     free_before = kvm.get_num_free_blocks()
-    assert transfers.release_parked([head, parked, still_loading], keep=head)
-    assert kvm.num_blocks("r1") == 0 and parked.status == RequestStatus.WAITING
-    assert parked.num_computed_tokens == 0
-    assert kvm.num_blocks("r0") == 2 and kvm.num_blocks("r2") == 2
+    assert transfers.release_one_parked(queue, head, "a test")
+    # The last in the queue whose load finished, and only it.
+    assert kvm.num_blocks("r2") == 0 and last.status == RequestStatus.WAITING
+    assert last.num_computed_tokens == 0
     assert kvm.get_num_free_blocks() == free_before + 2
-    assert not transfers.release_parked([head, still_loading], keep=head)
+    assert [kvm.num_blocks(r) for r in ("r0", "r1", "r3")] == [2, 2, 2]
+    assert transfers.release_one_parked(queue, head, "a test")
+    assert kvm.num_blocks("r1") == 0
+    # The head is kept and a load still running is never touched.
+    assert not transfers.release_one_parked(queue, head, "a test")
+
+
+def test_pending_while_a_load_runs_or_a_connector_holds_blocks() -> None:
+    transfers, kvm, requests = make_transfers()
+    assert not transfers.pending()
+    r0 = loading(kvm, requests, "r0", 50, 32)
+    assert transfers.pending()  # its load still writes
+    transfers.completions(KVConnectorOutput(finished_recving={"r0"}))
+    assert not transfers.pending()  # parked, but nothing will change on its own
+    r0.status = RequestStatus.FINISHED_LENGTH_CAPPED  # held for a consumer
+    assert transfers.pending()
+    transfers.completions(KVConnectorOutput(finished_sending={"r0"}))
+    del requests["r0"]  # the scheduler frees what completions hands back
+    assert not transfers.pending()
