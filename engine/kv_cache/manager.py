@@ -201,6 +201,12 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks[request_id]]
 
+    def num_blocks(self, request_id: str) -> int:
+        """How many blocks the request holds. Unlike get_blocks, asking
+        does not register the request (see get_num_common_prefix_blocks)."""
+        blocks = self.req_to_blocks.get(request_id)
+        return len(blocks) if blocks else 0
+
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks of the request shared by every request that holds
         blocks (a hint for cascade attention)."""

@@ -7,6 +7,10 @@ waiting ones, unless this step preempted. Chunked prefill, prefix caching,
 P/D (WAITING_FOR_REMOTE_KVS) and speculative decoding all fall out of that
 one mechanism.
 
+What a KV connector moves (loads finished or failed, blocks held while they
+are sent, blocks parked by finished loads, the connector's counts) is kept
+by ``KVTransfers`` (kv_transfers.py); the scheduler calls into it.
+
 Step by step the decisions equal vLLM 0.12.0's scheduler with the same
 config (asynchronous scheduling, pipeline parallelism, LoRA, multimodal
 encoders and structured output aside).
@@ -27,16 +31,17 @@ from engine.outputs import (
     DraftTokenIds,
     EngineCoreOutput,
     EngineCoreOutputs,
-    KVConnectorOutput,
     ModelRunnerOutput,
 )
 from engine.request import FinishReason, Request, RequestStatus
+from engine.sched.deadlock import DeadlockBreaker
 from engine.sched.interface import SchedulerInterface
+from engine.sched.kv_transfers import KVTransfers
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.partial_prefill import Admission, PartialPrefillLimiter
 from engine.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from engine.sched.stop import check_stop, remove_all
-from engine.stats import KVConnectorStats, PrefixCacheStats, SchedulerStats
+from engine.stats import SchedulerStats
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorBase
@@ -56,6 +61,8 @@ class _StepPlan:
     running_reqs: list[Request] = field(default_factory=list)
     preempted_reqs: list[Request] = field(default_factory=list)
     spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The waiting head's last try found too few free blocks.
+    head_lacks_blocks: bool = False
 
 
 class Scheduler(SchedulerInterface):
@@ -74,13 +81,6 @@ class Scheduler(SchedulerInterface):
     ) -> None:
         """`kv_load_failure_policy`: what a failed KV load does to its
         requests: "recompute" the lost tokens, or "fail" them (an error)."""
-        if kv_load_failure_policy not in ("recompute", "fail"):
-            raise ValueError(
-                f"kv_load_failure_policy={kv_load_failure_policy!r} is invalid: "
-                "expected 'recompute' or 'fail'"
-            )
-        self.kv_load_failure_policy = kv_load_failure_policy
-        self.num_ignored_kv_completions = 0
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -107,30 +107,19 @@ class Scheduler(SchedulerInterface):
             if scheduler_config.partial_prefills_enabled
             else None
         )
+        # Live requests, and finished ones whose blocks a connector holds.
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
+        self.kv_transfers = KVTransfers(
+            connector, self.kv_cache_manager, self.requests, kv_load_failure_policy, log_stats
+        )
         # Finished since the last schedule(): the runner must drop them.
         self.finished_req_ids: set[str] = set()
-        # P/D: async loads that completed / that had failed blocks.
-        self.finished_recving_kv_req_ids: set[str] = set()
-        self.failed_recving_kv_req_ids: set[str] = set()
         # The previous step's num_scheduled_tokens (only membership is used).
         self._prev_step_scheduled: dict[str, int] = {}
         self.num_preemptions = 0
-        self._head_lacks_blocks = False
-        self.connector_prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if connector is not None and log_stats else None
-        )
-        # Requests started this step -> their computed tokens then (local
-        # and connector hits). A synchronous load runs in this step: its
-        # failure cuts back from there, and the connector hits are counted
-        # once the step's output says what really loaded.
-        self._started: dict[str, int] = {}
-        # Degradations since start (see SchedulerStats).
-        self.num_kv_recomputed_tokens = 0
-        # Replaced, never mutated, when it changes: make_stats hands it out.
-        self.kv_connector_totals = KVConnectorStats()
+        self.deadlock_breaker = DeadlockBreaker(self.kv_transfers)
 
     def _check_cache_fits_one_request(self) -> None:
         # A request that cannot fit even alone would block the queue forever.
@@ -195,19 +184,12 @@ class Scheduler(SchedulerInterface):
             self.release_held_kv(held)
 
     def release_held_kv(self, request_ids: Iterable[str]) -> None:
-        """Only the connector knows whether something still reads the blocks
-        it held (delay_free): it frees them through finished_sending."""
-        if self.connector is None:
-            return
-        for rid in request_ids:
-            request = self.requests.get(rid)
-            if request is not None and request.is_finished():
-                self.connector.request_released(request)
+        self.kv_transfers.release_held(request_ids)
 
     def _free_request(self, request: Request) -> dict[str, Any] | None:
         """Retire a finished request; its blocks wait if a connector is
         still sending them. Returns the connector's kv_transfer_params."""
-        delay_free, kv_transfer_params = self._connector_finished(request)
+        delay_free, kv_transfer_params = self.kv_transfers.request_finished(request)
         self.finished_req_ids.add(request.request_id)
         if not delay_free:
             self._free_blocks(request)
@@ -301,11 +283,13 @@ class Scheduler(SchedulerInterface):
         ``request`` itself was the one preempted."""
         allocate = self.kv_cache_manager.allocate_slots
         while True:
-            if self._preemption_victim() is request and self._release_parked_blocks(keep=None):
-                # Blocks parked in the waiting queue went back to the pool
-                # rather than this request stalling behind them.
-                new_blocks = allocate(
-                    request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+            if self._preemption_victim() is request and len(self.running) == 1:
+                new_blocks = self.deadlock_breaker.unblock_lone(
+                    request,
+                    self.waiting,
+                    lambda: allocate(
+                        request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+                    ),
                 )
                 if new_blocks is not None:
                     return new_blocks, req_index
@@ -364,7 +348,6 @@ class Scheduler(SchedulerInterface):
         request.spec_token_ids = []
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        self._head_lacks_blocks = False
         skipped = create_request_queue(self.policy)
         waiting = self.waiting
         limiter = self.partial_prefills
@@ -373,7 +356,7 @@ class Scheduler(SchedulerInterface):
                 break
             request = waiting.peek_request()
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if not self._update_waiting_for_remote_kv(request):
+                if not self.kv_transfers.load_ready(request):
                     skipped.prepend_request(waiting.pop_request())
                     continue
                 request.status = RequestStatus.WAITING
@@ -384,40 +367,18 @@ class Scheduler(SchedulerInterface):
                 if verdict is Admission.SKIP:
                     skipped.prepend_request(waiting.pop_request())
                     continue
-            if not self._try_admit(request, plan, skipped):
+            if self._try_admit(request, plan, skipped):
+                continue
+            if not (
+                plan.head_lacks_blocks
+                and self.deadlock_breaker.unblock_head(
+                    request, bool(self.running), skipped, waiting
+                )
+            ):
                 break
+            plan.head_lacks_blocks = False  # blocks were released: try again
         if skipped:
             waiting.prepend_requests(skipped)
-        if self._head_lacks_blocks and not self.running:
-            self._release_parked_blocks(keep=self.waiting.peek_request())
-
-    def _release_parked_blocks(self, keep: Request | None) -> bool:
-        """Break deadlocks (and livelocks) that vLLM would stay in: waiting
-        requests holding blocks from completed KV loads, while the head of
-        the queue (``keep``) cannot start with nothing running, or while the
-        last running request would preempt itself. The parked requests give
-        their blocks back and start over (what they loaded stays in the
-        prefix cache). Only with a connector do waiting requests hold blocks.
-        Returns whether any block was released."""
-        released = False
-        for request in list(self.waiting):
-            request_id = request.request_id
-            if request is keep or not self.kv_cache_manager.req_to_blocks.get(request_id):
-                continue
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                # Only once its transfer stopped writing into the blocks;
-                # this also offers what arrived to the prefix cache.
-                if not self._update_waiting_for_remote_kv(request):
-                    continue
-                request.status = RequestStatus.WAITING
-            logger.warning(
-                "releasing the blocks of waiting request %s to avoid a deadlock", request_id
-            )
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.num_external_computed_tokens = 0
-            released = True
-        return released
 
     def _try_admit(self, request: Request, plan: _StepPlan, skipped: RequestQueue) -> bool:
         """Try to start (or resume) the request at the head of the queue.
@@ -454,7 +415,7 @@ class Scheduler(SchedulerInterface):
             delay_cache_blocks=load_async,
         )
         if new_blocks is None:
-            self._head_lacks_blocks = True
+            plan.head_lacks_blocks = True
             return False
         if self.connector is not None:
             self.connector.update_state_after_alloc(
@@ -491,8 +452,7 @@ class Scheduler(SchedulerInterface):
     ) -> None:
         if self.partial_prefills is not None:
             self.partial_prefills.on_admitted(request)
-        if self.connector is not None:
-            self._started[request.request_id] = num_computed
+        self.kv_transfers.request_started(request.request_id, num_computed)
         self.running.append(request)
         if request.status == RequestStatus.WAITING:
             plan.new_reqs.append(request)
@@ -582,16 +542,9 @@ class Scheduler(SchedulerInterface):
         req_id_to_index = model_runner_output.req_id_to_index
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         kv_output = model_runner_output.kv_connector_output
-        recovered: set[str] = set()
         outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
-        if kv_output is not None:
-            if kv_output.invalid_block_ids:
-                recovered = self._handle_invalid_blocks(kv_output.invalid_block_ids)
-            if kv_output.stats is not None:
-                self._add_connector_stats(kv_output.stats)
-        if self._started:
-            self._record_connector_hits()
-            self._started.clear()
+        # Running requests whose loaded KV was lost: rewound, tokens void.
+        recovered = self.kv_transfers.output_received(kv_output, self.running, self.waiting)
 
         stopped_running: set[Request] = set()
         stopped_preempted: set[Request] = set()
@@ -648,10 +601,14 @@ class Scheduler(SchedulerInterface):
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
         if kv_output is not None:
-            self._update_from_kv_xfer_finished(kv_output)
+            for request in self.kv_transfers.completions(kv_output):
+                self._free_blocks(request)  # its blocks were sent
         # After the completions: the connector then knows which loads are over.
-        if self.kv_load_failure_policy == "fail" and (recovered or self.failed_recving_kv_req_ids):
-            self._fail_kv_loads(recovered, outputs)
+        failed = self.kv_transfers.take_failed_loads(recovered)
+        if failed:
+            self._end_failed_loads(failed, outputs)
+        if outputs:
+            self.deadlock_breaker.step_had_output()
         return self._package_outputs(outputs)
 
     @staticmethod
@@ -699,70 +656,11 @@ class Scheduler(SchedulerInterface):
                 continue
             request.spec_token_ids = list(drafts)
 
-    # ------------------------------------------------------------------
-    # KV connector paths
-    # ------------------------------------------------------------------
-
-    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        if self.connector is None:
-            return False, None
-        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        return self.connector.request_finished(request, block_ids)
-
-    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
-        """True once the request's async load finished; its loaded blocks are
-        then cached and num_computed_tokens set to what arrived."""
-        request_id = request.request_id
-        if request_id not in self.finished_recving_kv_req_ids:
-            return False
-        kvm = self.kv_cache_manager
-        if request_id in self.failed_recving_kv_req_ids:
-            # num_computed_tokens was already cut back to the valid prefix.
-            if request.num_computed_tokens:
-                kvm.cache_blocks(request, request.num_computed_tokens)
-            else:
-                kvm.free(request)  # nothing valid; a local hit may do better
-            self.failed_recving_kv_req_ids.remove(request_id)
-        else:
-            num_computed = min(
-                len(kvm.req_to_blocks[request_id]) * self.block_size, request.num_tokens
-            )
-            if num_computed == request.num_tokens:
-                num_computed -= 1  # the last token is always computed
-            kvm.cache_blocks(request, num_computed)
-            request.num_computed_tokens = num_computed
-        self.finished_recving_kv_req_ids.remove(request_id)
-        return True
-
-    def _update_from_kv_xfer_finished(self, kv_output: KVConnectorOutput) -> None:
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_output)
-        for req_id in kv_output.finished_recving or ():
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                logger.warning("ignoring KV load completion for unknown request %s", req_id)
-                self.num_ignored_kv_completions += 1
-                continue
-            self.finished_recving_kv_req_ids.add(req_id)
-        for req_id in kv_output.finished_sending or ():
-            request = self.requests.get(req_id)
-            if request is None or not request.is_finished():
-                logger.warning("ignoring KV send completion for unknown request %s", req_id)
-                self.num_ignored_kv_completions += 1
-                continue
-            self._free_blocks(request)
-
-    def _fail_kv_loads(
-        self, recovered: set[str], outputs: defaultdict[int, list[EngineCoreOutput]]
+    def _end_failed_loads(
+        self, failed: set[str], outputs: defaultdict[int, list[EngineCoreOutput]]
     ) -> None:
-        """Policy "fail": a request whose load lost blocks ends with an error
-        instead of recomputing. An asynchronous load is failed only once it
-        has finished, so nothing writes into blocks after they are freed."""
-        failed = recovered | (self.failed_recving_kv_req_ids & self.finished_recving_kv_req_ids)
-        if not failed:
-            return
-        self.failed_recving_kv_req_ids -= failed
-        self.finished_recving_kv_req_ids -= failed
+        """Policy "fail": requests whose load lost blocks end with an error
+        instead of recomputing."""
         requests = [r for rid in failed if (r := self.requests.get(rid)) is not None]
         logger.warning(
             "KV load failed for %d request(s): kv_load_failure_policy=fail ends them",
@@ -779,107 +677,6 @@ class Scheduler(SchedulerInterface):
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
-
-    def _record_connector_hits(self) -> None:
-        """Count the connector hits of the requests started this step, now
-        that a failed load has taken its lost tokens off them."""
-        stats = self.connector_prefix_cache_stats
-        if stats is None:
-            return
-        for req_id in self._started:
-            request = self.requests.get(req_id)
-            if request is None:
-                continue
-            stats.record(
-                request.num_tokens,
-                request.num_external_computed_tokens,
-                request.num_preemptions > 0,
-            )
-
-    def _add_connector_stats(self, stats: KVConnectorStats) -> None:
-        if stats.is_empty():
-            return
-        totals = self.kv_connector_totals.copy()
-        totals.add(stats)
-        self.kv_connector_totals = totals
-
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
-        """Rewind requests whose loaded KV is invalid so it is recomputed.
-        Returns the running requests whose output this step is void."""
-        async_reqs = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
-        async_affected, async_tokens = self._rewind_invalid(async_reqs, invalid_block_ids)
-        # They are rescheduled once their (partly failed) load completes.
-        self.failed_recving_kv_req_ids |= async_affected
-        sync_affected, sync_tokens = self._rewind_invalid(self.running, invalid_block_ids)
-        if async_affected or sync_affected:
-            logger.warning(
-                "recovered from KV load failure: %d request(s) rescheduled, %d tokens to recompute",
-                len(async_affected) + len(sync_affected),
-                async_tokens + sync_tokens,
-            )
-        if self.kv_load_failure_policy == "recompute":
-            self.num_kv_recomputed_tokens += async_tokens + sync_tokens
-        return sync_affected
-
-    def _rewind_invalid(
-        self, requests: Iterable[Request], invalid_block_ids: set[int]
-    ) -> tuple[set[str], int]:
-        """Cut each request's computed tokens back to before its first
-        invalid block. A block shared by several requests is recomputed by
-        the first; the others only wait for it. Returns (affected request
-        ids, tokens whose loaded KV was lost and is recomputed)."""
-        affected: set[str] = set()
-        total_tokens = 0
-        claimed: set[int] = set()  # invalid blocks some request recomputes
-        for request in requests:
-            req_id = request.request_id
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)
-            valid_tokens = self._valid_tokens(request, len(block_ids))
-            num_blocks = -(-valid_tokens // self.block_size)
-            is_affected = claimed_one = False
-            for idx, block_id in enumerate(block_ids[:num_blocks]):
-                if block_id not in invalid_block_ids:
-                    continue
-                is_affected = True
-                if block_id in claimed:
-                    continue
-                claimed.add(block_id)
-                if claimed_one:
-                    continue
-                claimed_one = True
-                request.num_computed_tokens = idx * self.block_size
-                lost = valid_tokens - request.num_computed_tokens
-                total_tokens += lost
-                # The connector's tokens are the tail of the valid ones: the
-                # lost come off them first, never below zero. More can be
-                # lost than it supplied (a local hit on a block a failed
-                # load shared; vLLM also counted an async load's last block
-                # whole, and a resumed request's first start): vLLM's plain
-                # subtraction went negative, and the hit count with it.
-                request.num_external_computed_tokens = max(
-                    0, request.num_external_computed_tokens - lost
-                )
-            if is_affected:
-                if not claimed_one:
-                    # Every bad block is recomputed by an earlier request
-                    # (counted there); this one redoes only this step.
-                    request.num_computed_tokens = valid_tokens
-                affected.add(req_id)
-        return affected, total_tokens
-
-    def _valid_tokens(self, request: Request, num_blocks: int) -> int:
-        """The leading tokens a request counts as computed, of which a
-        failed load may take some back."""
-        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            # A synchronous load: what the request started this step with.
-            # (vLLM takes num_cached_tokens, which a resumed request set
-            # when it first started: more than it may have now.)
-            return self._started.get(request.request_id, request.num_cached_tokens)
-        if request.request_id in self.failed_recving_kv_req_ids:
-            return request.num_computed_tokens  # already cut by an earlier failure
-        # What the async load brings, as _update_waiting_for_remote_kv
-        # counts it: its blocks, short of the last token (always computed).
-        return min(num_blocks * self.block_size, request.num_tokens - 1)
 
     # ------------------------------------------------------------------
     # Maintenance and stats
@@ -905,24 +702,19 @@ class Scheduler(SchedulerInterface):
     def make_stats(self) -> SchedulerStats | None:
         if not self.log_stats:
             return None
-        connector_stats = self.connector_prefix_cache_stats
-        if connector_stats is not None:
-            self.connector_prefix_cache_stats = PrefixCacheStats()
         num_running, num_waiting = len(self.running), len(self.waiting)
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=num_running,
             num_waiting_reqs=num_waiting,
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
             num_preemptions=self.num_preemptions,
-            num_ignored_kv_completions=self.num_ignored_kv_completions,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
-            connector_prefix_cache_stats=connector_stats,
             # The rest of self.requests: finished, blocks held by a connector.
             num_held_requests=len(self.requests) - num_running - num_waiting,
-            num_kv_recomputed_tokens=self.num_kv_recomputed_tokens,
-            kv_connector_totals=self.kv_connector_totals,
         )
+        self.kv_transfers.report(stats)
+        return stats
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -100,3 +100,14 @@ def test_no_caching_means_no_hits():
 def test_zero_tokens_is_an_error():
     with pytest.raises(ValueError, match="num_new_tokens must be > 0"):
         manager().allocate_slots(request("r0", [1]), 0)
+
+
+def test_num_blocks_counts_a_requests_blocks_without_registering_it():
+    kvm = manager()
+    r0 = request("r0", list(range(40)))
+    assert kvm.num_blocks("r0") == 0
+    assert "r0" not in kvm.req_to_blocks  # asking did not register it
+    kvm.allocate_slots(r0, 40)
+    assert kvm.num_blocks("r0") == 3
+    kvm.free(r0)
+    assert kvm.num_blocks("r0") == 0

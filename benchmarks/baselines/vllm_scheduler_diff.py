@@ -1,0 +1,226 @@
+"""vLLM's side of benchmarks/scheduler_diff.py: the same random traces
+(``sched_traces.py``) through vLLM 0.12.0's own v1 scheduler. Run only by
+that script, in an interpreter that has vllm installed; Tandem never
+imports this file or vllm.
+
+Prints one JSON line per trace (a ``TraceResult``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from sched_traces import (
+    EOS,
+    SCENARIOS,
+    ConnectorScript,
+    RequestSpec,
+    Trace,
+    make_trace,
+    replay,
+)
+from vllm.config import SchedulerConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched import scheduler as vsched
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+logging.disable(logging.WARNING)
+
+
+class ScriptedConnector:
+    """The scheduler half of a KV connector, answering from the script
+    (duck-typed: the scheduler only calls these)."""
+
+    def __init__(self, script: ConnectorScript) -> None:
+        self.script = script
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self.script.matched(request.request_id, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        (block_ids,) = blocks.get_block_ids()
+        self.script.allocated(request.request_id, list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        return self.script.finished(request.request_id, list(block_ids)), None
+
+    def update_connector_output(self, connector_output):
+        pass
+
+    def take_events(self):
+        return ()
+
+    def get_kv_connector_stats(self):
+        return None
+
+    def shutdown(self):
+        pass
+
+
+class VllmSide:
+    def __init__(self, trace: Trace) -> None:
+        cfg = trace.config
+        self.script = ConnectorScript(trace)
+        vllm_config = SimpleNamespace(
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_model_len=cfg.max_model_len,
+                is_encoder_decoder=False,
+                enable_chunked_prefill=cfg.chunked_prefill,
+                policy=cfg.policy,
+                long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            ),
+            cache_config=SimpleNamespace(
+                num_gpu_blocks=cfg.num_blocks,
+                enable_prefix_caching=cfg.prefix_caching,
+                block_size=cfg.block_size,
+            ),
+            lora_config=None,
+            kv_events_config=None,
+            kv_transfer_config=None,  # the connector is set below
+            ec_transfer_config=None,
+            speculative_config=None,
+            parallel_config=SimpleNamespace(
+                data_parallel_rank=0,
+                decode_context_parallel_size=1,
+                prefill_context_parallel_size=1,
+                pipeline_parallel_size=1,
+            ),
+            observability_config=SimpleNamespace(kv_cache_metrics=False),
+            model_config=SimpleNamespace(is_encoder_decoder=False, max_model_len=cfg.max_model_len),
+        )
+        kv_cfg = KVCacheConfig(
+            num_blocks=cfg.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer.0"],
+                    FullAttentionSpec(
+                        block_size=cfg.block_size,
+                        num_kv_heads=1,
+                        head_size=8,
+                        dtype=torch.float16,
+                    ),
+                )
+            ],
+        )
+        with mock.patch.object(vsched, "compute_encoder_budget", lambda **kw: (0, 0)):
+            self.sched = vsched.Scheduler(
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cfg,
+                structured_output_manager=SimpleNamespace(should_advance=lambda r: False),
+                block_size=cfg.block_size,
+                log_stats=False,
+            )
+        if cfg.connector:
+            self.sched.connector = ScriptedConnector(self.script)
+        self.hasher = get_request_block_hasher(cfg.block_size, sha256)
+        self.so = None
+
+    def add(self, spec: RequestSpec) -> None:
+        params = SamplingParams(
+            max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, ignore_eos=spec.ignore_eos
+        )
+        self.sched.add_request(
+            Request(
+                spec.request_id,
+                list(spec.prompt),
+                params,
+                None,
+                eos_token_id=EOS,
+                arrival_time=spec.arrival_time,
+                priority=spec.priority,
+                block_hasher=self.hasher,
+            )
+        )
+
+    def schedule(self):
+        self.so = self.sched.schedule()
+        return dict(self.so.num_scheduled_tokens), list(self.so.preempted_req_ids or ())
+
+    def computed_and_total(self, request_id):
+        request = self.sched.requests[request_id]
+        return request.num_computed_tokens, request.num_tokens
+
+    def num_output_tokens(self, request_id):
+        return self.sched.requests[request_id].num_output_tokens
+
+    def update(self, sampled, finished_sending, finished_recving, invalid_block_ids):
+        req_ids = list(self.so.num_scheduled_tokens)
+        kv_output = None
+        if self.sched.connector is not None:
+            kv_output = KVConnectorOutput(
+                finished_sending=finished_sending,
+                finished_recving=finished_recving,
+                invalid_block_ids=invalid_block_ids,
+            )
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled[r] for r in req_ids],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=kv_output,
+        )
+        outputs = self.sched.update_from_output(self.so, output)
+        return {
+            o.request_id: str(o.finish_reason)
+            for eco in outputs.values()
+            for o in eco.outputs
+            if o.finish_reason is not None
+        }
+
+    def waiting_for_remote(self):
+        return [
+            r.request_id
+            for r in self.sched.waiting
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        ]
+
+    def has_requests(self):
+        return bool(self.sched.requests) or self.sched.has_finished_requests()
+
+    def num_free_blocks(self):
+        return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def notes(self):
+        return []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--traces", type=int, default=0)
+    parser.add_argument("--scenarios", action="store_true", help="the hand-made traces instead")
+    args = parser.parse_args()
+    init_none_hash(sha256)
+    if args.scenarios:
+        traces = list(SCENARIOS.values())
+    else:
+        traces = [make_trace(s) for s in range(args.first_seed, args.first_seed + args.traces)]
+    for trace in traces:
+        result = replay(trace, VllmSide(trace))
+        print(json.dumps(result.to_json()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
