@@ -82,13 +82,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.config import ConfigError
+from engine.kv_cache.hashing import hash_chain
 from engine.sampling_params import SamplingParams
 from service.auth import ApiKeyInterceptor
 from service.convert import dict_to_struct
 from service.errors import refused_metadata, was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
-from service.pods import Pod, PodAccess, PodPool, PodState, prompt_block_hashes
+from service.pods import Pod, PodAccess, PodPool, PodState
 from service.router_metrics import RouterMetrics
 from service.tls import ListenError, ServerTLS, listen
 
@@ -402,10 +403,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
         )
 
     def _hashes(self, pool: PodPool, ids: list[int]) -> list[bytes]:
+        """The prompt's block hashes as the pool's engines compute them (the
+        same function), to match against their KV events."""
         if not pool.follow_kv_events:
             return []
         block_size = next((p.block_size for p in pool.pods if p.block_size), 0)
-        return prompt_block_hashes(ids, block_size) if block_size else []
+        return hash_chain(ids, block_size) if block_size else []
 
     async def _token_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
