@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from connectors.kv_transfer_params import KVTransferParams
+
 if TYPE_CHECKING:
     from engine.config import KVTransferConfig
     from engine.kv_cache.events import KVCacheEvent
@@ -111,7 +113,7 @@ class KVConnectorBase(ABC):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         """A request finished. Return ``(delay_free, kv_transfer_params)``:
         with ``delay_free`` the scheduler keeps the blocks until the worker
         reports the request in ``finished_sending``. The params travel back

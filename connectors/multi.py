@@ -21,6 +21,7 @@ from connectors.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from connectors.kv_transfer_params import KVTransferParams
 from engine.config import ConfigError, KVTransferConfig
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class MultiConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self._chosen.pop(request.request_id, None)
         delay, params = False, None
         for tier in self.tiers:

@@ -81,6 +81,7 @@ from google.protobuf import descriptor, struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.config import ConfigError
 from engine.kv_cache.hashing import hash_chain
 from engine.sampling_params import SamplingParams
@@ -589,7 +590,9 @@ def _prefill_request(
         out.sampling.ignore_eos = True
         out.sampling.ClearField("stop_token_ids")
     if max_tokens > 1:
-        out.kv_transfer_params.CopyFrom(dict_to_struct({"do_remote_decode": True}))
+        out.kv_transfer_params.CopyFrom(
+            dict_to_struct(KVTransferParams(do_remote_decode=True).to_dict())
+        )
     return out
 
 

@@ -18,7 +18,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, ConfigError, SchedulerConfig
 from engine.kv_cache.hashing import BlockHasher
@@ -40,6 +40,7 @@ from engine.stats import KVConnectorStats, PrefixCacheStats, SchedulerStats
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorBase
+    from connectors.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class Scheduler(SchedulerInterface):
             if request is not None and request.is_finished():
                 self.connector.request_released(request)
 
-    def _free_request(self, request: Request) -> dict[str, Any] | None:
+    def _free_request(self, request: Request) -> KVTransferParams | None:
         """Retire a finished request; its blocks wait if a connector is
         still sending them. Returns the connector's kv_transfer_params."""
         delay_free, kv_transfer_params = self._connector_finished(request)
@@ -703,7 +704,7 @@ class Scheduler(SchedulerInterface):
     # KV connector paths
     # ------------------------------------------------------------------
 
-    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def _connector_finished(self, request: Request) -> tuple[bool, KVTransferParams | None]:
         if self.connector is None:
             return False, None
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
