@@ -49,6 +49,32 @@ class MultiConnector(KVConnectorBase):
         ]
         self._chosen: dict[str, int] = {}  # request id -> tier that loads it
 
+    # ---- side channel: the tiers' ----------------------------------------
+
+    @classmethod
+    def side_channel_connectors(cls, config: KVTransferConfig) -> tuple[str, ...]:
+        from connectors.factory import connector_class
+
+        return tuple(
+            name
+            for tier in _tier_configs(config)
+            for name in connector_class(tier.kv_connector).side_channel_connectors(tier)
+        )
+
+    @classmethod
+    def with_side_channel(cls, config: KVTransferConfig, host: str, port: int) -> KVTransferConfig:
+        """Each tier's entry told as that tier's class would be (a tier is
+        built from its own entry's extra config, not from this one's)."""
+        from connectors.factory import connector_class
+
+        tiers = _tier_configs(config)  # checks the entries
+        told = []
+        for entry, tier in zip(config.kv_connector_extra_config["connectors"], tiers, strict=True):
+            tier_told = connector_class(tier.kv_connector).with_side_channel(tier, host, port)
+            told.append({**entry, "kv_connector_extra_config": tier_told.kv_connector_extra_config})
+        extra = {**config.kv_connector_extra_config, "connectors": told}
+        return replace(config, kv_connector_extra_config=extra)
+
     # ---- scheduler half -------------------------------------------------
 
     def request_added(self, request: Request) -> None:

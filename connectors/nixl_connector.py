@@ -62,6 +62,8 @@ class NixlConnectorMetadata(KVConnectorMetadata):
 
 
 class NixlConnector(KVConnectorBase):
+    needs_side_channel = True  # a consumer fetches the producer's handshake there
+
     def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
         super().__init__(role, context)
         config = context.config
