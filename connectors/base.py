@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from connectors.kv_transfer_params import KVTransferParams
 
 if TYPE_CHECKING:
     from engine.config import KVTransferConfig
@@ -68,6 +70,29 @@ class ConnectorContext:
 class KVConnectorBase(ABC):
     """Base class of every KV connector."""
 
+    # Whether peers fetch this connector's ``side_channel_payload`` over the
+    # pod's gRPC port (``tandem.v1.KVTransfer``): the service then tells it
+    # where that port is, as ``side_channel_host``/``side_channel_port`` in
+    # its extra config, and serves the payload.
+    needs_side_channel: ClassVar[bool] = False
+
+    @classmethod
+    def side_channel_connectors(cls, config: KVTransferConfig) -> tuple[str, ...]:
+        """The names of the connectors that publish a side channel when this
+        class is built from ``config``: its own if it needs one (a composite
+        answers for its parts). Peers ask the side channel by that name."""
+        return (config.kv_connector,) if cls.needs_side_channel else ()
+
+    @classmethod
+    def with_side_channel(cls, config: KVTransferConfig, host: str, port: int) -> KVTransferConfig:
+        """``config`` telling a connector that needs a side channel where it
+        is (unless its extra config already says); else ``config`` as is."""
+        if not cls.needs_side_channel:
+            return config
+        extra = {"side_channel_host": host, "side_channel_port": port}
+        extra.update(config.kv_connector_extra_config)
+        return replace(config, kv_connector_extra_config=extra)
+
     def __init__(self, role: KVConnectorRole, context: ConnectorContext | None = None) -> None:
         self.role = role
         self.context = context
@@ -111,7 +136,7 @@ class KVConnectorBase(ABC):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         """A request finished. Return ``(delay_free, kv_transfer_params)``:
         with ``delay_free`` the scheduler keeps the blocks until the worker
         reports the request in ``finished_sending``. The params travel back

@@ -1,11 +1,16 @@
-"""KVTransferParams: the typed form of a request's ``kv_transfer_params``.
+"""KVTransferParams: what a prefill leg hands a decode leg, typed.
 
-On the wire (``GenerateRequest.kv_transfer_params``, a protobuf Struct) and
-in ``Request.kv_transfer_params`` the params are a JSON-like dict, as in
-vLLM. The front door checks every incoming dict with ``from_dict``, so a
-wrong type (``"do_remote_decode": "yes"``, which a truthiness test would take
-for true) or an unknown key is refused naming the key, before any connector
-reads it. The keys are the ones Tandem's router and connectors exchange:
+The router asks a prefill pod to keep a request's KV
+(``do_remote_decode``); the prefill pod's connector answers where the KV is;
+the router passes that to the decode leg, whose connector reads it. Inside
+every process these params are a ``KVTransferParams`` (``Request``,
+``EngineCoreOutput``, the connector API); only on the wire
+(``GenerateRequest``/``GenerateResponse.kv_transfer_params``, a protobuf
+Struct) are they a JSON-like dict, as in vLLM: ``from_dict`` on the way in
+(service/convert.py), ``to_dict`` on the way out. ``from_dict`` refuses a
+wrong type (``"do_remote_decode": "yes"``, which a truthiness test would
+take for true) or an unknown key naming the key, before any connector reads
+it. The keys are the ones Tandem's router and connectors exchange:
 
     do_remote_decode    prefill leg: keep the KV for a decode pod
     do_remote_prefill   decode leg: the KV comes from a prefill pod
@@ -71,7 +76,8 @@ class KVTransferParams:
         return cls(**checked)
 
     def to_dict(self) -> dict[str, Any]:
-        """The set fields, as the connectors read them (lists, not tuples)."""
+        """The set fields, for the wire (lists, not tuples): what
+        ``from_dict`` reads back as these params."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -21,6 +21,7 @@ from connectors.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from connectors.kv_transfer_params import KVTransferParams
 from engine.config import ConfigError, KVTransferConfig
 
 if TYPE_CHECKING:
@@ -47,6 +48,32 @@ class MultiConnector(KVConnectorBase):
             for config in _tier_configs(context.config)
         ]
         self._chosen: dict[str, int] = {}  # request id -> tier that loads it
+
+    # ---- side channel: the tiers' ----------------------------------------
+
+    @classmethod
+    def side_channel_connectors(cls, config: KVTransferConfig) -> tuple[str, ...]:
+        from connectors.factory import connector_class
+
+        return tuple(
+            name
+            for tier in _tier_configs(config)
+            for name in connector_class(tier.kv_connector).side_channel_connectors(tier)
+        )
+
+    @classmethod
+    def with_side_channel(cls, config: KVTransferConfig, host: str, port: int) -> KVTransferConfig:
+        """Each tier's entry told as that tier's class would be (a tier is
+        built from its own entry's extra config, not from this one's)."""
+        from connectors.factory import connector_class
+
+        tiers = _tier_configs(config)  # checks the entries
+        told = []
+        for entry, tier in zip(config.kv_connector_extra_config["connectors"], tiers, strict=True):
+            tier_told = connector_class(tier.kv_connector).with_side_channel(tier, host, port)
+            told.append({**entry, "kv_connector_extra_config": tier_told.kv_connector_extra_config})
+        extra = {**config.kv_connector_extra_config, "connectors": told}
+        return replace(config, kv_connector_extra_config=extra)
 
     # ---- scheduler half -------------------------------------------------
 
@@ -84,7 +111,7 @@ class MultiConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self._chosen.pop(request.request_id, None)
         delay, params = False, None
         for tier in self.tiers:

@@ -37,6 +37,7 @@ from connectors.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from connectors.kv_transfer_params import KVTransferParams
 from connectors.nixl_handshake import PeerInfo, compat_facts, compat_hash, fetch_peer_info
 from connectors.nixl_worker import NixlWorker, RecvSpec, RemoteSource
 from engine.request import RequestStatus
@@ -61,6 +62,8 @@ class NixlConnectorMetadata(KVConnectorMetadata):
 
 
 class NixlConnector(KVConnectorBase):
+    needs_side_channel = True  # a consumer fetches the producer's handshake there
+
     def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
         super().__init__(role, context)
         config = context.config
@@ -139,7 +142,7 @@ class NixlConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         req_id = request.request_id
         self._local_tokens.pop(req_id, None)
         self._failed.discard(req_id)
@@ -147,12 +150,14 @@ class NixlConnector(KVConnectorBase):
             self._meta.ended.append(req_id)
         # A READ under way writes into these blocks: they wait for it.
         delay_free = self._inflight.pop(req_id, None) is not None
-        params = request.kv_transfer_params or {}
-        if self.is_producer and params.get("do_remote_decode"):
+        params = request.kv_transfer_params
+        if self.is_producer and params is not None and params.do_remote_decode:
             return self._offer(request, block_ids)
         return delay_free, None
 
-    def _offer(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _offer(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, KVTransferParams | None]:
         """Producer: keep a finished request's prompt blocks (the last one
         partial) for the consumer; kv_transfer_params say where they are."""
         if request.status not in (
@@ -162,18 +167,18 @@ class NixlConnector(KVConnectorBase):
             return False, None  # aborted or failed: nobody will read
         computed = request.num_computed_tokens
         held = min(-(-computed // self.block_size), len(block_ids))
-        params = {
-            "do_remote_prefill": True,
-            "kv_connector": "nixl",
-            "remote_engine_id": self.context.engine_id if self.context else "",
-            "remote_agent": self.agent_name,
-            "remote_address": self.address,
-            "remote_request_id": request.request_id,
-            "remote_block_ids": block_ids[:held],
-            "remote_num_tokens": min(computed, held * self.block_size),
-            "remote_compat": self.compat_hash,
-            "num_blocks": held,
-        }
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            kv_connector="nixl",
+            remote_engine_id=self.context.engine_id if self.context else "",
+            remote_agent=self.agent_name,
+            remote_address=self.address,
+            remote_request_id=request.request_id,
+            remote_block_ids=tuple(block_ids[:held]),
+            remote_num_tokens=min(computed, held * self.block_size),
+            remote_compat=self.compat_hash,
+            num_blocks=held,
+        )
         if held == 0:
             return False, params
         self._meta.holds.append(request.request_id)
@@ -190,9 +195,9 @@ class NixlConnector(KVConnectorBase):
         req_id = request.request_id
         if req_id in self._sources:
             return self._sources[req_id]
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params
         source = None
-        if self.is_consumer and params.get("do_remote_prefill") and params.get("remote_agent"):
+        if self.is_consumer and params and params.do_remote_prefill and params.remote_agent:
             try:
                 source = RemoteSource.from_params(params)
             except ValueError as e:

@@ -31,8 +31,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from connectors.kv_transfer_params import KVTransferParams
 from connectors.nixl_endpoint import NixlEndpoint, Peer
 from connectors.nixl_handshake import PeerInfo, incompatibility
 from engine.stats import KVConnectorStats, TransferFailure
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_RETRY_SECONDS = 5.0
 # A done/reject that beats the hold it is about is kept this long.
 EARLY_NOTIF_SECONDS = 60.0
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,21 +60,23 @@ class RemoteSource:
     compat_hash: str
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> RemoteSource:
-        """Raises ValueError naming the missing or malformed key."""
-        try:
-            return cls(
-                address=str(params["remote_address"]),
-                agent_name=str(params["remote_agent"]),
-                request_id=str(params["remote_request_id"]),
-                block_ids=tuple(int(b) for b in params["remote_block_ids"]),
-                num_tokens=int(params["remote_num_tokens"]),
-                compat_hash=str(params["remote_compat"]),
-            )
-        except KeyError as e:
-            raise ValueError(f"kv_transfer_params lacks {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"kv_transfer_params is malformed: {e}") from None
+    def from_params(cls, params: KVTransferParams) -> RemoteSource:
+        """Raises ValueError naming the first missing key (the types were
+        checked when the params were made)."""
+        return cls(
+            address=_required(params.remote_address, "remote_address"),
+            agent_name=_required(params.remote_agent, "remote_agent"),
+            request_id=_required(params.remote_request_id, "remote_request_id"),
+            block_ids=_required(params.remote_block_ids, "remote_block_ids"),
+            num_tokens=_required(params.remote_num_tokens, "remote_num_tokens"),
+            compat_hash=_required(params.remote_compat, "remote_compat"),
+        )
+
+
+def _required(value: T | None, key: str) -> T:
+    if value is None:
+        raise ValueError(f"kv_transfer_params lacks {key!r}")
+    return value
 
 
 @dataclass

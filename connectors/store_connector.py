@@ -35,6 +35,7 @@ from connectors.base import (
 )
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import FrameBuffers, KVBlockIO
+from connectors.kv_transfer_params import KVTransferParams
 from connectors.store import (
     RETAINED_FRAME_BYTES,
     BlockStore,
@@ -146,8 +147,8 @@ class StoreConnector(KVConnectorBase):
             return 0, False
         if self._wants_remote_prefill(request):
             # The producer says how many leading blocks it saved.
-            params = request.kv_transfer_params or {}
-            last = min(last, int(params.get("num_blocks", last)))
+            saved = request.kv_transfer_params.num_blocks if request.kv_transfer_params else None
+            last = last if saved is None else min(last, saved)
             return max(0, last - first) * self.block_size, last > first
         hits = self._stored_prefix(request, first, last)
         if hits is None:
@@ -285,7 +286,7 @@ class StoreConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         req_id = request.request_id
         tracked = self._tracked.pop(req_id, None)
         self._local_tokens.pop(req_id, None)
@@ -299,23 +300,23 @@ class StoreConnector(KVConnectorBase):
         # finished_sending), so the transfer never writes into reused blocks.
         # Saves hold nothing: the blocks were copied out when computed.
         delay_free = spec is not None and spec.is_async
-        params = request.kv_transfer_params or {}
-        if not (self.is_producer and params.get("do_remote_decode")):
+        params = request.kv_transfer_params
+        if not (self.is_producer and params is not None and params.do_remote_decode):
             return delay_free, None
         saved = tracked.saved_blocks if tracked is not None else 0
         assert self.context is not None
-        return delay_free, {
-            "do_remote_prefill": True,
-            "kv_connector": self.context.config.kv_connector,
-            "remote_engine_id": self.context.engine_id,
-            "num_blocks": saved,
-        }
+        return delay_free, KVTransferParams(
+            do_remote_prefill=True,
+            kv_connector=self.context.config.kv_connector,
+            remote_engine_id=self.context.engine_id,
+            num_blocks=saved,
+        )
 
     def _wants_remote_prefill(self, request: Request) -> bool:
         """A P/D consumer's first attempt; after a failed load the request
         looks up like any other (and recomputes what is bad)."""
         params = request.kv_transfer_params
-        wants = bool(params and params.get("do_remote_prefill"))
+        wants = bool(params is not None and params.do_remote_prefill)
         return wants and request.request_id not in self._failed_reqs
 
     # ==== worker half ======================================================

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.input_processor import InputProcessor, InvalidRequestError
@@ -76,7 +77,7 @@ class StreamDelta:
     num_prompt_tokens: int
     num_generated_tokens: int  # cumulative
     num_cached_tokens: int
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None
 
 
 class EngineObserver(Protocol):

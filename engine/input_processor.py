@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import jinja2
 from jinja2 import nodes
 from transformers import PreTrainedTokenizerBase
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -164,7 +164,7 @@ class InputProcessor:
         params: SamplingParams,
         *,
         priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
         num_output_tokens_in_prompt: int = 0,
     ) -> Request:

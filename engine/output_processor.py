@@ -17,10 +17,10 @@ replays them and streams the rest (engine/detokenizer.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineCoreOutput, LogprobsLists
 from engine.request import FinishReason, Request
@@ -55,7 +55,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or token id matched
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass
@@ -100,7 +100,8 @@ class OutputProcessor:
             params,
             num_output_tokens_in_prompt=request.num_output_tokens_in_prompt,
         )
-        hands_over = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        kv_params = request.kv_transfer_params
+        hands_over = bool(kv_params and kv_params.do_remote_decode)
         state = _RequestState(output, detok, params.logprobs, hands_over)
         self._states[request.request_id] = state
 

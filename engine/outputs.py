@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.kv_cache.events import KVCacheEvent
 from engine.request import FinishReason
 from engine.stats import KVConnectorStats, SchedulerStats
@@ -99,7 +99,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     new_logprobs: LogprobsLists | None = None
     stop_reason: int | str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0
 
     @property

@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.kv_cache.hashing import BlockHash, BlockHasher
 from engine.sampling_params import SamplingParams
 
@@ -73,7 +73,9 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     client_index: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    # P/D: what the prefill leg keeps for a decode pod, or where the decode
+    # leg finds it (connectors.kv_transfer_params).
+    kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
     block_hasher: BlockHasher | None = None
     # The last this-many prompt tokens are output an earlier leg generated

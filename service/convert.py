@@ -37,7 +37,7 @@ class GenerateInput:
     prompt: ProcessedPrompt
     params: SamplingParams
     priority: int
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None
     num_output_tokens_in_prompt: int
 
 
@@ -119,10 +119,10 @@ def _signed32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def kv_transfer_params(msg: struct_pb2.Struct) -> dict[str, Any]:
-    """A request's kv_transfer_params, checked key by key (KVTransferParams)."""
+def kv_transfer_params(msg: struct_pb2.Struct) -> KVTransferParams:
+    """A request's kv_transfer_params, checked key by key."""
     try:
-        return KVTransferParams.from_dict(struct_to_dict(msg)).to_dict()
+        return KVTransferParams.from_dict(struct_to_dict(msg))
     except KVTransferParamsError as exc:
         raise InvalidRequestError(f"kv_transfer_params.{exc.key}", exc.reason) from exc
 
@@ -184,7 +184,7 @@ def _finish(resp: pb.GenerateResponse, last: StreamDelta) -> None:
     resp.usage.completion_tokens = last.num_generated_tokens
     resp.usage.cached_tokens = last.num_cached_tokens
     if last.kv_transfer_params is not None:
-        resp.kv_transfer_params.CopyFrom(dict_to_struct(last.kv_transfer_params))
+        resp.kv_transfer_params.CopyFrom(dict_to_struct(last.kv_transfer_params.to_dict()))
 
 
 def _logprobs(lp: TokenLogprob, decode: Any) -> pb.Logprobs:

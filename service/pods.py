@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.kv_cache.hashing import hash_block_tokens
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from service.tls import ClientTLS, open_channel
@@ -86,16 +85,6 @@ class Pod:
             if block_hash not in self.blocks:
                 return i
         return len(hashes)
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The hash chain of the prompt's full blocks, as every engine computes it."""
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]

@@ -40,9 +40,11 @@ prompt one token short of the limit is answered by the prefill leg alone.
 KV held for nobody: when no decode leg will read the prefill pod's blocks
 (the first token ended the request, or every decode pod asked refused the
 leg before its engine took it, as a pod's REFUSED_KEY trailing metadata
-says: invalid, queue full, draining), the router aborts the request on that
-prefill pod, which releases the blocks at once instead of when the lease
-lapses. A decode pod that took the request tells the prefill pod itself
+says: invalid, queue full, draining), the router releases the KV held on
+that prefill pod (``_release_held_kv``), at once instead of when the lease
+lapses. On the wire a release is the Abort RPC: the pod releases the held
+KV of a finished request, and aborts one still running (its blocks go with
+it). A decode pod that took the request tells the prefill pod itself
 (the connector's own done/reject); one whose connection broke may still be
 reading, so its blocks wait for the lease.
 
@@ -51,9 +53,8 @@ every pod it resolves to, re-resolved every ``resolve_seconds`` (service/pods.py
 
 A client that cancels or disconnects cancels both legs (each pod aborts its
 request and frees its blocks): at any moment after the prefill leg was
-sent and before a decode pod took its KV, the router also aborts the
-prefill leg on its pod, which releases blocks it may already hold for a
-decode leg that will now never come.
+sent and before a decode pod took its KV, the router also releases the KV
+the prefill pod may already hold for a decode leg that will now never come.
 
 No prefill pod available (none healthy, or each refused UNAVAILABLE): the
 request goes whole to a decode pod (colocated, no kv_transfer_params),
@@ -81,14 +82,16 @@ from google.protobuf import descriptor, struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.config import ConfigError
+from engine.kv_cache.hashing import hash_chain
 from engine.sampling_params import SamplingParams
 from service.auth import ApiKeyInterceptor
 from service.convert import dict_to_struct
 from service.errors import refused_metadata, was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
-from service.pods import Pod, PodAccess, PodPool, PodState, prompt_block_hashes
+from service.pods import Pod, PodAccess, PodPool, PodState
 from service.router_metrics import RouterMetrics
 from service.tls import ListenError, ServerTLS, listen
 
@@ -212,8 +215,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Both legs. From the moment the prefill leg is sent until a decode
         pod took its KV, leaving here (the client cancelled, a leg failed, or
-        no decode leg is needed) aborts the prefill leg on the pods that may
-        hold its KV: they release it at once instead of when the lease lapses."""
+        no decode leg is needed) releases the KV on the prefill pods that may
+        hold it: at once instead of when the lease lapses."""
         assert self.prefill is not None
         max_tokens = _max_tokens(request)
         limit = self.decode.max_model_len()
@@ -268,7 +271,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         finally:
             if not settled:
                 for pod in holders:
-                    self._release(pod, prefill_req.request_id)
+                    self._release_held_kv(pod, prefill_req.request_id)
 
     def _falls_back(self, error: _LegFailed) -> bool:
         return self.prefill_fallback and error.code == grpc.StatusCode.UNAVAILABLE
@@ -297,17 +300,20 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 self.metrics.num_prefill_fallbacks,
             )
 
-    def _release(self, pod: Pod, request_id: str) -> None:
+    def _release_held_kv(self, pod: Pod, request_id: str) -> None:
         """Tells a prefill pod that no decode pod will read the blocks it
-        may keep for `request_id`: Abort of a prefill-role request, live or
-        finished, releases them (else they wait for the lease). In the
+        may hold for `request_id` (else they wait for the lease). In the
         background: the client's answer does not wait for it."""
         self.metrics.releases.inc()
-        task = asyncio.create_task(self._abort_on(pod, request_id))
+        task = asyncio.create_task(self._send_release(pod, request_id))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _abort_on(self, pod: Pod, request_id: str) -> None:
+    async def _send_release(self, pod: Pod, request_id: str) -> None:
+        """The Abort RPC, which a pod takes for a release when `request_id`
+        has finished there (the engine's release_held_kv) and for an abort
+        while it runs: the prefill leg ended or was cancelled on the way,
+        and either frees what it holds. No RPC of its own is needed."""
         try:
             await pod.stub.Abort(
                 pb.AbortRequest(request_ids=[request_id]), timeout=5.0, metadata=pod.metadata
@@ -402,10 +408,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
         )
 
     def _hashes(self, pool: PodPool, ids: list[int]) -> list[bytes]:
+        """The prompt's block hashes as the pool's engines compute them (the
+        same function), to match against their KV events."""
         if not pool.follow_kv_events:
             return []
         block_size = next((p.block_size for p in pool.pods if p.block_size), 0)
-        return prompt_block_hashes(ids, block_size) if block_size else []
+        return hash_chain(ids, block_size) if block_size else []
 
     async def _token_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
@@ -586,7 +594,9 @@ def _prefill_request(
         out.sampling.ignore_eos = True
         out.sampling.ClearField("stop_token_ids")
     if max_tokens > 1:
-        out.kv_transfer_params.CopyFrom(dict_to_struct({"do_remote_decode": True}))
+        out.kv_transfer_params.CopyFrom(
+            dict_to_struct(KVTransferParams(do_remote_decode=True).to_dict())
+        )
     return out
 
 

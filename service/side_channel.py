@@ -3,7 +3,8 @@
 A decode pod's NixlConnector fetches a prefill pod's handshake (its NIXL
 agent metadata and KV layout) here, on the prefill pod's own gRPC port. The
 servicer only relays the engine connector's payload; the connector owns
-what it means.
+what it means, and its class says whether it has one
+(``KVConnectorBase.needs_side_channel``; a multi connector asks its tiers).
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ from dataclasses import replace
 import grpc
 from google.protobuf import wrappers_pb2
 
+from connectors.factory import UnknownConnectorError, connector_class
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig, KVTransferConfig
 from service.gen.tandem.v1 import kv_transfer_pb2_grpc
-
-# Connectors that publish a side channel and must know where it is.
-SIDE_CHANNEL_CONNECTORS = ("nixl",)
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
@@ -32,14 +31,15 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading")
         assert self.engine is not None
-        name = self.engine.config.kv_transfer.kv_connector if self.engine.config.kv_transfer else ""
+        kv = self.engine.config.kv_transfer
+        name = kv.kv_connector if kv else ""
         payload = self.engine.side_channel_payload()
         if payload is None:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"this pod's KV connector ({name or 'none'}) has no side channel",
             )
-        if request.value and request.value != name:
+        if request.value and request.value != name and request.value not in _publishers(kv):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"connector: this pod runs {name!r}, not {request.value!r}",
@@ -47,15 +47,27 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         return wrappers_pb2.BytesValue(value=payload)
 
 
+def _publishers(kv: KVTransferConfig | None) -> tuple[str, ...]:
+    """The connectors, by name, whose side channel this pod serves."""
+    if kv is None:
+        return ()
+    try:
+        return connector_class(kv.kv_connector).side_channel_connectors(kv)
+    except (UnknownConnectorError, ConfigError):
+        return ()
+
+
 def with_side_channel(config: EngineConfig, host: str, port: int) -> EngineConfig:
-    """Tells a side-channel connector where this server listens (unless its
-    extra config says): peers are sent there. A wildcard --host publishes
-    this host's address (a pod's IP in Kubernetes)."""
+    """Tells a connector that needs a side channel where this server listens
+    (unless its extra config says): peers are sent there. A wildcard --host
+    publishes this host's address (a pod's IP in Kubernetes)."""
     kv = config.kv_transfer
-    if kv is None or kv.kv_connector not in SIDE_CHANNEL_CONNECTORS:
+    if not _publishers(kv):
+        # None needed; or a bad connector config, which the engine reports
+        # when it builds the connector.
         return config
+    assert kv is not None
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = socket.gethostbyname(socket.gethostname())
-    extra = {"side_channel_host": host, "side_channel_port": port}
-    extra.update(kv.kv_connector_extra_config)
-    return replace(config, kv_transfer=replace(kv, kv_connector_extra_config=extra))
+    told = connector_class(kv.kv_connector).with_side_channel(kv, host, port)
+    return replace(config, kv_transfer=told)

@@ -3,7 +3,13 @@
 from engine.kv_cache.block import FreeBlockQueue, KVCacheBlock
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from engine.kv_cache.hashing import NONE_HASH, BlockHash, BlockHasher, hash_block_tokens
+from engine.kv_cache.hashing import (
+    NONE_HASH,
+    BlockHash,
+    BlockHasher,
+    hash_block_tokens,
+    hash_chain,
+)
 from engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
 
 __all__ = [
@@ -20,4 +26,5 @@ __all__ = [
     "KVCacheEvent",
     "KVCacheManager",
     "hash_block_tokens",
+    "hash_chain",
 ]

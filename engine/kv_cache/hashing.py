@@ -4,7 +4,11 @@
 keys)``. The encoding is canonical (little-endian int64 token ids, JSON extra
 keys) and the root is a fixed constant, so the same prefix hashes the same in
 every process, pod and restart. Connectors use these hashes as storage keys;
-the block pool uses them for prefix caching.
+the block pool uses them for prefix caching; the router (service/pods.py)
+matches them against the pods' KV events, so ``hash_chain`` is the one
+function that computes a chain: the engine's ``BlockHasher`` and the router
+both call it, and a pod's blocks are found by the router only because the
+two agree.
 """
 
 from __future__ import annotations
@@ -13,10 +17,7 @@ import hashlib
 import json
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.request import Request
+from typing import Protocol
 
 BlockHash = bytes
 """A 32-byte sha256 digest."""
@@ -41,11 +42,46 @@ def hash_block_tokens(
     return h.digest()
 
 
+def hash_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    known: Sequence[BlockHash] = (),
+    cache_salt: str | None = None,
+) -> list[BlockHash]:
+    """The hashes of the full blocks of ``token_ids`` that follow the
+    ``known`` ones (the chain of its first ``len(known)`` blocks, computed
+    earlier): all of them when ``known`` is empty. A partial last block has
+    no hash. The cache salt isolates tenants: it keys the first block, and
+    through the chain every block after it."""
+    start = len(known) * block_size
+    parent = known[-1] if known else None
+    new: list[BlockHash] = []
+    while start + block_size <= len(token_ids):
+        extra: ExtraKeys | None = (cache_salt,) if start == 0 and cache_salt else None
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
+        new.append(parent)
+        start += block_size
+    return new
+
+
+class HashedTokens(Protocol):
+    """What ``BlockHasher`` reads of a request (``engine.request.Request``)."""
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+
 class BlockHasher:
     """Computes the hashes of a request's newly completed full blocks.
 
     Called when a request is created and whenever its token list grows past a
-    block boundary; it extends ``request.block_hashes`` incrementally.
+    block boundary; the request extends its ``block_hashes`` with the result.
     """
 
     __slots__ = ("block_size",)
@@ -53,20 +89,7 @@ class BlockHasher:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def __call__(self, request: Request) -> list[BlockHash]:
-        size = self.block_size
-        tokens = request.all_token_ids
-        hashes = request.block_hashes
-        start = len(hashes) * size
-        parent = hashes[-1] if hashes else None
-        new: list[BlockHash] = []
-        while start + size <= len(tokens):
-            # The cache salt isolates tenants: it keys the first block, and
-            # through the chain every block after it.
-            extra: ExtraKeys | None = (
-                (request.cache_salt,) if start == 0 and request.cache_salt else None
-            )
-            parent = hash_block_tokens(parent, tokens[start : start + size], extra)
-            new.append(parent)
-            start += size
-        return new
+    def __call__(self, request: HashedTokens) -> list[BlockHash]:
+        return hash_chain(
+            request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
+        )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
@@ -33,6 +33,7 @@ from engine.stats import KVConnectorStats, PrefixCacheStats, SchedulerStats
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorBase
+    from connectors.kv_transfer_params import KVTransferParams
     from engine.outputs import KVConnectorOutput
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class KVTransfers:
         if self.connector is not None:
             self._started[request_id] = num_computed_tokens
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, KVTransferParams | None]:
         """Tell the connector; returns (whether it holds the blocks while
         it sends them, the kv_transfer_params for the output)."""
         if self.connector is None:

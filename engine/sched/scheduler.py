@@ -22,7 +22,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, ConfigError, SchedulerConfig
 from engine.kv_cache.hashing import BlockHasher
@@ -45,6 +45,7 @@ from engine.stats import SchedulerStats
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorBase
+    from connectors.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class Scheduler(SchedulerInterface):
     def release_held_kv(self, request_ids: Iterable[str]) -> None:
         self.kv_transfers.release_held(request_ids)
 
-    def _free_request(self, request: Request) -> dict[str, Any] | None:
+    def _free_request(self, request: Request) -> KVTransferParams | None:
         """Retire a finished request; its blocks wait if a connector is
         still sending them. Returns the connector's kv_transfer_params."""
         delay_free, kv_transfer_params = self.kv_transfers.request_finished(request)

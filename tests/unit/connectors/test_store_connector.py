@@ -22,6 +22,7 @@ import torch
 from connectors.base import ConnectorContext, KVConnectorRole, KVLayout
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import KVBlockIO
+from connectors.kv_transfer_params import KVTransferParams
 from connectors.store import BlockStore
 from connectors.store_connector import LoadSpec, StoreConnector, StoreConnectorMetadata
 from engine.config import KVTransferConfig
@@ -485,9 +486,7 @@ def test_remote_prefill_is_async_and_capped_by_num_blocks() -> None:
     conn = make_connector(store, kv_role="kv_consumer")
 
     def remote(num_blocks: int | None, num_tokens: int = 4 * BS + 2) -> Request:
-        params: dict[str, Any] = {"do_remote_prefill": True}
-        if num_blocks is not None:
-            params["num_blocks"] = num_blocks
+        params = KVTransferParams(do_remote_prefill=True, num_blocks=num_blocks)
         return make_request("r", prompt_of(num_tokens), kv_transfer_params=params)
 
     try:
@@ -513,7 +512,9 @@ def test_remote_prefill_through_the_scheduler() -> None:
     conn = make_connector(store, kv_role="kv_consumer")
     sched = make_scheduler(block_size=BS, num_blocks=64, connector=conn)
     request = make_request(
-        "r1", prompt_of(4 * BS + 2), kv_transfer_params={"do_remote_prefill": True, "num_blocks": 2}
+        "r1",
+        prompt_of(4 * BS + 2),
+        kv_transfer_params=KVTransferParams(do_remote_prefill=True, num_blocks=2),
     )
     sched.add_request(request)
     first = step(sched)
@@ -549,18 +550,18 @@ def test_request_finished_returns_params_for_remote_decode(kv_role: str) -> None
     conn = make_connector(store, kv_role=kv_role)
     sched = make_scheduler(block_size=BS, num_blocks=64, connector=conn)
     request = make_request(
-        "r1", prompt_of(4 * BS + 2), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        "r1",
+        prompt_of(4 * BS + 2),
+        max_tokens=1,
+        kv_transfer_params=KVTransferParams(do_remote_decode=True),
     )
     other = make_request("r2", prompt_of(4 * BS + 2, start=700), max_tokens=1)
     sched.add_request(request)
     sched.add_request(other)
     _, finals = run_collecting_saves(sched)
-    assert finals["r1"].kv_transfer_params == {
-        "do_remote_prefill": True,
-        "kv_connector": "dict",
-        "remote_engine_id": ENGINE_ID,
-        "num_blocks": 4,
-    }
+    assert finals["r1"].kv_transfer_params == KVTransferParams(
+        do_remote_prefill=True, kv_connector="dict", remote_engine_id=ENGINE_ID, num_blocks=4
+    )
     assert finals["r2"].kv_transfer_params is None
     assert free_blocks(sched) == 63
 
@@ -576,7 +577,7 @@ def test_request_finished_returns_params_for_remote_decode(kv_role: str) -> None
 def test_consumer_returns_no_params_for_remote_decode() -> None:
     conn = make_connector(DictStore(), kv_role="kv_consumer")
     request = make_request(
-        "r1", prompt_of(4 * BS + 2), kv_transfer_params={"do_remote_decode": True}
+        "r1", prompt_of(4 * BS + 2), kv_transfer_params=KVTransferParams(do_remote_decode=True)
     )
     assert conn.get_num_new_matched_tokens(request, 0) == (0, False)
     assert conn.request_finished(request, [1, 2]) == (False, None)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.outputs import EngineCoreOutput
@@ -31,7 +32,8 @@ def _one_token(
     """A one-token request's only output."""
     processor = OutputProcessor(tokenizer)
     sampling = SamplingParams(max_tokens=1, stop=stop or [])
-    processor.add_request(Request("r", [1, 2, 3], sampling, kv_transfer_params=params), None)
+    kv_params = KVTransferParams.from_dict(params) if params is not None else None
+    processor.add_request(Request("r", [1, 2, 3], sampling, kv_transfer_params=kv_params), None)
     results, _ = processor.process([EngineCoreOutput("r", [token_id], reason)])
     return results[0]
 

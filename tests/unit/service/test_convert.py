@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.async_engine import EngineStatus, KvEventBatch, StreamDelta
 from engine.input_processor import InputProcessor, InvalidRequestError
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -46,7 +47,8 @@ def test_kv_transfer_params_round_trip(inputs: InputProcessor) -> None:
     msg = make_request(token_ids=[5, 6])
     msg.kv_transfer_params.update({"do_remote_decode": True, "remote_block_ids": [1, 2]})
     got = convert.generate_input(msg, inputs)
-    assert got.kv_transfer_params == {"do_remote_decode": True, "remote_block_ids": [1, 2]}
+    want = KVTransferParams(do_remote_decode=True, remote_block_ids=(1, 2))
+    assert got.kv_transfer_params == want
 
 
 @pytest.mark.parametrize(
@@ -133,8 +135,8 @@ def test_the_params_pods_exchange_pass(inputs: InputProcessor) -> None:
     msg = make_request(token_ids=[5, 6])
     msg.kv_transfer_params.update(params)
     got = convert.generate_input(msg, inputs).kv_transfer_params
-    assert got == params
-    assert got is not None and all(type(b) is int for b in got["remote_block_ids"])
+    assert got is not None and got.to_dict() == params
+    assert got.remote_block_ids is not None and all(type(b) is int for b in got.remote_block_ids)
 
 
 def test_text_too_big_to_fit_is_refused_untokenized(
@@ -225,7 +227,7 @@ def test_deltas_merge_into_one_response() -> None:
             stop_reason="\n\n",
             num_generated_tokens=2,
             num_cached_tokens=16,
-            kv_transfer_params={"remote_engine_id": "p0"},
+            kv_transfer_params=KVTransferParams(remote_engine_id="p0"),
         ),
     ]
     resp = convert.generate_response(deltas, lambda t: f"<{t}>", want_logprobs=True)

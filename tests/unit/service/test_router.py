@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
+from engine.kv_cache.hashing import BlockHasher
+from engine.request import Request
+from engine.sampling_params import SamplingParams
 from service.client import make_request
 from service.convert import dict_to_struct, struct_to_dict
 from service.gen.tandem.v1 import generation_pb2 as pb
+from service.pods import PodPool, PodState
 from service.router import (
     DEFAULT_MAX_TOKENS,
+    RouterServicer,
     _add_counts,
     _decode_request,
     _LegFailed,
@@ -96,3 +103,32 @@ def test_router_status_sums_the_pods_counts_only() -> None:
     assert (total.num_running, total.prefix_cache_hits) == (5, 150)
     assert total.kv_cache_usage == 0.0 and total.uptime_seconds == 0.0
     assert total.num_prefill_fallbacks == 0
+
+
+def test_the_router_finds_a_prompt_where_the_pods_engines_hashed_it() -> None:
+    """Prefix-aware routing matches the router's hashes of a prompt against
+    the block hashes a pod's KV events name, which its engine's BlockHasher
+    computed: the two must be the same chain (the same function)."""
+    ids = list(range(100, 111))  # two full blocks of 4, and a partial one
+    engine_side = Request("r", ids, SamplingParams(), block_hasher=BlockHasher(4)).block_hashes
+
+    async def route() -> tuple[list[bytes], int]:
+        pool = PodPool(
+            "decode", ["127.0.0.1:9", "127.0.0.1:10"], follow_kv_events=True, poll_seconds=60.0
+        )
+        holder = pool.pods[1]
+        for pod in pool.pods:
+            pod.block_size, pod.state = 4, PodState.UP
+        holder.load = 5.0  # busier, but it holds the prompt's blocks
+        holder.blocks.update(engine_side)
+        try:
+            hashes = RouterServicer(None, pool)._hashes(pool, ids)
+            picked = pool.pick(hashes)
+            assert picked is not None
+            return hashes, pool.pods.index(picked)
+        finally:
+            await pool.close()
+
+    hashes, picked = asyncio.run(route())
+    assert len(engine_side) == 2 and hashes == engine_side
+    assert picked == 1

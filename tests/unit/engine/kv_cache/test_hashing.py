@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from engine.kv_cache.hashing import NONE_HASH, BlockHasher, hash_block_tokens
+from engine.kv_cache.hashing import NONE_HASH, BlockHasher, hash_block_tokens, hash_chain
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -57,3 +57,28 @@ def test_cache_salt_isolates_identical_prompts():
         "b", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), cache_salt="t1", block_hasher=hasher
     )
     assert not set(plain.block_hashes) & set(salted.block_hashes)
+
+
+def test_a_request_hashes_its_blocks_with_the_one_chain_function():
+    """BlockHasher, as a request grows token by token, gives exactly the
+    chain hash_chain gives for all its tokens at once (what the router
+    computes for a prompt): salted or not."""
+    for salt in (None, "t1"):
+        hasher = BlockHasher(4)
+        req = Request("r", list(range(7)), SamplingParams(), cache_salt=salt, block_hasher=hasher)
+        for token in range(7, 20):
+            req.append_output_token_id(token)
+            assert req.block_hashes == hash_chain(req.all_token_ids, 4, cache_salt=salt)
+        assert len(req.block_hashes) == 5
+
+
+def test_the_chain_goes_on_from_the_hashes_already_known():
+    tokens = list(range(40))
+    whole = hash_chain(tokens, 8)
+    assert len(whole) == 5 and whole[0] == hash_block_tokens(None, tokens[:8])
+    assert hash_chain(tokens, 8, whole[:2]) == whole[2:]
+    assert hash_chain(tokens, 8, whole) == []
+    assert hash_chain(tokens[:7], 8) == []  # a partial block has no hash
+    salted = hash_chain(tokens, 8, cache_salt="t1")
+    assert salted[0] == hash_block_tokens(None, tokens[:8], ("t1",))
+    assert hash_chain(tokens, 8, salted[:1], cache_salt="t1") == salted[1:]

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from connectors.kv_transfer_params import KVTransferParams
 from engine.kv_cache.manager import KVCacheBlocks
 from engine.outputs import KVConnectorOutput
 from engine.request import FinishReason, Request, RequestStatus
@@ -60,10 +61,10 @@ class FakeConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self.finished.append((request.request_id, block_ids))
         if self.delay_free:
-            return True, {"remote_block_ids": block_ids}
+            return True, KVTransferParams(remote_block_ids=tuple(block_ids))
         return False, None
 
     def start_load_kv(self, **kwargs: Any) -> None:
@@ -151,7 +152,7 @@ def test_delayed_free_keeps_blocks_until_finished_sending():
     sched.add_request(make_request("r0", 20, max_tokens=1))
     s1 = step(sched)
     assert s1.finished() == {"r0": "length"}
-    assert s1.outputs[0].kv_transfer_params == {"remote_block_ids": [1, 2]}
+    assert s1.outputs[0].kv_transfer_params == KVTransferParams(remote_block_ids=(1, 2))
     assert conn.finished == [("r0", [1, 2])]
     assert free_blocks(sched) == 97  # held for the consumer
     assert "r0" in sched.requests and not sched.has_unfinished_requests()
