@@ -37,14 +37,14 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
-class FinishReason(enum.Enum):
+class FinishReason(enum.StrEnum):
+    """Why a request's output ended; equal to its value ("stop", ...), the
+    metrics label. The wire has its own enum (service/convert.py)."""
+
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _FINISH_REASONS = {
@@ -64,6 +64,8 @@ class Request:
     of them (plus scheduled drafts) have KV in the cache. The lists are owned
     by the request: read them, never mutate them from outside.
     Identity semantics (eq=False): requests live in sets and dicts.
+    The front end (``InputProcessor.make_request``) validated every field
+    that came from a caller; the request does not check them again.
     """
 
     request_id: str
@@ -100,8 +102,6 @@ class Request:
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("request_id: must be a non-empty string")
-        if len(self.prompt_token_ids) == 0:
-            raise ValueError(f"prompt_token_ids: request {self.request_id} has an empty prompt")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

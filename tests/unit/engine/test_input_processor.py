@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.input_processor import (
-    STANDARD_ROLES,
-    InputProcessor,
-    InvalidRequestError,
-    template_roles,
-)
+from engine.chat_template import STANDARD_ROLES, template_roles
+from engine.errors import InvalidRequestError
+from engine.input_processor import InputProcessor
 from engine.models.loader import load_tokenizer, resolve_model
 
 
@@ -37,13 +34,13 @@ def test_no_token_covers_more_bytes_than_the_bound(inputs: InputProcessor, text:
 
 
 def test_text_at_the_byte_bound_is_tokenized_and_counted(inputs: InputProcessor) -> None:
-    prompt = inputs.process_prompt("a" * inputs.max_prompt_bytes)  # not refused by size
+    # Not refused by its size (bytes) but by its count of tokens.
     with pytest.raises(InvalidRequestError, match=r"^prompt: has \d+ tokens"):
-        inputs.check_length(len(prompt.token_ids))
+        inputs.process_prompt("a" * inputs.max_prompt_bytes)
 
 
 def test_the_default_template_takes_the_standard_roles(inputs: InputProcessor) -> None:
-    assert inputs.chat_roles == STANDARD_ROLES
+    assert inputs.chat.roles == STANDARD_ROLES
     for role in sorted(STANDARD_ROLES):
         assert inputs.render_chat([{"role": role, "content": "hi"}]).count("<|im_start|>") >= 2
 

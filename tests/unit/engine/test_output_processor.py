@@ -32,8 +32,7 @@ def _one_token(
     processor = OutputProcessor(tokenizer)
     sampling = SamplingParams(max_tokens=1, stop=stop or [])
     processor.add_request(Request("r", [1, 2, 3], sampling, kv_transfer_params=params), None)
-    results, _ = processor.process([EngineCoreOutput("r", [token_id], reason)])
-    return results[0]
+    return processor.process([EngineCoreOutput("r", [token_id], reason)]).outputs[0]
 
 
 def test_a_prefill_leg_that_hands_over_keeps_back_an_incomplete_character(
@@ -42,10 +41,10 @@ def test_a_prefill_leg_that_hands_over_keeps_back_an_incomplete_character(
     first = tokenizer.encode(EMOJI)[0]  # the emoji's first byte
     remote = {"do_remote_decode": True}
     handed_over = _one_token(tokenizer, first, FinishReason.LENGTH, remote)
-    assert handed_over.finished and handed_over.delta_text == ""
+    assert handed_over.finished and handed_over.text == ""
     # The output ends here: flushed, as a full decode would show it.
-    assert _one_token(tokenizer, first, FinishReason.LENGTH, None).delta_text == "\ufffd"
-    assert _one_token(tokenizer, first, FinishReason.STOP, remote).delta_text == "\ufffd"
+    assert _one_token(tokenizer, first, FinishReason.LENGTH, None).text == "\ufffd"
+    assert _one_token(tokenizer, first, FinishReason.STOP, remote).text == "\ufffd"
 
 
 def test_a_prefill_leg_that_hands_over_keeps_back_a_stop_string_start(
@@ -53,8 +52,8 @@ def test_a_prefill_leg_that_hands_over_keeps_back_a_stop_string_start(
 ) -> None:
     (four,) = tokenizer.encode(" four")
     out = _one_token(tokenizer, four, FinishReason.LENGTH, {"do_remote_decode": True}, ["ur,"])
-    assert out.delta_text == " fo" and out.finish_reason == "length"
-    assert _one_token(tokenizer, four, FinishReason.LENGTH, None, ["ur,"]).delta_text == " four"
+    assert out.text == " fo" and out.finish_reason == "length"
+    assert _one_token(tokenizer, four, FinishReason.LENGTH, None, ["ur,"]).text == " four"
 
 
 def test_a_resumed_request_streams_the_rest_of_the_text(
@@ -64,5 +63,5 @@ def test_a_resumed_request_streams_the_rest_of_the_text(
     processor = OutputProcessor(tokenizer)
     request = Request("r", [1, 2, ids[0]], SamplingParams(), num_output_tokens_in_prompt=1)
     processor.add_request(request, None)
-    results, _ = processor.process([EngineCoreOutput("r", ids[1:], FinishReason.LENGTH)])
-    assert results[0].delta_text == EMOJI and results[0].token_ids == ids[1:]
+    (out,) = processor.process([EngineCoreOutput("r", ids[1:], FinishReason.LENGTH)]).outputs
+    assert out.text == EMOJI and out.token_ids == ids[1:]
