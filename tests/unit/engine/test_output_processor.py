@@ -8,8 +8,8 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engine.models.loader import load_tokenizer, resolve_model
-from engine.output_processor import OutputProcessor, RequestOutput
-from engine.outputs import EngineCoreOutput
+from engine.output_processor import OutputKind, OutputProcessor, RequestOutput
+from engine.outputs import EngineCoreOutput, LogprobsLists
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 
@@ -65,3 +65,27 @@ def test_a_resumed_request_streams_the_rest_of_the_text(
     processor.add_request(request, None)
     (out,) = processor.process([EngineCoreOutput("r", ids[1:], FinishReason.LENGTH)]).outputs
     assert out.text == EMOJI and out.token_ids == ids[1:]
+
+
+def test_logprobs_carry_each_tokens_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    hello, world = tokenizer.encode("Hello world")
+    processor = OutputProcessor(tokenizer)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=1))
+    processor.add_request(request, None, OutputKind.FINAL)
+    rows = LogprobsLists([[hello, world]], [[-0.5, -1.5]], [1])
+    assert processor.process([EngineCoreOutput("r", [hello], new_logprobs=rows)]).outputs == []
+    rows = LogprobsLists([[world, hello]], [[-0.1, -3.0]], [1])
+    (out,) = processor.process(
+        [EngineCoreOutput("r", [world], FinishReason.LENGTH, new_logprobs=rows)]
+    ).outputs
+    assert out.logprobs is not None and [lp.token_id for lp in out.logprobs] == [hello, world]
+    assert out.logprobs[0].text == {hello: "Hello", world: " world"}
+    assert out.logprobs[0].top == {world: -1.5}
+    assert out.text == "Hello world" and out.token_ids == [hello, world]
+
+
+def test_an_output_without_logprobs_asked_has_none(tokenizer: PreTrainedTokenizerBase) -> None:
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(Request("r", [1, 2, 3], SamplingParams()), "a prompt")
+    (out,) = processor.process([EngineCoreOutput("r", [5])]).outputs
+    assert out.logprobs is None and out.prompt == "a prompt" and not out.finished
