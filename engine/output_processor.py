@@ -164,7 +164,11 @@ class OutputProcessor:
         state = self._states.pop(request_id, None)
         if state is None:
             return None
-        return self._output(state, "", [], [], reason, None, None)
+        if state.kind is OutputKind.FINAL:
+            text, token_ids, logprobs = self._whole(state)
+        else:
+            text, token_ids, logprobs = "", [], [] if state.logprobs is not None else None
+        return self._output(state, text, token_ids, logprobs, reason, None, None)
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Apply one step's outputs (see ``ProcessedOutputs``)."""
@@ -182,15 +186,17 @@ class OutputProcessor:
             out, stopped = self._apply(state, core_out)
             if stopped:
                 processed.stopped_by_string.append(core_out.request_id)
-            if out.finished:
-                del self._states[core_out.request_id]
-            if out.finished or state.kind is OutputKind.DELTA:
+            if out is not None:
                 processed.outputs.append(out)
+                if out.finished:
+                    del self._states[core_out.request_id]
         return processed
 
     def _apply(
         self, state: _RequestState, core_out: EngineCoreOutput
-    ) -> tuple[RequestOutput, bool]:
+    ) -> tuple[RequestOutput | None, bool]:
+        """One request's step: its output (None for a FINAL one still
+        running), and whether a stop string ended it here (not the core)."""
         new_ids = core_out.new_token_ids
         state.num_generated_tokens += len(new_ids)
         state.num_cached_tokens = max(core_out.num_cached_tokens, 0)
@@ -203,10 +209,19 @@ class OutputProcessor:
         reason, stop_reason = core_out.finish_reason, core_out.stop_reason
         if stop_string is not None:
             reason, stop_reason = FinishReason.STOP, stop_string
+        stopped = stop_string is not None and not core_out.finished
+        if state.kind is OutputKind.FINAL:
+            state.token_ids.extend(new_ids)
+            if state.logprobs is not None:
+                state.logprobs.extend(new_logprobs)
+            if reason is None:
+                return None, stopped
+            text, token_ids, logprobs = self._whole(state)
+        else:
+            text, token_ids = detok.get_next_delta(), list(new_ids)
+            logprobs = new_logprobs if state.logprobs is not None else None
         params = core_out.kv_transfer_params if reason is not None else None
-        delta_text = detok.get_next_delta()
-        out = self._output(state, delta_text, new_ids, new_logprobs, reason, stop_reason, params)
-        return out, stop_string is not None and not core_out.finished
+        return self._output(state, text, token_ids, logprobs, reason, stop_reason, params), stopped
 
     def _logprobs(self, state: _RequestState, core_out: EngineCoreOutput) -> list[TokenLogprob]:
         lists = core_out.new_logprobs
@@ -215,26 +230,21 @@ class OutputProcessor:
         want = state.request.sampling_params.logprobs or 0
         return _logprob_entries(lists, want, self.token_text)
 
+    @staticmethod
+    def _whole(state: _RequestState) -> tuple[str, list[int], list[TokenLogprob] | None]:
+        """A FINAL request's text, tokens and logprobs so far."""
+        return state.detokenizer.output_text, state.token_ids, state.logprobs
+
+    @staticmethod
     def _output(
-        self,
         state: _RequestState,
-        delta_text: str,
-        new_ids: list[int],
-        new_logprobs: list[TokenLogprob],
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob] | None,
         reason: FinishReason | None,
         stop_reason: int | str | None,
         kv_transfer_params: dict[str, Any] | None,
     ) -> RequestOutput:
-        """This step's output; a FINAL request's accumulates until it ends."""
-        logprobs = state.logprobs
-        if state.kind is OutputKind.FINAL:
-            state.token_ids.extend(new_ids)
-            if logprobs is not None:
-                logprobs.extend(new_logprobs)
-            text, token_ids = state.detokenizer.output_text, state.token_ids
-        else:
-            text, token_ids = delta_text, list(new_ids)
-            logprobs = new_logprobs if logprobs is not None else None
         request = state.request
         return RequestOutput(
             request_id=request.request_id,
