@@ -64,8 +64,9 @@ class Request:
     of them (plus scheduled drafts) have KV in the cache. The lists are owned
     by the request: read them, never mutate them from outside.
     Identity semantics (eq=False): requests live in sets and dicts.
-    The front end (``InputProcessor.make_request``) validated every field
-    that came from a caller; the request does not check them again.
+    The front end (``engine.input_processor``) validated what a caller
+    sent, naming the caller's fields; the two checks below are the
+    request's own invariants, for code that builds one directly.
     """
 
     request_id: str
@@ -102,6 +103,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("request_id: must be a non-empty string")
+        if len(self.prompt_token_ids) == 0:
+            raise ValueError(f"prompt_token_ids: request {self.request_id} has an empty prompt")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
