@@ -1,8 +1,9 @@
 """EngineCore: schedule -> execute -> update_from_output, step after step.
 
 The core owns the scheduler and the worker and knows only token ids. Text
-(tokenizing, detokenizing, stop strings) lives in the front ends
-(``engine.llm`` offline, ``engine.async_engine`` for the service).
+(tokenizing, detokenizing, stop strings) lives in the front end
+(``engine.frontend``), which ``engine.llm`` (offline) and
+``engine.async_engine`` (the service) share.
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
 """Checks and tokenizes what a caller asks for, and makes the Request.
 
-Everything a caller can get wrong is caught here, before the request reaches
-the scheduler, as an ``InvalidRequestError`` naming the field, so a bad
-request never disturbs the ones already running.
+The one place input is validated, for ``LLM`` and the service alike:
+everything a caller can get wrong is caught here, before the request
+reaches the scheduler, as an ``InvalidRequestError`` naming the field, so a
+bad request never disturbs the ones already running. Each ``process_*``
+method returns a ``ProcessedPrompt`` that passed every check of the prompt;
+``make_request`` checks the rest and builds the ``Request``. Callers name
+their input fields (``prompt`` offline, ``text`` or ``token_ids`` on the
+wire); the size bounds always name ``prompt``, the text the model reads.
 
 Tokenizing costs CPU in proportion to the text (~1 s per MB): text too long
 to fit ``max_model_len`` whatever it tokenizes to is refused by its size
@@ -15,32 +20,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import jinja2
-from jinja2 import nodes
 from transformers import PreTrainedTokenizerBase
 
 from connectors.kv_transfer_params import KVTransferParams
+from engine.chat_template import ChatMessage, ChatTemplate
+from engine.errors import InvalidRequestError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-
-ChatMessage = dict[str, str]
-
-# Roles every chat message may take, whatever the template says of them
-# (the OpenAI set; ChatML templates such as the default model's render any
-# role alike). A template's own roles are added: see ``template_roles``.
-STANDARD_ROLES = frozenset({"system", "user", "assistant", "tool"})
-
-
-class InvalidRequestError(ValueError):
-    """A request is malformed; ``field`` names what was wrong."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
+    """A prompt that passed the checks: not empty, every id in the
+    vocabulary, shorter than max_model_len. Made by ``InputProcessor``."""
+
     token_ids: list[int]
     text: str | None
 
@@ -69,47 +62,48 @@ class InputProcessor:
         # of the Llama-family tokenizers; the exact count still follows.)
         self.max_token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab())
         self.max_prompt_bytes = (max_model_len - 1) * self.max_token_bytes
-        # Tokens the tokenizer matches literally in text: a template's turn
-        # markers among them.
-        self.control_tokens = tuple(sorted(tokenizer.get_added_vocab()))
-        template = tokenizer.chat_template
-        self.chat_roles = STANDARD_ROLES | (
-            template_roles(template) if isinstance(template, str) else frozenset()
-        )
+        self.chat = ChatTemplate(tokenizer)
 
     def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text``, unchecked (see ``tokenize_text``)."""
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
-    def render_chat(self, messages: list[ChatMessage], field: str = "messages") -> str:
-        """Renders chat messages with the model's chat template; ``field``
-        names the messages in errors."""
-        if not messages:
-            raise InvalidRequestError(field, "must hold at least one message")
-        for i, message in enumerate(messages):
-            if set(message) != {"role", "content"}:
-                raise InvalidRequestError(
-                    f"{field}[{i}]", f"expected keys role and content, got {sorted(message)}"
-                )
-            self._check_role(f"{field}[{i}].role", message["role"])
-        if self.tokenizer.chat_template is None:
-            raise InvalidRequestError(field, "this model has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return str(text)
+    def tokenize_text(self, text: str, field: str = "text") -> list[int]:
+        """Token ids of non-empty ``text``, whatever its length (the
+        Tokenize RPC: no prompt is made of them)."""
+        _check_not_empty(field, text)
+        return self.tokenize(text)
 
-    def _check_role(self, field: str, role: str) -> None:
-        """Only roles the template knows: a role is pasted into the prompt
-        verbatim, so one holding control tokens would forge turns."""
-        if role in self.chat_roles:
-            return
-        control = [t for t in self.control_tokens if t in role]
-        if control:
-            raise InvalidRequestError(field, f"contains the control token {control[0]!r}")
-        raise InvalidRequestError(
-            field, f"must be one of {', '.join(sorted(self.chat_roles))}, got {role[:40]!r}"
-        )
+    def render_chat(self, messages: list[ChatMessage], field: str = "messages") -> str:
+        """Renders chat messages with the model's chat template (checked:
+        ``ChatTemplate.render``); ``field`` names the messages in errors."""
+        return self.chat.render(messages, field)
+
+    def process_prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
+        """A prompt as ``LLM.generate`` takes it: text or token ids."""
+        if isinstance(prompt, str):
+            return self.process_text(prompt)
+        return self.process_token_ids(prompt)
+
+    def process_text(self, text: str, field: str = "prompt") -> ProcessedPrompt:
+        """Text as a prompt: refused by its size before it is tokenized
+        when it cannot fit max_model_len."""
+        _check_not_empty(field, text)
+        self.check_size("prompt", len(text.encode("utf-8", "surrogatepass")))
+        token_ids = self.tokenize(text)
+        self.check_length(len(token_ids))
+        return ProcessedPrompt(token_ids, text)
+
+    def process_token_ids(
+        self, prompt: list[int], field: str = "prompt_token_ids"
+    ) -> ProcessedPrompt:
+        """Token ids as a prompt; the length is checked before each id."""
+        token_ids = list(prompt)
+        _check_not_empty(field, token_ids)
+        self.check_length(len(token_ids))
+        self._check_vocab(field, token_ids)
+        return ProcessedPrompt(token_ids, None)
 
     def process_chat(self, messages: list[ChatMessage], field: str = "messages") -> ProcessedPrompt:
         """Chat messages as a prompt: refused by their size before they are
@@ -117,7 +111,9 @@ class InputProcessor:
         contents = (m.get("content", "") for m in messages)
         self.check_size(field, sum(len(c.encode("utf-8", "surrogatepass")) for c in contents))
         text = self.render_chat(messages, field)
-        return ProcessedPrompt(self.tokenize(text), text)
+        token_ids = self.tokenize(text)
+        self.check_length(len(token_ids))
+        return ProcessedPrompt(token_ids, text)
 
     def check_size(self, field: str, num_bytes: int) -> None:
         """Refuses text whose size alone says it cannot fit (see
@@ -140,22 +136,14 @@ class InputProcessor:
                 f"{self.max_model_len - 1} (room for at least one generated token)",
             )
 
-    def process_prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "is empty")
-            self.check_size("prompt", len(prompt.encode("utf-8", "surrogatepass")))
-            return ProcessedPrompt(self.tokenize(prompt), prompt)
-        token_ids = list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt_token_ids", "is empty")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "prompt_token_ids",
-                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
-            )
-        return ProcessedPrompt(token_ids, None)
+    def _check_vocab(self, field: str, token_ids: list[int]) -> None:
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    field,
+                    f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})",
+                    index=i,
+                )
 
     def make_request(
         self,
@@ -168,11 +156,10 @@ class InputProcessor:
         arrival_time: float | None = None,
         num_output_tokens_in_prompt: int = 0,
     ) -> Request:
-        """``num_output_tokens_in_prompt``: see ``Request`` (the wire field
-        of the same name documents the semantics)."""
-        num_tokens = len(prompt.token_ids)
-        _check_output_in_prompt(num_output_tokens_in_prompt, num_tokens)
-        self.check_length(num_tokens)
+        """``prompt`` was checked when it was made (``process_*``);
+        ``num_output_tokens_in_prompt``: see ``Request`` (the wire field of
+        the same name documents the semantics)."""
+        _check_output_in_prompt(num_output_tokens_in_prompt, len(prompt.token_ids))
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(
@@ -190,6 +177,11 @@ class InputProcessor:
         )
 
 
+def _check_not_empty(field: str, value: str | list[int]) -> None:
+    if not value:
+        raise InvalidRequestError(field, "is empty")
+
+
 def _check_output_in_prompt(count: int, num_prompt_tokens: int) -> None:
     """The output tokens said to end the prompt must be in it."""
     if not isinstance(count, int) or isinstance(count, bool):
@@ -199,27 +191,3 @@ def _check_output_in_prompt(count: int, num_prompt_tokens: int) -> None:
             "num_output_tokens_in_prompt",
             f"must be between 0 and the prompt's {num_prompt_tokens} tokens, got {count}",
         )
-
-
-def template_roles(template: str) -> frozenset[str]:
-    """The role names a chat template compares a message's role with
-    (``message['role'] == 'ipython'``, ``message.role in ['tool', 'ipython']``):
-    the roles it renders in its own way, which callers may therefore send."""
-    try:
-        tree = jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError:
-        return frozenset()
-    roles: set[str] = set()
-    for compare in tree.find_all(nodes.Compare):
-        if any(_is_role(n) for n in compare.find_all((nodes.Getitem, nodes.Getattr, nodes.Name))):
-            roles.update(c.value for c in compare.find_all(nodes.Const) if isinstance(c.value, str))
-    roles.discard("role")
-    return frozenset(roles)
-
-
-def _is_role(node: nodes.Node) -> bool:
-    if isinstance(node, nodes.Getitem):
-        return isinstance(node.arg, nodes.Const) and node.arg.value == "role"
-    if isinstance(node, nodes.Getattr):
-        return node.attr == "role"
-    return isinstance(node, nodes.Name) and node.name == "role"

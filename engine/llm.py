@@ -17,11 +17,12 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 from transformers import PreTrainedTokenizerBase
 
+from engine.chat_template import ChatMessage
 from engine.config import (
     CacheConfig,
     EngineConfig,
@@ -30,30 +31,14 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.core import EngineCore
-from engine.input_processor import ChatMessage, InputProcessor
+from engine.frontend import FrontEnd
+from engine.input_processor import InputProcessor
 from engine.models.loader import load_tokenizer
-from engine.output_processor import OutputProcessor, RequestOutput
-from engine.request import RequestStatus
+from engine.output_processor import OutputKind, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import SchedulerStats
+from engine.status import EngineStatus
 
 Prompt = str | list[int]
-
-
-@dataclass
-class EngineTotals:
-    """Counters summed over every step since the LLM was built."""
-
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-
-    def add(self, stats: SchedulerStats) -> None:
-        pcs = stats.prefix_cache_stats
-        self.prefix_cache_queries += pcs.queries
-        self.prefix_cache_hits += pcs.hits
-        self.num_preemptions = stats.num_preemptions  # already cumulative
 
 
 class LLM:
@@ -69,16 +54,18 @@ class LLM:
         ``max_num_batched_tokens=64``, ``kv_cache_memory=2**27``."""
         config = _apply_overrides(config or EngineConfig(), model, overrides)
         self.core = EngineCore(config)
-        info = self.core.info
-        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(info.model_path)
-        self.inputs = InputProcessor(
-            self.tokenizer,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-            eos_token_id=info.eos_token_id,
-        )
-        self.totals = EngineTotals()
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.core.info.model_path)
+        self.front = FrontEnd(self.core, self.tokenizer, self.core.info)
         self._ids = itertools.count()
+
+    @property
+    def inputs(self) -> InputProcessor:
+        return self.front.inputs
+
+    @property
+    def totals(self) -> EngineStatus:
+        """Counts summed over every step since the LLM was built (live)."""
+        return self.front.status
 
     def chat_prompt(self, messages: list[ChatMessage]) -> str:
         return self.inputs.render_chat(messages)
@@ -102,30 +89,24 @@ class LLM:
             )
             for p, sp, prio in zip(prompt_list, params, priorities, strict=True)
         ]
-        processor = OutputProcessor(self.tokenizer)
         for req, p in zip(requests, prompt_list, strict=True):
-            processor.add_request(req, p if isinstance(p, str) else None)
+            self.front.add_request(req, p if isinstance(p, str) else None, OutputKind.FINAL)
             self.core.add_request(req)
-        finished = self._run(processor, len(requests), use_tqdm)
+        finished = self._run(len(requests), use_tqdm)
         return [finished[r.request_id] for r in requests]
 
-    def _run(
-        self, processor: OutputProcessor, total: int, use_tqdm: bool
-    ) -> dict[str, RequestOutput]:
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Steps the core until the front end has every request's output."""
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm)
         with bar:
-            while processor.has_unfinished():
-                for engine_outputs in self.core.step().values():
-                    if engine_outputs.scheduler_stats is not None:
-                        self.totals.add(engine_outputs.scheduler_stats)
-                    results, stop_matched = processor.process(engine_outputs.outputs)
-                    self.core.abort_requests(stop_matched, RequestStatus.FINISHED_STOPPED)
-                    for out in results:
-                        if out.finished:
-                            finished[out.request_id] = out
-                            bar.update(1)
-                self.totals.num_steps += 1
+            while self.front.has_unfinished():
+                start = time.perf_counter()
+                step = self.core.step()
+                seconds = time.perf_counter() - start
+                for out in self.front.process_step(step, seconds).outputs:
+                    finished[out.request_id] = out
+                    bar.update(1)
         return finished
 
 

@@ -2,8 +2,11 @@
 
 The core only knows tokens. This side detokenizes incrementally, checks stop
 strings on the text (a match finishes the request: the caller must abort it
-in the core with FINISHED_STOPPED), accumulates logprobs, and builds
-``RequestOutput`` objects, complete or as streaming deltas.
+in the core with FINISHED_STOPPED, which ``engine.frontend`` does), turns
+logprobs into ``TokenLogprob``s with each token's text, and builds
+``RequestOutput``s: one per step for a streamed request (``OutputKind.DELTA``,
+the service), one when it finishes for the others (``OutputKind.FINAL``,
+``LLM.generate``).
 
 Prefill/decode handover: a ``do_remote_decode`` request that reaches its
 length limit hands its output over to a decode pod, so its text does not
@@ -16,7 +19,10 @@ replays them and streams the rest (engine/detokenizer.py).
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
@@ -26,46 +32,98 @@ from engine.outputs import EngineCoreOutput, LogprobsLists
 from engine.request import FinishReason, Request
 
 
+class OutputKind(enum.Enum):
+    """What a request's outputs carry."""
+
+    DELTA = "delta"  # one per step: the tokens and text that step added (streams)
+    FINAL = "final"  # one, when the request finishes: all of them (LLM.generate)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """The sampled token's logprob and rank, and the top alternatives."""
+    """The sampled token's logprob and rank, and the top alternatives;
+    ``text`` holds the text of the sampled token and of each top one."""
 
     token_id: int
     logprob: float
     rank: int
     top: dict[int, float]
+    text: dict[int, str] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """One request's result so far. ``text``/``token_ids`` are cumulative;
-    ``delta_text``/``new_token_ids`` are what this update added. With
-    output tokens in the prompt, ``text`` starts with theirs (the whole
-    output's text) while ``token_ids`` holds only the generated ones."""
+    """What one request produced: the one output type, from the engine to
+    ``LLM.generate``'s caller or a service stream.
+
+    ``text``, ``token_ids`` and ``logprobs`` (None unless asked for) are what
+    this output adds: one step's worth for ``OutputKind.DELTA``, the whole
+    output for ``OutputKind.FINAL``. ``num_generated_tokens`` counts every
+    token so far. With output tokens in the prompt (a P/D decode leg) the
+    text starts where that earlier leg's stream stopped, while the counts
+    cover only this leg's tokens. ``finish_reason`` is None until the last.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    delta_text: str = ""
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop string or token id matched
-    num_cached_tokens: int = 0
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None  # the stop string or stop token id matched
+    num_generated_tokens: int
+    num_cached_tokens: int
     kv_transfer_params: KVTransferParams | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class ProcessedOutputs:
+    """One step, processed."""
+
+    # Every DELTA request the step touched; the FINAL ones that finished.
+    outputs: list[RequestOutput] = field(default_factory=list)
+    # Requests whose stop string matched: the caller aborts them in the core.
+    stopped_by_string: list[str] = field(default_factory=list)
+    # Tokens the step gave requests that already had one.
+    num_later_tokens: int = 0
+
+
+TokenText = Callable[[int], str]
+
+
+def token_text_decoder(tokenizer: PreTrainedTokenizerBase) -> TokenText:
+    """One token's text, cached (logprobs name the same tokens again and again)."""
+
+    @lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        return str(tokenizer.decode([token_id]))
+
+    return token_text
 
 
 @dataclass
 class _RequestState:
-    output: RequestOutput
+    request: Request
+    prompt: str | None
+    kind: OutputKind
     detokenizer: IncrementalDetokenizer
-    want_logprobs: int | None
     # A prefill leg (do_remote_decode): at its length limit the output goes
     # on at a decode pod, so held-back text is left for that pod to send.
-    hands_over: bool = False
+    hands_over: bool
+    # FINAL: every token and logprob so far. DELTA: only the count.
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
 
     def ends_text(self, core_out: EngineCoreOutput) -> bool:
         """Whether the core ended this request's output here (not a handover)."""
@@ -74,26 +132,16 @@ class _RequestState:
         return not (self.hands_over and core_out.finish_reason == FinishReason.LENGTH)
 
 
-def _logprob_entries(lists: LogprobsLists, num_top: int) -> list[TokenLogprob]:
-    entries = []
-    for ids, lps, rank in zip(
-        lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks, strict=True
-    ):
-        top = dict(zip(ids[1 : 1 + num_top], lps[1 : 1 + num_top], strict=True))
-        entries.append(TokenLogprob(ids[0], lps[0], rank, top))
-    return entries
-
-
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self.token_text = token_text_decoder(tokenizer)
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request, prompt: str | None) -> None:
+    def add_request(
+        self, request: Request, prompt: str | None, kind: OutputKind = OutputKind.DELTA
+    ) -> None:
         params = request.sampling_params
-        output = RequestOutput(request.request_id, prompt, request.prompt_token_ids)
-        if params.logprobs is not None:
-            output.logprobs = []
         detok = IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,
@@ -102,59 +150,126 @@ class OutputProcessor:
         )
         kv_params = request.kv_transfer_params
         hands_over = bool(kv_params and kv_params.do_remote_decode)
-        state = _RequestState(output, detok, params.logprobs, hands_over)
+        state = _RequestState(request, prompt, kind, detok, hands_over)
+        if params.logprobs is not None:
+            state.logprobs = []
         self._states[request.request_id] = state
 
     def has_unfinished(self) -> bool:
         return bool(self._states)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Drop a request the caller aborted; returns its final output."""
+    def abort(self, request_id: str, reason: FinishReason) -> RequestOutput | None:
+        """Ends a request outside the core's outputs (aborted, refused, the
+        engine died) with ``reason``; returns its final output, or None for
+        an id not (or no longer) here."""
         state = self._states.pop(request_id, None)
         if state is None:
             return None
-        out = state.output
-        out.finished, out.finish_reason = True, "abort"
-        out.delta_text, out.new_token_ids = "", []
-        return out
+        if state.kind is OutputKind.FINAL:
+            text, token_ids, logprobs = self._whole(state)
+        else:
+            text, token_ids, logprobs = "", [], [] if state.logprobs is not None else None
+        return self._output(state, text, token_ids, logprobs, reason, None, None)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's outputs. Returns the updated request outputs and
-        the ids whose stop string matched (to abort in the core)."""
-        results: list[RequestOutput] = []
-        stopped_by_string: list[str] = []
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Apply one step's outputs (see ``ProcessedOutputs``)."""
+        processed = ProcessedOutputs()
         for core_out in outputs:
             state = self._states.get(core_out.request_id)
             if state is None:
                 continue  # aborted here while the step ran
-            if self._apply(state, core_out):
-                stopped_by_string.append(core_out.request_id)
-            results.append(state.output)
-            if state.output.finished:
-                del self._states[core_out.request_id]
-        return results, stopped_by_string
+            # Tokens after the request's first: a first token ends a TTFT,
+            # the later ones each end an inter-token gap.
+            num_new = len(core_out.new_token_ids)
+            processed.num_later_tokens += max(
+                0, min(num_new, state.num_generated_tokens + num_new - 1)
+            )
+            out, stopped = self._apply(state, core_out)
+            if stopped:
+                processed.stopped_by_string.append(core_out.request_id)
+            if out is not None:
+                processed.outputs.append(out)
+                if out.finished:
+                    del self._states[core_out.request_id]
+        return processed
 
-    def _apply(self, state: _RequestState, core_out: EngineCoreOutput) -> bool:
-        out = state.output
+    def _apply(
+        self, state: _RequestState, core_out: EngineCoreOutput
+    ) -> tuple[RequestOutput | None, bool]:
+        """One request's step: its output (None for a FINAL one still
+        running), and whether a stop string ended it here (not the core)."""
         new_ids = core_out.new_token_ids
-        out.new_token_ids = new_ids
-        out.token_ids.extend(new_ids)
-        out.num_cached_tokens = max(core_out.num_cached_tokens, 0)
-        if out.logprobs is not None and core_out.new_logprobs is not None:
-            out.logprobs.extend(_logprob_entries(core_out.new_logprobs, state.want_logprobs or 0))
+        state.num_generated_tokens += len(new_ids)
+        state.num_cached_tokens = max(core_out.num_cached_tokens, 0)
+        new_logprobs = self._logprobs(state, core_out)
         detok = state.detokenizer
         stop_string = detok.update(new_ids)
         if stop_string is None and state.ends_text(core_out):
             # Flushing held-back text can still complete a stop string.
             stop_string = detok.finish()
-        finished = core_out.finished or stop_string is not None
+        reason, stop_reason = core_out.finish_reason, core_out.stop_reason
         if stop_string is not None:
-            out.finish_reason, out.stop_reason = "stop", stop_string
-        elif core_out.finish_reason is not None:
-            out.finish_reason, out.stop_reason = str(core_out.finish_reason), core_out.stop_reason
-        if finished:
-            out.finished = True
-            out.kv_transfer_params = core_out.kv_transfer_params
-        out.delta_text = detok.get_next_delta()
-        out.text = detok.output_text
-        return stop_string is not None and not core_out.finished
+            reason, stop_reason = FinishReason.STOP, stop_string
+        stopped = stop_string is not None and not core_out.finished
+        if state.kind is OutputKind.FINAL:
+            state.token_ids.extend(new_ids)
+            if state.logprobs is not None:
+                state.logprobs.extend(new_logprobs)
+            if reason is None:
+                return None, stopped
+            text, token_ids, logprobs = self._whole(state)
+        else:
+            text, token_ids = detok.get_next_delta(), list(new_ids)
+            logprobs = new_logprobs if state.logprobs is not None else None
+        params = core_out.kv_transfer_params if reason is not None else None
+        return self._output(state, text, token_ids, logprobs, reason, stop_reason, params), stopped
+
+    def _logprobs(self, state: _RequestState, core_out: EngineCoreOutput) -> list[TokenLogprob]:
+        lists = core_out.new_logprobs
+        if state.logprobs is None or lists is None:
+            return []
+        want = state.request.sampling_params.logprobs or 0
+        return _logprob_entries(lists, want, self.token_text)
+
+    @staticmethod
+    def _whole(state: _RequestState) -> tuple[str, list[int], list[TokenLogprob] | None]:
+        """A FINAL request's text, tokens and logprobs so far."""
+        return state.detokenizer.output_text, state.token_ids, state.logprobs
+
+    @staticmethod
+    def _output(
+        state: _RequestState,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        reason: FinishReason | None,
+        stop_reason: int | str | None,
+        kv_transfer_params: KVTransferParams | None,
+    ) -> RequestOutput:
+        request = state.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_generated_tokens=state.num_generated_tokens,
+            num_cached_tokens=state.num_cached_tokens,
+            kv_transfer_params=kv_transfer_params,
+        )
+
+
+def _logprob_entries(
+    lists: LogprobsLists, num_top: int, token_text: TokenText
+) -> list[TokenLogprob]:
+    entries = []
+    for ids, lps, rank in zip(
+        lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks, strict=True
+    ):
+        top = dict(zip(ids[1 : 1 + num_top], lps[1 : 1 + num_top], strict=True))
+        text = {t: token_text(t) for t in (ids[0], *top)}
+        entries.append(TokenLogprob(ids[0], lps[0], rank, top, text))
+    return entries

@@ -37,14 +37,14 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
-class FinishReason(enum.Enum):
+class FinishReason(enum.StrEnum):
+    """Why a request's output ended; equal to its value ("stop", ...), the
+    metrics label. The wire has its own enum (service/convert.py)."""
+
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _FINISH_REASONS = {
@@ -64,6 +64,9 @@ class Request:
     of them (plus scheduled drafts) have KV in the cache. The lists are owned
     by the request: read them, never mutate them from outside.
     Identity semantics (eq=False): requests live in sets and dicts.
+    The front end (``engine.input_processor``) validated what a caller
+    sent, naming the caller's fields; the two checks below are the
+    request's own invariants, for code that builds one directly.
     """
 
     request_id: str

@@ -1,8 +1,11 @@
 """Pure conversions between the wire messages (tandem.v1) and engine types.
 
-No I/O and no gRPC context here: every function maps values, and bad input
-raises `InvalidRequestError` (from the engine) naming the proto field, which
-`service.errors` turns into INVALID_ARGUMENT.
+No I/O and no gRPC context here: every function maps values. Input is
+validated by the engine's front end (``InputProcessor``), told the proto
+field names, so bad input raises ``InvalidRequestError`` naming the proto
+field, which ``service.errors`` turns into INVALID_ARGUMENT. The finish
+reason is the engine's enum up to ``generate_response``, which maps it to
+the wire's; an output that ended in error becomes ``RequestFailedError``.
 """
 
 from __future__ import annotations
@@ -14,18 +17,32 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 
 from connectors.kv_transfer_params import KVTransferParams, KVTransferParamsError
-from engine.async_engine import EngineStatus, KvEventBatch, StreamDelta
-from engine.input_processor import InputProcessor, InvalidRequestError, ProcessedPrompt
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from engine.output_processor import TokenLogprob
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.worker.worker import WorkerInfo
+from engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ChatMessage,
+    EngineStatus,
+    FinishReason,
+    InputProcessor,
+    InvalidRequestError,
+    KVCacheEvent,
+    KvEventBatch,
+    ProcessedPrompt,
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+    TokenLogprob,
+    WorkerInfo,
+)
+from service.errors import RequestFailedError
 from service.gen.tandem.v1 import generation_pb2 as pb
 
+# ERROR never reaches the wire as a finish reason (see generate_response).
 FINISH_REASONS = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 
 
@@ -63,36 +80,15 @@ def _prompt(msg: pb.GenerateRequest, inputs: InputProcessor) -> ProcessedPrompt:
     if kind is None:
         raise InvalidRequestError("input", "set one of text, token_ids or chat")
     if kind == "text":
-        if not msg.text:
-            raise InvalidRequestError("text", "is empty")
-        return inputs.process_prompt(msg.text)
+        return inputs.process_text(msg.text, "text")
     if kind == "token_ids":
-        ids = list(msg.token_ids.ids)
-        if not ids:
-            raise InvalidRequestError("token_ids", "is empty")
-        inputs.check_length(len(ids))  # before looking at each id
-        _check_vocab("token_ids", ids, inputs.vocab_size)
-        return inputs.process_prompt(ids)
-    return inputs.process_chat(chat_messages(msg.chat, "chat.messages"), "chat.messages")
+        return inputs.process_token_ids(list(msg.token_ids.ids), "token_ids")
+    return inputs.process_chat(chat_messages(msg.chat), "chat.messages")
 
 
-def chat_messages(chat: pb.ChatInput, field: str) -> list[dict[str, str]]:
-    messages = []
-    for i, m in enumerate(chat.messages):
-        if not m.role:
-            raise InvalidRequestError(f"{field}[{i}].role", "is empty")
-        messages.append({"role": m.role, "content": m.content})
-    if not messages:
-        raise InvalidRequestError(field, "must hold at least one message")
-    return messages
-
-
-def _check_vocab(field: str, ids: list[int], vocab_size: int) -> None:
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise InvalidRequestError(
-                f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})"
-            )
+def chat_messages(chat: pb.ChatInput) -> list[ChatMessage]:
+    """The messages as the front end takes them (it checks them)."""
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
@@ -132,11 +128,8 @@ def tokenize_input(msg: pb.TokenizeRequest, inputs: InputProcessor) -> list[int]
     if kind is None:
         raise InvalidRequestError("input", "set one of text or chat")
     if kind == "text":
-        if not msg.text:
-            raise InvalidRequestError("text", "is empty")
-        return inputs.tokenize(msg.text)
-    messages = chat_messages(msg.chat, "chat.messages")
-    return inputs.tokenize(inputs.render_chat(messages, "chat.messages"))
+        return inputs.tokenize_text(msg.text, "text")
+    return inputs.tokenize(inputs.render_chat(chat_messages(msg.chat), "chat.messages"))
 
 
 def struct_to_dict(msg: struct_pb2.Struct) -> dict[str, Any]:
@@ -152,30 +145,30 @@ def dict_to_struct(values: dict[str, Any]) -> struct_pb2.Struct:
 # --- responses -------------------------------------------------------------------
 
 
-def generate_response(
-    deltas: list[StreamDelta], tokenizer_decode: Any, want_logprobs: bool
-) -> pb.GenerateResponse:
-    """One response for one or more consecutive deltas of a request (deltas
-    are merged when the client reads slower than the engine produces)."""
-    last = deltas[-1]
+def generate_response(outputs: list[RequestOutput]) -> pb.GenerateResponse:
+    """One response for one or more consecutive outputs of a request (merged
+    when the client reads slower than the engine produces). An output that
+    ended in error (a KV load failed under kv_load_failure_policy=fail)
+    raises RequestFailedError instead: the call ends UNAVAILABLE."""
+    last = outputs[-1]
+    if last.finish_reason is FinishReason.ERROR:
+        raise RequestFailedError(
+            f"request {last.request_id} failed: {last.stop_reason or 'engine error'} "
+            "(kv_load_failure_policy=fail); retry it"
+        )
     resp = pb.GenerateResponse(request_id=last.request_id)
-    for d in deltas:
-        resp.token_ids.extend(d.new_token_ids)
-        if want_logprobs:
-            resp.logprobs.extend(_logprobs(lp, tokenizer_decode) for lp in d.new_logprobs)
-    resp.text = "".join(d.new_text for d in deltas)
-    if last.finished:
-        _finish(resp, last)
+    for out in outputs:
+        resp.token_ids.extend(out.token_ids)
+        if out.logprobs is not None:
+            resp.logprobs.extend(_logprobs(lp) for lp in out.logprobs)
+    resp.text = "".join(out.text for out in outputs)
+    if last.finish_reason is not None:
+        _finish(resp, last, last.finish_reason)
     return resp
 
 
-def _finish(resp: pb.GenerateResponse, last: StreamDelta) -> None:
-    if last.finish_reason == "error":
-        # Reached only through engine failure, which the servicer reports as
-        # an error status instead; kept total for safety.
-        resp.finish_reason = pb.FINISH_REASON_ABORT
-    else:
-        resp.finish_reason = FINISH_REASONS.get(last.finish_reason or "", pb.FINISH_REASON_ABORT)
+def _finish(resp: pb.GenerateResponse, last: RequestOutput, reason: FinishReason) -> None:
+    resp.finish_reason = FINISH_REASONS[reason]
     if isinstance(last.stop_reason, str):
         resp.stop_string = last.stop_reason
     elif isinstance(last.stop_reason, int):
@@ -187,14 +180,14 @@ def _finish(resp: pb.GenerateResponse, last: StreamDelta) -> None:
         resp.kv_transfer_params.CopyFrom(dict_to_struct(last.kv_transfer_params.to_dict()))
 
 
-def _logprobs(lp: TokenLogprob, decode: Any) -> pb.Logprobs:
+def _logprobs(lp: TokenLogprob) -> pb.Logprobs:
     top = sorted(lp.top.items(), key=lambda kv: kv[1], reverse=True)
     return pb.Logprobs(
         sampled=pb.TokenLogprob(
-            token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, token=decode(lp.token_id)
+            token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, token=lp.text[lp.token_id]
         ),
         top=[
-            pb.TokenLogprob(token_id=t, logprob=v, rank=i, token=decode(t))
+            pb.TokenLogprob(token_id=t, logprob=v, rank=i, token=lp.text[t])
             for i, (t, v) in enumerate(top, 1)
         ],
     )

@@ -7,7 +7,8 @@ RESOURCE_EXHAUSTED  QueueFullError: the waiting queue is at its bound
 UNAVAILABLE         EngineDrainingError (draining), EngineDeadError,
                     EngineLoadingError (the model is still loading),
                     RequestFailedError (the engine ended the request with an
-                    error: a KV load failed under --kv-load-failure-policy fail)
+                    error: a KV load failed under --kv-load-failure-policy fail;
+                    raised by service.convert for the request's last output)
 UNAUTHENTICATED     raised by the API-key interceptor (service.auth)
 INTERNAL            anything else; logged with its traceback
 
@@ -22,8 +23,7 @@ import logging
 
 import grpc
 
-from engine.async_engine import EngineDeadError, EngineDrainingError, QueueFullError
-from engine.input_processor import InvalidRequestError
+from engine import EngineDeadError, EngineDrainingError, InvalidRequestError, QueueFullError
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from engine.async_engine import StreamDelta
-from engine.stats import SchedulerStats, TransferFailure
+from engine import RequestOutput, SchedulerStats, TransferFailure
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -193,7 +192,7 @@ class ServiceMetrics:
         for _ in range(num_tokens):
             self.itl.observe(per_token)
 
-    def on_finished(self, delta: StreamDelta, seconds_since_arrival: float) -> None:
+    def on_finished(self, output: RequestOutput, seconds_since_arrival: float) -> None:
         self.e2e.observe(seconds_since_arrival)
-        self.prompt_tokens.inc(delta.num_prompt_tokens)
-        self.finished.labels(finish_reason=delta.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(output.num_prompt_tokens)
+        self.finished.labels(finish_reason=str(output.finish_reason or "unknown")).inc()

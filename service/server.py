@@ -20,8 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.async_engine import AsyncEngine
-from engine.config import ConfigError, EngineConfig
+from engine import AsyncEngine, ConfigError, EngineConfig
 from service.auth import ApiKeyInterceptor
 from service.decode_guard import DecodeGuard
 from service.gen.tandem.v1 import generation_pb2 as pb

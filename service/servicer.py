@@ -4,7 +4,9 @@ Each RPC converts its message (service.convert), calls the engine, and
 converts back; every failure goes through service.errors. A Generate call
 owns its request: whether it ends normally, the client cancels, disconnects
 or passes its deadline, the `finally` closes the stream, which aborts the
-request in the engine (its blocks are freed before the next step).
+request in the engine (its blocks are freed before the next step). An Abort
+ends the live requests it names and releases the KV blocks finished ones
+hold for a remote decode (a prefill leg's, which the router gives up on).
 
 Tokenizing and rendering chat templates take CPU time in proportion to the
 input (a second per megabyte): they run on a small thread pool, never on
@@ -18,16 +20,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from typing import TypeVar
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.input_processor import InputProcessor
-from engine.request import Request
+from engine import AsyncEngine, InputProcessor, Request
 from service import convert
-from service.errors import EngineLoadingError, RequestFailedError, abort_with
+from service.errors import EngineLoadingError, abort_with
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -52,13 +51,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._input_pool = ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="tandem-input")
 
     def attach(self, engine: AsyncEngine) -> None:
-        tokenizer = engine.tokenizer
-
-        @lru_cache(maxsize=65536)
-        def decode_one(token_id: int) -> str:
-            return str(tokenizer.decode([token_id]))
-
-        self._decode_one = decode_one
         self._engine = engine
 
     @property
@@ -72,23 +64,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             engine = self.engine
-            parsed, engine_request = await self._off_loop(_prepare, request, engine.inputs)
+            parsed, engine_request = await self._off_loop(_prepare, request, engine.front.inputs)
             stream = engine.submit(engine_request, parsed.prompt.text)
         except Exception as exc:
             await abort_with(context, exc, refused=True)
             return
-        want_logprobs = parsed.params.logprobs is not None
         try:
-            async for delta in stream:
+            async for output in stream:
                 # A slow reader gets what piled up meanwhile as one message.
-                deltas = [delta, *stream.drain_ready()]
-                last = deltas[-1]
-                if last.finished and last.finish_reason == "error":
-                    raise RequestFailedError(
-                        f"request {last.request_id} failed: {last.stop_reason or 'engine error'} "
-                        "(kv_load_failure_policy=fail); retry it"
-                    )
-                yield convert.generate_response(deltas, self._decode_one, want_logprobs)
+                yield convert.generate_response([output, *stream.drain_ready()])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -111,15 +95,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
+        """Aborts the live requests named; the others may be finished
+        prefill legs whose KV blocks are held for a decode that will not
+        come (the router says so when the decode pod refused the request):
+        those blocks are released. Answers the ids that were live."""
         engine = await self._engine_for(context)
-        return pb.AbortResponse(aborted_request_ids=engine.abort(list(request.request_ids)))
+        ids = list(request.request_ids)
+        aborted = engine.abort(ids)
+        engine.release_held_kv([rid for rid in ids if rid not in aborted])
+        return pb.AbortResponse(aborted_request_ids=aborted)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         engine = await self._engine_for(context)
         try:
-            ids = await self._off_loop(convert.tokenize_input, request, engine.inputs)
+            ids = await self._off_loop(convert.tokenize_input, request, engine.front.inputs)
         except Exception as exc:
             await abort_with(context, exc)
             raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.input_processor import InvalidRequestError
+from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 

@@ -8,124 +8,29 @@ by tests/integration.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
-from engine.async_engine import (
-    AsyncEngine,
+from engine.async_engine import AsyncEngine
+from engine.errors import (
     EngineDeadError,
     EngineDrainingError,
+    InvalidRequestError,
     QueueFullError,
-    StreamDelta,
-    _Commands,
-    _EngineThread,
-    _weighted_median,
 )
-from engine.config import EngineConfig
-from engine.input_processor import InvalidRequestError
-from engine.models.loader import load_tokenizer, resolve_model
-from engine.outputs import EngineCoreOutput, EngineCoreOutputs
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.output_processor import RequestOutput
+from engine.request import RequestStatus
 from engine.stats import SchedulerStats
-from engine.worker.worker import WorkerInfo
-
-
-@dataclass
-class ScriptedCore:
-    """Emits token 42 for every live request each step; finishes a request
-    after max_tokens; raises on step `fail_at` if set."""
-
-    fail_at: int | None = None
-    live: dict[str, Request] = field(default_factory=dict)
-    aborted: list[tuple[str, RequestStatus]] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)
-    # Ids the scheduler still holds (finished, KV kept for a remote decode).
-    held: set[str] = field(default_factory=set)
-    # With hold_kv, a finished request's KV stays held (in held_kv) until
-    # released, as a prefill pod's for its decode pod.
-    hold_kv: bool = False
-    held_kv: set[str] = field(default_factory=set)
-    steps: int = 0
-    config: EngineConfig = field(default_factory=EngineConfig)
-    info: WorkerInfo = field(
-        default_factory=lambda: WorkerInfo(
-            model_path=resolve_model(None),
-            model_name="stand-in",
-            architecture="LlamaForCausalLM",
-            vocab_size=49152,
-            max_model_len=64,
-            num_blocks=8,
-            eos_token_id=None,
-        )
-    )
-
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.held:  # as the scheduler refuses it
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
-        self.live[request.request_id] = request
-
-    def abort_requests(self, ids: list[str], status: RequestStatus) -> None:
-        for rid in ids:
-            if self.live.pop(rid, None) is not None:
-                self.aborted.append((rid, status))
-
-    def release_held_kv(self, ids: list[str]) -> None:
-        self.released.extend(ids)
-        self.held_kv.difference_update(ids)
-
-    def has_work(self) -> bool:
-        return bool(self.live or self.held_kv)
-
-    def step(self) -> dict[int, EngineCoreOutputs]:
-        # A real step's forward releases the GIL for most of its time.
-        time.sleep(0.001)
-        self.steps += 1
-        if self.fail_at is not None and self.steps >= self.fail_at:
-            raise RuntimeError("boom")
-        outs = []
-        for rid, req in list(self.live.items()):
-            req.append_output_token_id(42)
-            done = req.num_output_tokens >= req.sampling_params.max_tokens
-            outs.append(EngineCoreOutput(rid, [42], FinishReason.LENGTH if done else None))
-            if done:
-                del self.live[rid]
-                if self.hold_kv:
-                    self.held_kv.add(rid)
-        return {0: EngineCoreOutputs(outs, scheduler_stats=self._stats())}
-
-    def stats_only(self) -> dict[int, EngineCoreOutputs]:
-        return {0: EngineCoreOutputs(scheduler_stats=self._stats())}
-
-    def _stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.live), num_held_requests=len(self.held_kv))
-
-    def shutdown(self) -> None:
-        pass
-
-
-async def _engine(core: ScriptedCore, **kwargs: Any) -> AsyncEngine:
-    thread = _EngineThread(lambda: core, _Commands())  # type: ignore[arg-type,return-value]
-    thread.start()
-    await asyncio.to_thread(thread.ready.wait)
-    tokenizer = load_tokenizer(resolve_model(None))
-    return AsyncEngine(thread, tokenizer, asyncio.get_running_loop(), **kwargs)
-
-
-def _request(engine: AsyncEngine, rid: str, max_tokens: int = 3) -> Request:
-    prompt = engine.inputs.process_prompt([1, 2, 3])
-    return engine.inputs.make_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+from tests.unit.engine.scripted_core import ScriptedCore, make_request, start_engine
 
 
 def test_stream_delivers_every_step_then_finishes() -> None:
     async def go() -> None:
-        engine = await _engine(ScriptedCore())
-        stream = engine.submit(_request(engine, "a", max_tokens=3))
+        engine = await start_engine(ScriptedCore())
+        stream = engine.submit(make_request(engine, "a", max_tokens=3))
         deltas = [d async for d in stream]
-        assert [d.new_token_ids for d in deltas] == [[42], [42], [42]]
+        assert [d.token_ids for d in deltas] == [[42], [42], [42]]
         assert deltas[-1].finished and deltas[-1].finish_reason == "length"
         assert deltas[-1].num_generated_tokens == 3 and deltas[-1].num_prompt_tokens == 3
         assert engine.num_live == 0
@@ -139,38 +44,34 @@ def test_token_weighted_step_time_counts_each_inter_token_gap() -> None:
     one: "a" (3 tokens) ends two gaps, "b" (1 token) none."""
 
     async def go() -> None:
-        engine = await _engine(ScriptedCore())
-        streams = [engine.submit(_request(engine, "a", 3)), engine.submit(_request(engine, "b", 1))]
+        engine = await start_engine(ScriptedCore())
+        streams = [
+            engine.submit(make_request(engine, "a", 3)),
+            engine.submit(make_request(engine, "b", 1)),
+        ]
         for stream in streams:
             async for _ in stream:
                 pass
-        assert sum(weight for _, weight in engine._token_steps) == 2
+        assert engine.front._step_times.num_inter_token_gaps == 2
         assert engine.status().recent_token_step_ms_p50 > 0
         await engine.shutdown()
 
     asyncio.run(go())
 
 
-def test_weighted_median() -> None:
-    assert _weighted_median([(1.0, 1), (5.0, 1), (3.0, 1)]) == 3.0
-    # One step serving 64 streams outweighs three tail steps serving one.
-    assert _weighted_median([(0.30, 64), (0.05, 1), (0.05, 1), (0.05, 1)]) == 0.30
-    assert _weighted_median([(2.0, 1), (1.0, 1)]) == 1.0
-
-
 def test_duplicate_ids_queue_bound_and_draining_are_refused() -> None:
     async def go() -> None:
         core = ScriptedCore()
-        engine = await _engine(core, max_waiting_requests=1)
-        stream = engine.submit(_request(engine, "a", max_tokens=1000))
+        engine = await start_engine(core, max_waiting_requests=1)
+        stream = engine.submit(make_request(engine, "a", max_tokens=1000))
         with pytest.raises(InvalidRequestError, match="request_id"):
-            engine.submit(_request(engine, "a"))
+            engine.submit(make_request(engine, "a"))
         with pytest.raises(QueueFullError):  # "a" is not yet taken by the engine
-            engine.submit(_request(engine, "b"))
+            engine.submit(make_request(engine, "b"))
         await stream.__anext__()
         engine.begin_drain()
         with pytest.raises(EngineDrainingError):
-            engine.submit(_request(engine, "c"))
+            engine.submit(make_request(engine, "c"))
         stream.close()  # the client went away: aborted in the core
         await engine.wait_idle(5)
         for _ in range(50):
@@ -185,32 +86,33 @@ def test_duplicate_ids_queue_bound_and_draining_are_refused() -> None:
 
 def test_engine_failure_ends_streams_and_tells_listeners() -> None:
     async def go() -> None:
-        engine = await _engine(ScriptedCore(fail_at=2))
+        engine = await start_engine(ScriptedCore(fail_at=2))
         failures: list[BaseException] = []
         engine.add_failure_listener(failures.append)
-        stream = engine.submit(_request(engine, "a", max_tokens=10))
+        stream = engine.submit(make_request(engine, "a", max_tokens=10))
         first = await stream.__anext__()
-        assert first.new_token_ids == [42]
+        assert first.token_ids == [42]
         with pytest.raises(EngineDeadError, match="boom"):
             await stream.__anext__()
         assert len(failures) == 1 and not engine.healthy
         with pytest.raises(EngineDeadError):
-            engine.submit(_request(engine, "b"))
+            engine.submit(make_request(engine, "b"))
 
     asyncio.run(go())
 
 
-def test_abort_of_a_finished_id_releases_what_it_holds() -> None:
-    """Abort of an id no longer live reaches the core as a release (of KV
-    held for a remote decode); the live ones are aborted as before."""
+def test_abort_ends_live_requests_and_release_frees_held_kv() -> None:
+    """Abort reaches the core for live ids only; releasing KV held for a
+    remote decode is its own command, for finished ids."""
 
     async def run() -> tuple[list[str], list[str], list[tuple[str, RequestStatus]]]:
         core = ScriptedCore()
-        engine = await _engine(core)
+        engine = await start_engine(core)
         try:
-            stream = engine.submit(_request(engine, "live", max_tokens=100))
+            stream = engine.submit(make_request(engine, "live", max_tokens=100))
             await stream.__anext__()
             aborted = engine.abort(["live", "done-earlier"])
+            engine.release_held_kv(["done-earlier"])
             await engine.wait_idle(5.0)
             for _ in range(100):  # the engine thread applies commands between steps
                 if core.released:
@@ -233,12 +135,12 @@ def test_an_id_the_scheduler_still_holds_fails_that_request_alone() -> None:
 
     async def go() -> None:
         core = ScriptedCore(held={"held"})
-        engine = await _engine(core)
+        engine = await start_engine(core)
         try:
-            refused = engine.submit(_request(engine, "held"))
+            refused = engine.submit(make_request(engine, "held"))
             with pytest.raises(InvalidRequestError, match="request_id: 'held' is already in use"):
                 await refused.__anext__()
-            ok = engine.submit(_request(engine, "ok", max_tokens=2))
+            ok = engine.submit(make_request(engine, "ok", max_tokens=2))
             deltas = [delta async for delta in ok]
             assert deltas[-1].finished and len(deltas) == 2
             assert engine.healthy and engine.num_live == 0
@@ -267,7 +169,7 @@ class RaisingObserver:
     def on_tokens(self, num_tokens: int, seconds_since_previous: float) -> None:
         raise ValueError("tokens")
 
-    def on_finished(self, delta: StreamDelta, seconds_since_arrival: float) -> None:
+    def on_finished(self, delta: RequestOutput, seconds_since_arrival: float) -> None:
         raise ValueError("finished")
 
     def on_metrics_error(self, where: str) -> None:
@@ -278,13 +180,13 @@ def test_a_failing_observer_never_costs_a_token(caplog: pytest.LogCaptureFixture
     """Metrics that raise on every call: every request still gets every
     token and its end; the failures are counted, and logged once per kind."""
 
-    async def go() -> tuple[list[list[StreamDelta]], AsyncEngine]:
+    async def go() -> tuple[list[list[RequestOutput]], AsyncEngine]:
         observer = RaisingObserver()
-        engine = await _engine(ScriptedCore(), observer=observer)
+        engine = await start_engine(ScriptedCore(), observer=observer)
         try:
-            streams = [engine.submit(_request(engine, f"r{i}", max_tokens=5)) for i in range(4)]
+            streams = [engine.submit(make_request(engine, f"r{i}", max_tokens=5)) for i in range(4)]
 
-            async def collect() -> list[list[StreamDelta]]:
+            async def collect() -> list[list[RequestOutput]]:
                 return [[d async for d in stream] for stream in streams]
 
             # A lost step never ends its requests: a bound, not a timing.
@@ -296,7 +198,7 @@ def test_a_failing_observer_never_costs_a_token(caplog: pytest.LogCaptureFixture
 
     deltas, engine = asyncio.run(go())
     for request_deltas in deltas:
-        assert [t for d in request_deltas for t in d.new_token_ids] == [42] * 5
+        assert [t for d in request_deltas for t in d.token_ids] == [42] * 5
         assert request_deltas[-1].finished and request_deltas[-1].finish_reason == "length"
     status = engine.status()
     assert status.metrics_errors >= 4 * 5  # at least one per token delivered
@@ -322,7 +224,7 @@ class FinishRecorder:
     def on_tokens(self, num_tokens: int, seconds_since_previous: float) -> None:
         pass
 
-    def on_finished(self, delta: StreamDelta, seconds_since_arrival: float) -> None:
+    def on_finished(self, delta: RequestOutput, seconds_since_arrival: float) -> None:
         assert delta.finished
         self.finished.append((delta.request_id, delta.finish_reason))
 
@@ -334,12 +236,12 @@ def test_every_finished_request_reaches_the_observer_once() -> None:
     async def go() -> list[tuple[str, str | None]]:
         recorder = FinishRecorder()
         core = ScriptedCore(held={"refused"})
-        engine = await _engine(core, observer=recorder)
+        engine = await start_engine(core, observer=recorder)
         try:
-            done = engine.submit(_request(engine, "done", max_tokens=2))
-            cancelled = engine.submit(_request(engine, "cancelled", max_tokens=1000))
-            aborted = engine.submit(_request(engine, "aborted", max_tokens=1000))
-            refused = engine.submit(_request(engine, "refused"))
+            done = engine.submit(make_request(engine, "done", max_tokens=2))
+            cancelled = engine.submit(make_request(engine, "cancelled", max_tokens=1000))
+            aborted = engine.submit(make_request(engine, "aborted", max_tokens=1000))
+            refused = engine.submit(make_request(engine, "refused"))
             await cancelled.__anext__()
             cancelled.close()  # the client went away
             assert engine.abort(["aborted"]) == ["aborted"]
@@ -365,8 +267,8 @@ def test_every_finished_request_reaches_the_observer_once() -> None:
 def test_requests_ended_by_an_engine_failure_are_observed() -> None:
     async def go() -> list[tuple[str, str | None]]:
         recorder = FinishRecorder()
-        engine = await _engine(ScriptedCore(fail_at=2), observer=recorder)
-        stream = engine.submit(_request(engine, "a", max_tokens=10))
+        engine = await start_engine(ScriptedCore(fail_at=2), observer=recorder)
+        stream = engine.submit(make_request(engine, "a", max_tokens=10))
         await stream.__anext__()
         with pytest.raises(EngineDeadError):
             await stream.__anext__()
@@ -380,14 +282,15 @@ def test_wait_kv_released_waits_for_held_blocks() -> None:
     unreleased (what a drain waits for) until the hold ends."""
 
     async def go() -> None:
-        engine = await _engine(ScriptedCore(hold_kv=True))
+        engine = await start_engine(ScriptedCore(hold_kv=True))
         try:
             assert await engine.wait_kv_released(0)  # nothing held
-            stream = engine.submit(_request(engine, "a", max_tokens=1))
+            stream = engine.submit(make_request(engine, "a", max_tokens=1))
             assert [d.finished async for d in stream] == [True]
             assert engine.num_held_kv == 1
             assert not await engine.wait_kv_released(0.2)  # still held: nobody released it
-            engine.abort(["a"])  # finished: releases what it holds
+            assert engine.abort(["a"]) == []  # finished: nothing to abort
+            engine.release_held_kv(["a"])
             assert await engine.wait_kv_released(30)
             assert engine.num_held_kv == 0 and engine.status().kv_held_requests == 0
         finally:

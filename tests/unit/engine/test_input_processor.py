@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from engine.input_processor import (
-    STANDARD_ROLES,
-    InputProcessor,
-    InvalidRequestError,
-    template_roles,
-)
+from engine.chat_template import STANDARD_ROLES, template_roles
+from engine.errors import InvalidRequestError
+from engine.input_processor import InputProcessor
 from engine.models.loader import load_tokenizer, resolve_model
+from engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,13 @@ def test_no_token_covers_more_bytes_than_the_bound(inputs: InputProcessor, text:
 
 
 def test_text_at_the_byte_bound_is_tokenized_and_counted(inputs: InputProcessor) -> None:
-    prompt = inputs.process_prompt("a" * inputs.max_prompt_bytes)  # not refused by size
+    # Not refused by its size (bytes) but by its count of tokens.
     with pytest.raises(InvalidRequestError, match=r"^prompt: has \d+ tokens"):
-        inputs.check_length(len(prompt.token_ids))
+        inputs.process_prompt("a" * inputs.max_prompt_bytes)
 
 
 def test_the_default_template_takes_the_standard_roles(inputs: InputProcessor) -> None:
-    assert inputs.chat_roles == STANDARD_ROLES
+    assert inputs.chat.roles == STANDARD_ROLES
     for role in sorted(STANDARD_ROLES):
         assert inputs.render_chat([{"role": role, "content": "hi"}]).count("<|im_start|>") >= 2
 
@@ -81,3 +81,45 @@ def test_chat_too_big_to_fit_is_refused_before_rendering(inputs: InputProcessor)
     big = [{"role": "user", "content": "x" * (inputs.max_prompt_bytes + 1)}]
     with pytest.raises(InvalidRequestError, match=r"^chat: has \d+ bytes of text"):
         inputs.process_chat(big, "chat")
+
+
+@pytest.mark.parametrize(
+    ("check", "message"),
+    [
+        # Offline (LLM) names: prompt, prompt_token_ids.
+        (lambda i: i.process_prompt(""), "prompt: is empty"),
+        (lambda i: i.process_prompt([]), "prompt_token_ids: is empty"),
+        (lambda i: i.process_prompt([5, 10**9]), "prompt_token_ids[1]: token id 1000000000 is"),
+        (lambda i: i.process_prompt([5] * 64), "prompt: has 64 tokens"),
+        # The wire's names: text, token_ids; the size bounds name the prompt.
+        (lambda i: i.process_text("", "text"), "text: is empty"),
+        (lambda i: i.process_token_ids([], "token_ids"), "token_ids: is empty"),
+        (lambda i: i.process_token_ids([-3], "token_ids"), "token_ids[0]: token id -3 is"),
+        (lambda i: i.process_text("word " * 100, "text"), "prompt: has "),
+        (lambda i: i.tokenize_text("", "text"), "text: is empty"),
+        (lambda i: i.process_chat([], "chat.messages"), "chat.messages: must hold at least"),
+    ],
+)
+def test_each_check_names_the_field_it_was_given(
+    inputs: InputProcessor, check: Callable[[InputProcessor], object], message: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        check(inputs)
+    assert str(info.value).startswith(message), str(info.value)
+    assert info.value.field == message.split(":")[0].split("[")[0]
+
+
+def test_a_long_prompt_is_refused_before_its_ids_are_looked_at(inputs: InputProcessor) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        inputs.process_token_ids([10**9] * 100, "token_ids")
+    assert info.value.field == "prompt" and info.value.index is None
+
+
+def test_a_processed_prompt_makes_a_request(inputs: InputProcessor) -> None:
+    prompt = inputs.process_text("Hello there")
+    assert prompt.text == "Hello there" and prompt.token_ids == inputs.tokenize("Hello there")
+    request = inputs.make_request("r", prompt, SamplingParams(), priority=2)
+    assert request.prompt_token_ids == prompt.token_ids and request.priority == 2
+    assert request.eos_token_id == 2
+    with pytest.raises(InvalidRequestError, match=r"^stop_token_ids: \[49152\] are outside"):
+        inputs.make_request("r", prompt, SamplingParams(stop_token_ids=[49152]))

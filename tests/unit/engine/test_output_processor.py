@@ -9,8 +9,8 @@ from transformers import PreTrainedTokenizerBase
 
 from connectors.kv_transfer_params import KVTransferParams
 from engine.models.loader import load_tokenizer, resolve_model
-from engine.output_processor import OutputProcessor, RequestOutput
-from engine.outputs import EngineCoreOutput
+from engine.output_processor import OutputKind, OutputProcessor, RequestOutput
+from engine.outputs import EngineCoreOutput, LogprobsLists
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 
@@ -34,8 +34,7 @@ def _one_token(
     sampling = SamplingParams(max_tokens=1, stop=stop or [])
     kv_params = KVTransferParams.from_dict(params) if params is not None else None
     processor.add_request(Request("r", [1, 2, 3], sampling, kv_transfer_params=kv_params), None)
-    results, _ = processor.process([EngineCoreOutput("r", [token_id], reason)])
-    return results[0]
+    return processor.process([EngineCoreOutput("r", [token_id], reason)]).outputs[0]
 
 
 def test_a_prefill_leg_that_hands_over_keeps_back_an_incomplete_character(
@@ -44,10 +43,10 @@ def test_a_prefill_leg_that_hands_over_keeps_back_an_incomplete_character(
     first = tokenizer.encode(EMOJI)[0]  # the emoji's first byte
     remote = {"do_remote_decode": True}
     handed_over = _one_token(tokenizer, first, FinishReason.LENGTH, remote)
-    assert handed_over.finished and handed_over.delta_text == ""
+    assert handed_over.finished and handed_over.text == ""
     # The output ends here: flushed, as a full decode would show it.
-    assert _one_token(tokenizer, first, FinishReason.LENGTH, None).delta_text == "\ufffd"
-    assert _one_token(tokenizer, first, FinishReason.STOP, remote).delta_text == "\ufffd"
+    assert _one_token(tokenizer, first, FinishReason.LENGTH, None).text == "\ufffd"
+    assert _one_token(tokenizer, first, FinishReason.STOP, remote).text == "\ufffd"
 
 
 def test_a_prefill_leg_that_hands_over_keeps_back_a_stop_string_start(
@@ -55,8 +54,8 @@ def test_a_prefill_leg_that_hands_over_keeps_back_a_stop_string_start(
 ) -> None:
     (four,) = tokenizer.encode(" four")
     out = _one_token(tokenizer, four, FinishReason.LENGTH, {"do_remote_decode": True}, ["ur,"])
-    assert out.delta_text == " fo" and out.finish_reason == "length"
-    assert _one_token(tokenizer, four, FinishReason.LENGTH, None, ["ur,"]).delta_text == " four"
+    assert out.text == " fo" and out.finish_reason == "length"
+    assert _one_token(tokenizer, four, FinishReason.LENGTH, None, ["ur,"]).text == " four"
 
 
 def test_a_resumed_request_streams_the_rest_of_the_text(
@@ -66,5 +65,29 @@ def test_a_resumed_request_streams_the_rest_of_the_text(
     processor = OutputProcessor(tokenizer)
     request = Request("r", [1, 2, ids[0]], SamplingParams(), num_output_tokens_in_prompt=1)
     processor.add_request(request, None)
-    results, _ = processor.process([EngineCoreOutput("r", ids[1:], FinishReason.LENGTH)])
-    assert results[0].delta_text == EMOJI and results[0].token_ids == ids[1:]
+    (out,) = processor.process([EngineCoreOutput("r", ids[1:], FinishReason.LENGTH)]).outputs
+    assert out.text == EMOJI and out.token_ids == ids[1:]
+
+
+def test_logprobs_carry_each_tokens_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    hello, world = tokenizer.encode("Hello world")
+    processor = OutputProcessor(tokenizer)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=1))
+    processor.add_request(request, None, OutputKind.FINAL)
+    rows = LogprobsLists([[hello, world]], [[-0.5, -1.5]], [1])
+    assert processor.process([EngineCoreOutput("r", [hello], new_logprobs=rows)]).outputs == []
+    rows = LogprobsLists([[world, hello]], [[-0.1, -3.0]], [1])
+    (out,) = processor.process(
+        [EngineCoreOutput("r", [world], FinishReason.LENGTH, new_logprobs=rows)]
+    ).outputs
+    assert out.logprobs is not None and [lp.token_id for lp in out.logprobs] == [hello, world]
+    assert out.logprobs[0].text == {hello: "Hello", world: " world"}
+    assert out.logprobs[0].top == {world: -1.5}
+    assert out.text == "Hello world" and out.token_ids == [hello, world]
+
+
+def test_an_output_without_logprobs_asked_has_none(tokenizer: PreTrainedTokenizerBase) -> None:
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(Request("r", [1, 2, 3], SamplingParams()), "a prompt")
+    (out,) = processor.process([EngineCoreOutput("r", [5])]).outputs
+    assert out.logprobs is None and out.prompt == "a prompt" and not out.finished

@@ -9,15 +9,23 @@ import grpc
 import pytest
 
 from connectors.kv_transfer_params import KVTransferParams
-from engine.async_engine import EngineStatus, KvEventBatch, StreamDelta
-from engine.input_processor import InputProcessor, InvalidRequestError
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineStatus,
+    FinishReason,
+    InputProcessor,
+    InvalidRequestError,
+    KvEventBatch,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from engine.models.loader import load_tokenizer, resolve_model
-from engine.output_processor import TokenLogprob
-from engine.sampling_params import SamplingParams
 from service import convert
 from service.client import make_request
-from service.errors import status_for
+from service.errors import RequestFailedError, status_for
 from service.gen.tandem.v1 import generation_pb2 as pb
 
 
@@ -197,40 +205,39 @@ def test_output_tokens_in_the_prompt_must_be_a_count(inputs: InputProcessor, cou
         inputs.make_request("r", prompt, SamplingParams(), num_output_tokens_in_prompt=count)
 
 
-def _delta(**kw: object) -> StreamDelta:
-    base: dict[str, object] = {
+def _output(**kw: Any) -> RequestOutput:
+    base: dict[str, Any] = {
         "request_id": "r",
-        "new_token_ids": [],
-        "new_text": "",
-        "new_logprobs": [],
-        "finished": False,
+        "prompt": None,
+        "prompt_token_ids": [1, 2, 3],
+        "text": "",
+        "token_ids": [],
+        "logprobs": None,
         "finish_reason": None,
         "stop_reason": None,
-        "num_prompt_tokens": 3,
         "num_generated_tokens": 0,
         "num_cached_tokens": 0,
         "kv_transfer_params": None,
     }
-    return StreamDelta(**(base | kw))  # type: ignore[arg-type]
+    return RequestOutput(**(base | kw))
 
 
-def test_deltas_merge_into_one_response() -> None:
-    lp = TokenLogprob(token_id=5, logprob=-0.1, rank=1, top={5: -0.1, 9: -2.5})
-    deltas = [
-        _delta(new_token_ids=[5], new_text="a", new_logprobs=[lp], num_generated_tokens=1),
-        _delta(
-            new_token_ids=[6],
-            new_text="b",
-            new_logprobs=[lp],
-            finished=True,
-            finish_reason="stop",
+def test_outputs_merge_into_one_response() -> None:
+    lp = TokenLogprob(5, -0.1, 1, top={5: -0.1, 9: -2.5}, text={5: "<5>", 9: "<9>"})
+    outputs = [
+        _output(token_ids=[5], text="a", logprobs=[lp], num_generated_tokens=1),
+        _output(
+            token_ids=[6],
+            text="b",
+            logprobs=[lp],
+            finish_reason=FinishReason.STOP,
             stop_reason="\n\n",
             num_generated_tokens=2,
             num_cached_tokens=16,
             kv_transfer_params=KVTransferParams(remote_engine_id="p0"),
         ),
     ]
-    resp = convert.generate_response(deltas, lambda t: f"<{t}>", want_logprobs=True)
+    resp = convert.generate_response(outputs)
     assert list(resp.token_ids) == [5, 6] and resp.text == "ab"
     assert resp.finish_reason == pb.FINISH_REASON_STOP and resp.stop_string == "\n\n"
     assert not resp.HasField("stop_token_id")
@@ -240,19 +247,32 @@ def test_deltas_merge_into_one_response() -> None:
     assert resp.logprobs[0].sampled.token == "<5>"
     assert [t.token_id for t in resp.logprobs[0].top] == [5, 9]
     assert [t.rank for t in resp.logprobs[0].top] == [1, 2]
+    assert [t.token for t in resp.logprobs[0].top] == ["<5>", "<9>"]
 
 
 def test_stop_token_and_length_finishes() -> None:
-    by_token = _delta(finished=True, finish_reason="stop", stop_reason=2)
-    resp = convert.generate_response([by_token], str, want_logprobs=False)
+    by_token = _output(finish_reason=FinishReason.STOP, stop_reason=2)
+    resp = convert.generate_response([by_token])
     assert resp.stop_token_id == 2 and resp.stop_string == ""
-    length = convert.generate_response(
-        [_delta(finished=True, finish_reason="length")], str, want_logprobs=False
-    )
+    length = convert.generate_response([_output(finish_reason=FinishReason.LENGTH)])
     assert length.finish_reason == pb.FINISH_REASON_LENGTH
-    running = convert.generate_response([_delta(new_text="x")], str, want_logprobs=False)
+    running = convert.generate_response([_output(text="x")])
     assert running.finish_reason == pb.FINISH_REASON_UNSPECIFIED
     assert not running.HasField("usage")
+    assert not running.logprobs  # none asked for
+
+
+def test_every_finish_reason_but_error_has_a_wire_value() -> None:
+    assert set(convert.FINISH_REASONS) == set(FinishReason) - {FinishReason.ERROR}
+    aborted = convert.generate_response([_output(finish_reason=FinishReason.ABORT)])
+    assert aborted.finish_reason == pb.FINISH_REASON_ABORT
+
+
+def test_an_output_that_ended_in_error_is_an_unavailable_status() -> None:
+    failed = _output(token_ids=[5], finish_reason=FinishReason.ERROR, stop_reason="load failed")
+    with pytest.raises(RequestFailedError, match="request r failed: load failed") as info:
+        convert.generate_response([_output(token_ids=[4]), failed])
+    assert status_for(info.value)[0] == grpc.StatusCode.UNAVAILABLE
 
 
 def test_status_and_events() -> None:

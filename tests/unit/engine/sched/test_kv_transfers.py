@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.kv_cache.hashing import BlockHasher
 from engine.kv_cache.manager import KVCacheManager
 from engine.outputs import KVConnectorOutput
@@ -142,7 +143,7 @@ def test_request_finished_asks_the_connector_with_the_blocks() -> None:
     conn = FakeConnector(delay_free=True)
     transfers, kvm, requests = make_transfers(conn)
     r0 = running(kvm, requests, "r0", 20)
-    assert transfers.request_finished(r0) == (True, {"remote_block_ids": [1, 2]})
+    assert transfers.request_finished(r0) == (True, KVTransferParams(remote_block_ids=(1, 2)))
     assert conn.finished == [("r0", [1, 2])]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from connectors.kv_transfer_params import KVTransferParams
 from engine.outputs import KVConnectorOutput
 from engine.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
@@ -31,7 +32,7 @@ class HoldingConnector(FakeConnector):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self.finished.append((request.request_id, block_ids))
         return request.request_id in self.held, None
 

@@ -1,0 +1,108 @@
+"""What crosses between the event loop and the engine thread, typed.
+
+loop -> engine thread: ``Command``s, queued in a ``CommandQueue`` and
+applied by the engine thread before its next step (so an abort frees the
+request's blocks before that step runs).
+
+engine thread -> loop: ``EngineEvent``s, handed over in order
+(``engine.engine_thread.LoopHandoff``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.outputs import EngineCoreOutputs
+from engine.request import Request, RequestStatus
+
+# --- loop -> engine thread ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Queue a request the front door admitted."""
+
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequests:
+    """End unfinished requests with ``status`` (aborted by a client, or
+    stopped by a stop string the front end matched); others are ignored."""
+
+    request_ids: list[str]
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseHeldKV:
+    """Free the KV blocks that finished requests hold for a remote decode
+    nobody will run (``EngineCore.release_held_kv``); other ids are ignored."""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Shut the core down and end the engine thread."""
+
+
+Command = AddRequest | AbortRequests | ReleaseHeldKV | Stop
+
+
+@dataclass
+class CommandQueue:
+    """Commands from the loop to the engine thread, applied before each step."""
+
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    queue: deque[Command] = field(default_factory=deque)
+
+    def put(self, command: Command) -> None:
+        with self.lock:
+            self.queue.append(command)
+            self.lock.notify()
+
+    def take(self, wait: bool) -> list[Command]:
+        """Every queued command, oldest first; with ``wait``, blocks until
+        there is one."""
+        with self.lock:
+            if wait:
+                while not self.queue:
+                    self.lock.wait()
+            items = list(self.queue)
+            self.queue.clear()
+            return items
+
+
+# --- engine thread -> loop ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """A step's outputs, or (``seconds`` 0) the stats of an idle engine
+    after commands changed its state."""
+
+    outputs: dict[int, EngineCoreOutputs]
+    num_added: int  # AddRequest commands applied so far
+    seconds: float  # how long the step took
+    timestamp: float  # wall clock at hand-off (KV events carry it)
+
+
+@dataclass(frozen=True, slots=True)
+class AddRefused:
+    """The scheduler refused a request the front door admitted (the engine
+    thread logs the scheduler's reason)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailed:
+    """The engine thread failed; it steps no more."""
+
+    error: BaseException
+
+
+EngineEvent = StepDone | AddRefused | EngineFailed
