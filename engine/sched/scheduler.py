@@ -9,7 +9,9 @@ one mechanism.
 
 What a KV connector moves (loads finished or failed, blocks held while they
 are sent, blocks parked by finished loads, the connector's counts) is kept
-by ``KVTransfers`` (kv_transfers.py); the scheduler calls into it.
+by ``KVTransfers`` (kv_transfers.py); the scheduler calls into it. Whether
+parked blocks must go back, where vLLM would stay stuck, is decided by
+``DeadlockBreaker`` (deadlock.py).
 
 Step by step the decisions equal vLLM 0.12.0's scheduler with the same
 config (asynchronous scheduling, pipeline parallelism, LoRA, multimodal
