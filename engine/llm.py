@@ -6,7 +6,9 @@
 
 All prompts are queued at once and the engine steps until every one is done,
 so the scheduler batches them (continuous batching, chunked prefill, prefix
-caching) exactly as it would for a server.
+caching) exactly as it would for a server. Input checks, text, stop strings
+and ``totals`` come from the same ``FrontEnd`` (engine/frontend.py) the
+service's AsyncEngine uses; here it is driven synchronously, step by step.
 """
 
 from __future__ import annotations
