@@ -6,7 +6,9 @@
 
 All prompts are queued at once and the engine steps until every one is done,
 so the scheduler batches them (continuous batching, chunked prefill, prefix
-caching) exactly as it would for a server.
+caching) exactly as it would for a server. Input checks, text, stop strings
+and ``totals`` come from the same ``FrontEnd`` (engine/frontend.py) the
+service's AsyncEngine uses; here it is driven synchronously, step by step.
 """
 
 from __future__ import annotations
@@ -53,9 +55,20 @@ class LLM:
         ModelConfig, SchedulerConfig or CacheConfig, e.g. ``dtype="bfloat16"``,
         ``max_num_batched_tokens=64``, ``kv_cache_memory=2**27``."""
         config = _apply_overrides(config or EngineConfig(), model, overrides)
-        self.core = EngineCore(config)
-        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.core.info.model_path)
-        self.front = FrontEnd(self.core, self.tokenizer, self.core.info)
+        core = EngineCore(config)
+        self._attach(core, load_tokenizer(core.info.model_path))
+
+    @classmethod
+    def around(cls, core: EngineCore, tokenizer: PreTrainedTokenizerBase) -> LLM:
+        """An LLM over a core built elsewhere (tests, tools)."""
+        llm = cls.__new__(cls)
+        llm._attach(core, tokenizer)
+        return llm
+
+    def _attach(self, core: EngineCore, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.front = FrontEnd(core, tokenizer, core.info)
         self._ids = itertools.count()
 
     @property
@@ -92,21 +105,23 @@ class LLM:
         for req, p in zip(requests, prompt_list, strict=True):
             self.front.add_request(req, p if isinstance(p, str) else None, OutputKind.FINAL)
             self.core.add_request(req)
-        finished = self._run(len(requests), use_tqdm)
+        finished = self._run({r.request_id for r in requests}, use_tqdm)
         return [finished[r.request_id] for r in requests]
 
-    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
-        """Steps the core until the front end has every request's output."""
+    def _run(self, request_ids: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Steps the core until each of ``request_ids`` has its output
+        (requests an interrupted earlier call left behind are not waited for)."""
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm)
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
         with bar:
-            while self.front.has_unfinished():
+            while len(finished) < len(request_ids):
                 start = time.perf_counter()
                 step = self.core.step()
                 seconds = time.perf_counter() - start
                 for out in self.front.process_step(step, seconds).outputs:
-                    finished[out.request_id] = out
-                    bar.update(1)
+                    if out.request_id in request_ids:
+                        finished[out.request_id] = out
+                        bar.update(1)
         return finished
 
 
