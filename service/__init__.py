@@ -1,2 +1,3 @@
-"""The gRPC service, P/D router, CLI and metrics (arriving with the service
-issue). Depends on ``engine``; ``engine`` never imports it."""
+"""The gRPC service (``tandem serve``), the P/D router (``tandem router``),
+the CLI and the Prometheus metrics. Depends on ``engine`` and
+``connectors``; neither imports it."""
