@@ -88,6 +88,8 @@ class KVTransfers:
     # ------------------------------------------------------------------
 
     def request_started(self, request_id: str, num_computed_tokens: int) -> None:
+        """It starts with this many tokens in place (local and connector
+        hits); a synchronous load's failure cuts back from there."""
         if self.connector is not None:
             self._started[request_id] = num_computed_tokens
 
