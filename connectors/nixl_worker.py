@@ -109,7 +109,7 @@ class _Outcome:
 
 
 _DONE = _Outcome(None, "done")
-# The request finished before its READ was posted: nothing to fail.
+# The request finished before its READ ended: nothing to fail.
 _ABANDONED = _Outcome(None, "request finished before its transfer")
 
 
@@ -282,15 +282,20 @@ class NixlWorker:
                 return None
             return self._post(read, peer)
         state = self.endpoint.state(read.handle)
-        if state == "PROC" and now < read.deadline:
+        # An abandoned READ is aborted rather than waited for: it may never
+        # end by itself (a READ progresses only while the producer polls
+        # NIXL, and a producer told to free the blocks goes idle).
+        if state == "PROC" and now < read.deadline and not abandon:
             return None
-        if not self.endpoint.release(read.handle):
+        if not self.endpoint.release(read.handle):  # aborts it if running
             return None  # NIXL still owns the blocks: try again next step
         read.handle = None
         if state == "DONE":
             return _DONE
         if state == "ERR":
             return _Outcome(TransferFailure.TRANSFER_ERROR, "transfer error")
+        if abandon:
+            return _ABANDONED
         return _Outcome(TransferFailure.TIMED_OUT, "transfer timed out")
 
     def _post(self, read: _Read, peer: Peer) -> _Outcome | None:

@@ -243,6 +243,28 @@ def test_a_request_finished_before_its_read_is_released_not_failed(pair: Pair) -
     assert pair.consumer.take_stats() is None  # nobody needed those blocks
 
 
+def test_a_request_finished_mid_read_aborts_it_at_the_next_poll(pair: Pair) -> None:
+    """A READ progresses only while the producer polls NIXL. A client that
+    cancels makes the router release the producer's hold too, and an idle
+    producer stops polling: the consumer must abort the READ, not wait for
+    it (it used to wait out the whole transfer timeout, holding blocks)."""
+    pair.producer.hold("r1", time.monotonic())
+    source = pair.source()
+    pair.consumer.expect("r1", source)
+    pair.consumer.receive(RecvSpec("r1", source, [0, 4], [5, 3]), time.monotonic())
+    for _ in range(20):  # posts the READ; the producer never polls
+        assert pair.consumer.poll(set()) == (set(), set())
+        time.sleep(0.01)
+    assert pair.consumer.reads["r1"].handle is not None, "the READ was not posted"
+    pair.consumer.end("r1")
+    released, done = pair.consumer.poll({"r1"})
+    assert released == {"r1"} and not done
+    assert "r1" not in pair.consumer.reads
+    assert pair.consumer.take_invalid() == set() and pair.consumer.take_stats() is None
+    sent, _, _ = pair.pump(lambda: not pair.producer.holds)
+    assert sent == {"r1"}, "the producer was not told to free its blocks"
+
+
 def test_handshake_facts_name_each_difference() -> None:
     ours = compat_facts("m", LAYOUT)
     theirs = {**ours, "block_size": 16, "dtype": "bfloat16"}
