@@ -251,7 +251,7 @@ def test_redis_corrupted_blocks_are_recomputed(
 
     llm = make_llm(kv)
     try:
-        outs = generate(llm, PROMPTS, deadline_s=20)
+        outs = generate(llm, PROMPTS)
         assert tokens(outs) == expected(baseline, PROMPTS)
         assert_idle(llm)
     finally:
