@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format, struct_pb2
 
@@ -21,22 +21,26 @@ from engine import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    ChatMessage,
-    EngineStatus,
     FinishReason,
-    InputProcessor,
     InvalidRequestError,
-    KVCacheEvent,
-    KvEventBatch,
-    ProcessedPrompt,
-    RequestOutput,
     SamplingParams,
     SamplingParamsError,
-    TokenLogprob,
-    WorkerInfo,
 )
 from service.errors import RequestFailedError
 from service.gen.tandem.v1 import generation_pb2 as pb
+
+if TYPE_CHECKING:  # not imported at run time: the router runs without torch
+    from engine import (
+        ChatMessage,
+        EngineStatus,
+        InputProcessor,
+        KVCacheEvent,
+        KvEventBatch,
+        ProcessedPrompt,
+        RequestOutput,
+        TokenLogprob,
+        WorkerInfo,
+    )
 
 # ERROR never reaches the wire as a finish reason (see generate_response).
 FINISH_REASONS = {

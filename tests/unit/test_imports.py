@@ -1,5 +1,5 @@
 """Import smoke test: the generic top-level names must be Tandem's own, and
-the scheduler and KV cache stay free of torch."""
+the scheduler, the KV cache and the router stay free of torch."""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def test_scheduler_and_kv_cache_do_not_import_torch():
         "import sys; import engine.sched.scheduler, engine.kv_cache;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'vllm')];"
         "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_router_imports_neither_torch_nor_transformers():
+    """It holds no model. With them, a router took 3.2-3.7 s to listen and
+    266 MB; without, 0.3 s and 45 MB."""
+    code = (
+        "import sys; import service.cli, service.router, service.pods, service.tls;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')];"
+        "print(bad[:5]); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
