@@ -4,17 +4,21 @@
         ... grpc.aio.insecure_channel(server.target) ...
 
 Each server is its own process running the default model; it is SIGTERMed
-(a drain) on exit and must exit with code 0.
+(a drain) on exit and must exit with code 0. A stack of pods (prefill,
+decode, router) starts at once with `serving(prefill, decode, router)`; a
+module's single-purpose servers start together with `launched(...)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -57,23 +61,35 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> ServerProcess:
+        if self.proc is None:  # else start() ran already: only wait
+            self.start()
+        if self.check_health:
+            self.wait_started()
+        return self
+
+    def start(self) -> None:
+        """Launches the process without waiting for it (see `serving`)."""
         import tempfile
 
-        log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False)
-        self.log_path = Path(log.name)
         cmd = [sys.executable, "-m", "service.cli", self.command, "--port", str(self.port)]
         cmd += self.args
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log)
-        if self.check_health:
-            try:
-                self.wait_serving()
-            except BaseException:
-                # __exit__ will not run: a server left starting would outlive
-                # the test run (a pytest timeout lands here on a busy machine).
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        return self
+        with tempfile.NamedTemporaryFile(
+            prefix="tandem-serve-", suffix=".log", delete=False
+        ) as log:
+            self.log_path = Path(log.name)  # the child writes it; we only read
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log)
+
+    def wait_started(self) -> None:
+        """wait_serving, killing the process if it never serves: __exit__
+        will not run, and a server left starting would outlive the test run
+        (a pytest timeout lands here on a busy machine)."""
+        assert self.proc is not None
+        try:
+            self.wait_serving()
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def __exit__(
         self,
@@ -127,3 +143,36 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-8000:] if self.log_path else ""
+
+
+@contextlib.contextmanager
+def serving(*servers: ServerProcess) -> Iterator[None]:
+    """Like nested `with` statements over `servers`, but their start-ups
+    overlap: each is mostly one core's imports and model loading, so a
+    stack of pods comes up in about the time of its slowest. Drained in
+    reverse order on leaving, each exit code checked."""
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            server.start()
+            stack.push(server)  # its __exit__ drains it and checks the code
+        for server in servers:
+            if server.check_health:
+                server.wait_started()
+        yield
+
+
+@contextlib.contextmanager
+def launched(*servers: ServerProcess) -> Iterator[None]:
+    """Launches `servers` now for tests that each enter one later (`with
+    server:` then only waits for it), so their start-ups overlap with each
+    other and with the tests before. Any still running on leaving (its test
+    deselected or failed early) is killed."""
+    for server in servers:
+        server.start()
+    try:
+        yield
+    finally:
+        for server in servers:
+            if server.proc is not None and server.proc.poll() is None:
+                server.proc.kill()
+                server.proc.wait()

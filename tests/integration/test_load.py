@@ -9,7 +9,6 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,13 +23,6 @@ NUM_CALLS = 200
 SEED = 20240607
 CALL_TIMEOUT_S = 300.0
 IDLE_POLL_S = 10.0
-
-
-@pytest.fixture(scope="module")
-def load_server() -> Iterator[ServerProcess]:
-    """Our own server: 64 running at most, so part of the 200 has to wait."""
-    with ServerProcess(["--max-num-seqs", "64"]) as srv:
-        yield srv
 
 
 @dataclass
@@ -142,8 +134,8 @@ async def run_load(target: str) -> tuple[list[Outcome], pb.ServerStatus, list[st
 
 
 @pytest.mark.timeout(600)
-def test_concurrent_streams_with_random_cancels(load_server: ServerProcess) -> None:
-    outcomes, status, seen, elapsed = asyncio.run(run_load(load_server.target))
+def test_concurrent_streams_with_random_cancels(server: ServerProcess) -> None:
+    outcomes, status, seen, elapsed = asyncio.run(run_load(server.target))
 
     cancelled = [o for o in outcomes if o.cancelled]
     completed = [o for o in outcomes if not o.cancelled]
@@ -175,16 +167,16 @@ def test_concurrent_streams_with_random_cancels(load_server: ServerProcess) -> N
     assert not bad, (
         f"streams that did not complete in full "
         f"(index, max_tokens, got, finish, code, details): {bad}; {report}\n"
-        f"server log:\n{load_server.log()}"
+        f"server log:\n{server.log()}"
     )
     # Cancelled streams: recorded only (their content is not asserted on).
 
     assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0), (
         f"server not idle {IDLE_POLL_S} s after the load: {seen}; {report}\n"
-        f"server log:\n{load_server.log()}"
+        f"server log:\n{server.log()}"
     )
 
-    assert load_server.proc is not None and load_server.proc.poll() is None, (
-        f"server died; log:\n{load_server.log()}"
+    assert server.proc is not None and server.proc.poll() is None, (
+        f"server died; log:\n{server.log()}"
     )
-    assert load_server.health() == health_pb2.HealthCheckResponse.SERVING
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,7 +23,7 @@ from service.client import TandemClient, make_request
 from service.convert import struct_to_dict
 from service.errors import was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
-from tests.integration.servers import ServerProcess
+from tests.integration.servers import ServerProcess, launched, serving
 from tests.integration.test_pd import (
     PROMPTS,
     SMALL,
@@ -63,14 +64,13 @@ def reference(server: ServerProcess) -> list[pb.GenerateResponse]:
 
 def _nixl_stack(prefill_args: list[str], decode_args: list[str]) -> Iterator[Stack]:
     """Router, prefill pod and decode pod (NIXL producer and consumer)."""
-    with (
-        ServerProcess(["--role", "prefill", *prefill_args, *PRODUCER]) as prefill,
-        ServerProcess(["--role", "decode", *decode_args, *CONSUMER], metrics=True) as decode,
-        ServerProcess(
-            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
-            command="router",
-        ) as router,
-    ):
+    prefill = ServerProcess(["--role", "prefill", *prefill_args, *PRODUCER])
+    decode = ServerProcess(["--role", "decode", *decode_args, *CONSUMER], metrics=True)
+    router = ServerProcess(
+        ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+        command="router",
+    )
+    with serving(prefill, decode, router):
         yield router, prefill, decode
 
 
@@ -151,14 +151,35 @@ def test_prefill_frees_blocks_nobody_reads(nixl_pd: Stack) -> None:
     assert after.kv_leases_lapsed == lapsed_before + 1 and after.kv_held_requests == 0
 
 
-def test_prefill_pod_killed_before_the_read(server: ServerProcess, nixl_pd: Stack) -> None:
+@dataclass(frozen=True)
+class LonePrefills:
+    """Prefill pods of their own, one per test (see `lone_prefills`)."""
+
+    killed: ServerProcess  # killed, not drained
+    mismatched: ServerProcess  # 32-token blocks
+
+
+@pytest.fixture(scope="module")
+def lone_prefills() -> Iterator[LonePrefills]:
+    """Launched together, so their start-ups overlap."""
+    pods = LonePrefills(
+        killed=ServerProcess(["--role", "prefill", *SMALL, *PRODUCER]),
+        mismatched=ServerProcess(["--role", "prefill", *SMALL, "--block-size", "32", *PRODUCER]),
+    )
+    with launched(pods.killed, pods.mismatched):
+        yield pods
+
+
+def test_prefill_pod_killed_before_the_read(
+    server: ServerProcess, nixl_pd: Stack, lone_prefills: LonePrefills
+) -> None:
     """The decode pod cannot reach the prefill pod's blocks: it recomputes,
     and the answer is unchanged."""
     decode = nixl_pd[2].target
     ids, want = _want(server, FRESH[1])
     before = asyncio.run(_status(decode))
-    pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
-    pre.__enter__()  # not a `with`: it is killed, not drained
+    pre = lone_prefills.killed
+    pre.wait_started()  # not a `with`: it is killed, not drained
     try:
         first, params = _prefill_leg(pre.target, ids)
         assert pre.proc is not None
@@ -181,14 +202,16 @@ def test_prefill_pod_killed_before_the_read(server: ServerProcess, nixl_pd: Stac
             pre.proc.wait()
 
 
-def test_mismatched_block_size_is_refused(server: ServerProcess, nixl_pd: Stack) -> None:
+def test_mismatched_block_size_is_refused(
+    server: ServerProcess, nixl_pd: Stack, lone_prefills: LonePrefills
+) -> None:
     """A prefill pod with 32-token blocks and a decode pod with 16: the
     handshake refuses, naming the difference, and the decode pod recomputes;
     its refusal frees the prefill pod's blocks at once."""
     decode = nixl_pd[2].target
     ids, want = _want(server, FRESH[2])
     before = asyncio.run(_status(decode)).kv_transfer_failures.get("peer_incompatible", 0)
-    with ServerProcess(["--role", "prefill", *SMALL, "--block-size", "32", *PRODUCER]) as pre:
+    with lone_prefills.mismatched as pre:
         first, params = _prefill_leg(pre.target, ids)
         rest = _decode_leg(decode, ids, first, params)
         assert first + list(rest.token_ids) == want
@@ -206,13 +229,31 @@ def test_restarted_peers_are_handshaken_again(server: ServerProcess, nixl_pd: St
     pod's cached entry is stale and is fetched again)."""
     prefill = nixl_pd[1].target
     ids, want = _want(server, FRESH[3])
-    with ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]) as dec:
+    dec = ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER])
+    pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
+    pre.start()  # starts alongside the decode pod; used from the second part
+    try:
+        _restarted_peers(server, prefill, dec, pre, ids, want)
+    finally:
+        if pre.proc is not None and pre.proc.poll() is None:
+            pre.proc.kill()
+            pre.proc.wait()
+
+
+def _restarted_peers(
+    server: ServerProcess,
+    prefill: str,
+    dec: ServerProcess,
+    pre: ServerProcess,
+    ids: list[int],
+    want: list[int],
+) -> None:
+    with dec:
         first, params = _prefill_leg(prefill, ids)
         rest = _decode_leg(dec.target, ids, first, params)
         assert first + list(rest.token_ids) == want
         assert rest.usage.cached_tokens == len(ids)
         assert _handshakes(dec, prefill) == 1
-        pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
         with pre:
             # PROMPTS[6]: this decode pod has not seen it.
             ids = asyncio.run(_tokenize(server.target, PROMPTS[6]))
@@ -319,13 +360,12 @@ def test_a_prefill_drain_waits_for_the_reads(server: ServerProcess, nixl_pd: Sta
     # Lease and grace well past the burst's length on a busy machine: only
     # the decode pod's READ should end the drain.
     patient = ["--kv-lease-seconds", "300", "--drain-grace", "300"]
-    with (
-        ServerProcess(["--role", "prefill", *SMALL, *patient, *PRODUCER]) as pre,
-        ServerProcess(
-            ["--prefill", pre.target, "--decode", decode.target, "--poll-seconds", "0.2"],
-            command="router",
-        ) as router,
-    ):
+    pre = ServerProcess(["--role", "prefill", *SMALL, *patient, *PRODUCER])
+    router = ServerProcess(
+        ["--prefill", pre.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+        command="router",
+    )
+    with serving(pre, router):
         first, params = _prefill_leg(pre.target, held_ids)  # held: nobody reads it yet
         got = asyncio.run(_burst(router.target, DRAIN_PROMPTS, pre.signal_drain))
         pairs = zip(got, want, strict=True)

@@ -20,7 +20,7 @@ from service.convert import dict_to_struct
 from service.errors import was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
-from tests.integration.servers import ServerProcess
+from tests.integration.servers import ServerProcess, serving
 
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 6
 QUESTIONS = [
@@ -104,14 +104,13 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 def _pd_stack(producer: list[str], consumer: list[str]) -> Iterator[tuple[str, str, str]]:
-    with (
-        ServerProcess(["--role", "prefill", *SMALL, *producer]) as prefill,
-        ServerProcess(["--role", "decode", *SMALL, *consumer]) as decode,
-        ServerProcess(
-            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
-            command="router",
-        ) as router,
-    ):
+    prefill = ServerProcess(["--role", "prefill", *SMALL, *producer])
+    decode = ServerProcess(["--role", "decode", *SMALL, *consumer])
+    router = ServerProcess(
+        ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+        command="router",
+    )
+    with serving(prefill, decode, router):
         yield router.target, prefill.target, decode.target
 
 
@@ -403,29 +402,29 @@ def test_router_passes_pod_errors_through(shm_pd: tuple[str, str, str]) -> None:
     assert was_refused(err.value)  # the prefill pod refused: nothing ran anywhere
 
 
-def test_prefix_aware_routing_between_colocated_pods() -> None:
-    """Two idle colocated pods behind a router; pod B (the second, which a
-    load-only tie-break never picks) computed a long prefix. Requests sharing
-    it, sent to the router, all land on B."""
-    with (
-        ServerProcess(SMALL) as a,
-        ServerProcess(SMALL) as b,
-        ServerProcess(
-            ["--decode", f"{a.target},{b.target}", "--poll-seconds", "0.2"], command="router"
-        ) as router,
-    ):
+def test_prefix_aware_routing_between_colocated_pods(server: ServerProcess) -> None:
+    """Two idle colocated pods behind a router: A (the session's server,
+    which a load-only tie-break picks first) and B, which computed a long
+    prefix. Requests sharing it, sent to the router, all land on B."""
+    b = ServerProcess(SMALL)
+    router = ServerProcess(
+        ["--decode", f"{server.target},{b.target}", "--poll-seconds", "0.2"], command="router"
+    )
+    with serving(b, router):
         prefix = "Here is a long shared preamble about routing requests. " * 12
 
-        async def run() -> tuple[pb.ServerStatus, pb.ServerStatus, pb.ServerStatus]:
+        async def run() -> tuple[int, pb.ServerStatus, pb.ServerStatus]:
+            a_before = (await _status(server.target)).prefix_cache_queries
             await _generate(b.target, prefix + "First question?", max_tokens=4)
             before = await _status(b.target)
             await asyncio.sleep(1.0)  # the router follows B's KV events
             for i in range(4):
                 await _generate(router.target, prefix + f"Question {i}?", max_tokens=4)
-            return await _status(a.target), before, await _status(b.target)
+            a_queries = (await _status(server.target)).prefix_cache_queries - a_before
+            return a_queries, before, await _status(b.target)
 
-        sa, b_before, b_after = asyncio.run(run())
-        assert sa.prefix_cache_queries == 0, "a request went to pod A"
+        a_queries, b_before, b_after = asyncio.run(run())
+        assert a_queries == 0, "a request went to pod A"
         assert b_after.prefix_cache_hits > b_before.prefix_cache_hits
 
 
@@ -457,9 +456,14 @@ def test_pd_faults_over_redis(
     extra = {"url": redis_server.url, "key_prefix": f"f{uuid.uuid4().hex[:6]}:"}
     # Not a `with`: this prefill pod is killed, not drained.
     pre = ServerProcess(["--role", "prefill", *SMALL, *_kv("redis", "kv_producer", extra)])
-    pre.__enter__()
+    # Blocks that never come are given up on after 2 s (not the default 10).
+    consumer = _kv("redis", "kv_consumer", {**extra, "load_wait_seconds": 2})
+    dec = ServerProcess(["--role", "decode", *SMALL, *consumer])
+    pre.start()  # both start at once
     try:
-        _faults(pre, redis_server, server, reference, extra)
+        with dec:
+            pre.wait_started()
+            _faults(pre, dec, redis_server, server, reference, extra)
     finally:
         if pre.proc is not None and pre.proc.poll() is None:
             pre.proc.kill()
@@ -468,52 +472,50 @@ def test_pd_faults_over_redis(
 
 def _faults(
     pre: ServerProcess,
+    dec: ServerProcess,
     redis_server: RedisServer,
     server: ServerProcess,
     reference: list[pb.GenerateResponse],
     extra: dict[str, str],
 ) -> None:
-    # Blocks that never come are given up on after 2 s (not the default 10).
-    consumer = _kv("redis", "kv_consumer", {**extra, "load_wait_seconds": 2})
-    with ServerProcess(["--role", "decode", *SMALL, *consumer]) as dec:
-        ids = asyncio.run(_tokenize(server.target, PROMPTS[1]))
-        # The prefill answers, then dies (SIGKILL): its blocks are in Redis.
-        first = asyncio.run(_leg(pre.target, ids, 1, {"do_remote_decode": True}))
-        params = json.loads(json.dumps(dict(first.kv_transfer_params)))
-        assert params["do_remote_prefill"] is True
-        # A decode that never pulls: the prefill pod holds nothing meanwhile.
-        status = asyncio.run(_wait_idle(pre.target))
-        assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
-        # Killed once its saves landed (a kill before that is the Redis-gone
-        # case below: the decode pod recomputes what is missing).
-        _wait_for_keys(redis_server, extra["key_prefix"], len(ids) // 16)
-        assert pre.proc is not None
-        pre.proc.kill()
-        pre.proc.wait()
-        rest = asyncio.run(_leg(dec.target, ids + list(first.token_ids), 11, params))
-        assert list(first.token_ids) + list(rest.token_ids) == list(reference[1].token_ids)
-        assert rest.usage.cached_tokens >= 16 * (len(ids) // 16 - 1)
-        # Redis gone: the same request again (the decode pod now has its
-        # blocks cached), and one whose blocks only Redis was to supply
-        # (beyond the system prompt's): that load fails and it recomputes.
-        before = asyncio.run(_status(dec.target))
-        ids2 = asyncio.run(_tokenize(server.target, PROMPTS[2]))
-        want2 = list(reference[2].token_ids)
-        params2 = {"do_remote_prefill": True, "num_blocks": len(ids2) // 16}
-        redis_server.kill()
-        try:
-            again = asyncio.run(_leg(dec.target, ids + list(first.token_ids), 11, params))
-            other = asyncio.run(_leg(dec.target, ids2 + want2[:1], 11, params2))
-        finally:
-            redis_server.start()
-        assert list(again.token_ids) == list(rest.token_ids)
-        assert want2[:1] + list(other.token_ids) == want2
-        status = asyncio.run(_wait_idle(dec.target))
-        assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
-        # The decode pod counts what it recomputed, and why.
-        assert status.kv_recomputed_tokens > before.kv_recomputed_tokens
-        failures = status.kv_transfer_failures
-        assert failures["store_error"] == before.kv_transfer_failures.get("store_error", 0) + 1
+    ids = asyncio.run(_tokenize(server.target, PROMPTS[1]))
+    # The prefill answers, then dies (SIGKILL): its blocks are in Redis.
+    first = asyncio.run(_leg(pre.target, ids, 1, {"do_remote_decode": True}))
+    params = json.loads(json.dumps(dict(first.kv_transfer_params)))
+    assert params["do_remote_prefill"] is True
+    # A decode that never pulls: the prefill pod holds nothing meanwhile.
+    status = asyncio.run(_wait_idle(pre.target))
+    assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+    # Killed once its saves landed (a kill before that is the Redis-gone
+    # case below: the decode pod recomputes what is missing).
+    _wait_for_keys(redis_server, extra["key_prefix"], len(ids) // 16)
+    assert pre.proc is not None
+    pre.proc.kill()
+    pre.proc.wait()
+    rest = asyncio.run(_leg(dec.target, ids + list(first.token_ids), 11, params))
+    assert list(first.token_ids) + list(rest.token_ids) == list(reference[1].token_ids)
+    assert rest.usage.cached_tokens >= 16 * (len(ids) // 16 - 1)
+    # Redis gone: the same request again (the decode pod now has its
+    # blocks cached), and one whose blocks only Redis was to supply
+    # (beyond the system prompt's): that load fails and it recomputes.
+    before = asyncio.run(_status(dec.target))
+    ids2 = asyncio.run(_tokenize(server.target, PROMPTS[2]))
+    want2 = list(reference[2].token_ids)
+    params2 = {"do_remote_prefill": True, "num_blocks": len(ids2) // 16}
+    redis_server.kill()
+    try:
+        again = asyncio.run(_leg(dec.target, ids + list(first.token_ids), 11, params))
+        other = asyncio.run(_leg(dec.target, ids2 + want2[:1], 11, params2))
+    finally:
+        redis_server.start()
+    assert list(again.token_ids) == list(rest.token_ids)
+    assert want2[:1] + list(other.token_ids) == want2
+    status = asyncio.run(_wait_idle(dec.target))
+    assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+    # The decode pod counts what it recomputed, and why.
+    assert status.kv_recomputed_tokens > before.kv_recomputed_tokens
+    failures = status.kv_transfer_failures
+    assert failures["store_error"] == before.kv_transfer_failures.get("store_error", 0) + 1
 
 
 async def _tokenize(target: str, text: str) -> list[int]:

@@ -6,6 +6,8 @@ import asyncio
 import re
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -18,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from service.client import TandemClient, make_request
 from service.convert import dict_to_struct
 from service.gen.tandem.v1 import generation_pb2 as pb
-from tests.integration.servers import ServerProcess
+from tests.integration.servers import ServerProcess, launched
 
 PROMPT = "The three primary colors are"
 
@@ -42,6 +44,28 @@ def _text(chunks: list[pb.GenerateResponse]) -> str:
 
 def _ids(chunks: list[pb.GenerateResponse]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
+
+
+@dataclass(frozen=True)
+class OwnServers:
+    """Servers with flags of their own, one per test (see `own`)."""
+
+    queue_bound: ServerProcess
+    api_key: ServerProcess
+    drain: ServerProcess
+
+
+@pytest.fixture(scope="module")
+def own() -> Iterator[OwnServers]:
+    """Launched together at the first test that needs one, so their
+    start-ups overlap; each test enters (waits for) and drains its own."""
+    servers = OwnServers(
+        queue_bound=ServerProcess(["--max-num-seqs", "1", "--max-waiting-requests", "1"]),
+        api_key=ServerProcess(["--api-key", "s3cret"]),
+        drain=ServerProcess(["--drain-grace", "60"]),
+    )
+    with launched(servers.queue_bound, servers.api_key, servers.drain):
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +282,8 @@ def test_metrics_endpoint_serves_the_families(server: ServerProcess) -> None:
     assert generated >= 4
 
 
-def test_queue_bound_gives_resource_exhausted() -> None:
-    args = ["--max-num-seqs", "1", "--max-waiting-requests", "1"]
-    with ServerProcess(args) as srv:
+def test_queue_bound_gives_resource_exhausted(own: OwnServers) -> None:
+    with own.queue_bound as srv:
 
         async def go() -> None:
             async with TandemClient(srv.target) as client:
@@ -280,8 +303,8 @@ def test_queue_bound_gives_resource_exhausted() -> None:
         asyncio.run(go())
 
 
-def test_api_key_required_except_for_health() -> None:
-    with ServerProcess(["--api-key", "s3cret"]) as srv:
+def test_api_key_required_except_for_health(own: OwnServers) -> None:
+    with own.api_key as srv:
 
         async def go() -> None:
             async with TandemClient(srv.target) as anonymous:
@@ -303,10 +326,8 @@ def test_api_key_required_except_for_health() -> None:
         # ServerProcess checked health without a key: health stays open.
 
 
-def test_drain_finishes_in_flight_then_exits_zero() -> None:
-    from grpc_health.v1 import health_pb2
-
-    srv = ServerProcess(["--drain-grace", "60"])
+def test_drain_finishes_in_flight_then_exits_zero(own: OwnServers) -> None:
+    srv = own.drain
     with srv:
 
         async def go() -> list[pb.GenerateResponse]:
@@ -503,31 +524,31 @@ def test_huge_prompts_stall_neither_streams_nor_health(server: ServerProcess) ->
     assert rest[-1].usage.completion_tokens == 48
 
 
-def _second_server_fails(args: list[str]) -> str:
-    """Starts `tandem serve` with `args`; returns its log once it exits, or
-    fails the test as soon as it says it listens."""
-    second = ServerProcess(args, check_health=False)
-    second.__enter__()
-    assert second.proc is not None
-    try:
+def _servers_fail(*args: list[str]) -> list[str]:
+    """Starts one `tandem serve` per `args`, all at once; returns their logs
+    once they exit, or fails the test as soon as one says it listens."""
+    servers = [ServerProcess(a, check_health=False) for a in args]
+    with launched(*servers):
         deadline = time.monotonic() + 300
-        while second.proc.poll() is None and time.monotonic() < deadline:
-            assert "listening on" not in second.log(), second.log()
+        while time.monotonic() < deadline:
+            for server in servers:
+                assert "listening on" not in server.log(), server.log()
+            if all(s.proc is not None and s.proc.poll() is not None for s in servers):
+                break
             time.sleep(0.2)
-        assert second.proc.poll() not in (None, 0), second.log()
-        return second.log()
-    finally:
-        if second.proc.poll() is None:
-            second.proc.kill()
-            second.proc.wait()
+        for server in servers:
+            assert server.proc is not None and server.proc.poll() not in (None, 0), server.log()
+        return [server.log() for server in servers]
 
 
 def test_a_second_server_on_a_taken_port_refuses_to_start(server: ServerProcess) -> None:
-    log = _second_server_fails(["--port", str(server.port)])
-    assert f"--port: cannot listen on 127.0.0.1:{server.port}" in log, log
-    assert "Traceback" not in log, log
-    log = _second_server_fails(["--metrics-port", str(server.metrics_port)])
-    assert f"--metrics-port: cannot listen on 127.0.0.1:{server.metrics_port}" in log, log
-    assert "Traceback" not in log, log
+    port_log, metrics_log = _servers_fail(
+        ["--port", str(server.port)], ["--metrics-port", str(server.metrics_port)]
+    )
+    assert f"--port: cannot listen on 127.0.0.1:{server.port}" in port_log, port_log
+    assert "Traceback" not in port_log, port_log
+    expected = f"--metrics-port: cannot listen on 127.0.0.1:{server.metrics_port}"
+    assert expected in metrics_log, metrics_log
+    assert "Traceback" not in metrics_log, metrics_log
     assert server.health() == health_pb2.HealthCheckResponse.SERVING
     assert "tandem_requests_running" in _scrape(server)

@@ -7,6 +7,7 @@ import datetime
 import ipaddress
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2
 
 from service.client import TandemClient
-from tests.integration.servers import ServerProcess
+from tests.integration.servers import ServerProcess, launched
 
 
 def _name(common_name: str) -> x509.Name:
@@ -91,9 +92,31 @@ async def _generate(client: TandemClient) -> int:
     return sum([len(c.token_ids) async for c in client.generate(text="Hi", max_tokens=3)])
 
 
-def test_tls(pki: Path) -> None:
-    args = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key")]
-    with ServerProcess(args, check_health=False) as srv:
+POD_KEY = "pod-s3cret"
+ROUTER_KEY = "router-s3cret"
+
+
+@dataclass(frozen=True)
+class TLSServers:
+    tls: ServerProcess  # TLS, no client certificate asked
+    mtls: ServerProcess  # a client certificate and an API key required
+
+
+@pytest.fixture(scope="module")
+def tls_servers(pki: Path) -> Iterator[TLSServers]:
+    """Both launched at once (their start-ups overlap); each is entered
+    where it is used."""
+    tls = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key")]
+    mtls = [*tls, "--tls-client-ca", str(pki / "ca.pem"), "--api-key", POD_KEY]
+    servers = TLSServers(
+        tls=ServerProcess(tls, check_health=False), mtls=ServerProcess(mtls, check_health=False)
+    )
+    with launched(servers.tls, servers.mtls):
+        yield servers
+
+
+def test_tls(pki: Path, tls_servers: TLSServers) -> None:
+    with tls_servers.tls as srv:
         srv.wait_serving(_creds(pki, client_cert=False))
 
         async def go() -> None:
@@ -107,18 +130,10 @@ def test_tls(pki: Path) -> None:
         asyncio.run(go())
 
 
-POD_KEY = "pod-s3cret"
-ROUTER_KEY = "router-s3cret"
-
-
 @pytest.fixture(scope="module")
-def mtls_server(pki: Path) -> Iterator[ServerProcess]:
+def mtls_server(pki: Path, tls_servers: TLSServers) -> Iterator[ServerProcess]:
     """A server requiring a client certificate and an API key."""
-    args = [
-        "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
-        "--tls-client-ca", str(pki / "ca.pem"), "--api-key", POD_KEY,
-    ]  # fmt: skip
-    with ServerProcess(args, check_health=False) as srv:
+    with tls_servers.mtls as srv:
         srv.wait_serving(_creds(pki, client_cert=True))
         yield srv
 
