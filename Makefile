@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 NODE_DIR := tests/integration/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup model protos node redis test lint typecheck unit demo bench clean
+.PHONY: setup model kernels protos node redis test lint typecheck unit demo bench clean
 
 setup: $(STAMP) protos
 
@@ -40,6 +40,11 @@ $(GEN): $(STAMP) service/protogen.py $(shell find protos -name '*.proto')
 # later runs find the cache and return at once.
 model: $(STAMP) protos
 	$(PY) -m engine.models.loader
+
+# Build the C++ CPU kernels (kernels/csrc/) once per checkout (~1-2 min;
+# torch caches the build); without a compiler the torch paths serve.
+kernels: $(STAMP) protos
+	$(PY) -m kernels.cpu_kernels
 
 lint: $(STAMP) protos
 	$(VENV)/bin/ruff check .
@@ -74,12 +79,12 @@ redis:
 	  echo "redis-server not found; installing redis-server (needs root)"; \
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server; }
 
-test: lint typecheck model node redis
+test: lint typecheck model kernels node redis
 	$(VENV)/bin/pytest -q
 
 # Starts `tandem serve` on the default model, streams a few answers through
 # `tandem generate`, prints a summary and stops the server (service/demo.py).
-demo: model
+demo: model kernels
 	$(PY) -m service.demo
 
 bench: model redis

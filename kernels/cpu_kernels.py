@@ -133,3 +133,11 @@ def build_lock(name: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+if __name__ == "__main__":
+    # `python -m kernels.cpu_kernels` (make's set-up): build once per checkout,
+    # so the first server or test does not wait for the compiler.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ready = load() is not None
+    print("Tandem CPU kernels:", "ready" if ready else "unavailable (the torch paths serve)")
