@@ -14,11 +14,9 @@ import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
 from sched_traces import (
     EOS,
     SCENARIOS,
@@ -33,10 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched import scheduler as vsched
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm_stub import make_scheduler
 
 logging.disable(logging.WARNING)
 
@@ -78,8 +75,8 @@ class VllmSide:
     def __init__(self, trace: Trace) -> None:
         cfg = trace.config
         self.script = ConnectorScript(trace)
-        vllm_config = SimpleNamespace(
-            scheduler_config=SchedulerConfig(
+        self.sched = make_scheduler(
+            SchedulerConfig(
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_model_len=cfg.max_model_len,
@@ -88,48 +85,13 @@ class VllmSide:
                 policy=cfg.policy,
                 long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             ),
-            cache_config=SimpleNamespace(
-                num_gpu_blocks=cfg.num_blocks,
-                enable_prefix_caching=cfg.prefix_caching,
-                block_size=cfg.block_size,
-            ),
-            lora_config=None,
-            kv_events_config=None,
-            kv_transfer_config=None,  # the connector is set below
-            ec_transfer_config=None,
-            speculative_config=None,
-            parallel_config=SimpleNamespace(
-                data_parallel_rank=0,
-                decode_context_parallel_size=1,
-                prefill_context_parallel_size=1,
-                pipeline_parallel_size=1,
-            ),
-            observability_config=SimpleNamespace(kv_cache_metrics=False),
-            model_config=SimpleNamespace(is_encoder_decoder=False, max_model_len=cfg.max_model_len),
-        )
-        kv_cfg = KVCacheConfig(
+            max_model_len=cfg.max_model_len,
             num_blocks=cfg.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    ["layer.0"],
-                    FullAttentionSpec(
-                        block_size=cfg.block_size,
-                        num_kv_heads=1,
-                        head_size=8,
-                        dtype=torch.float16,
-                    ),
-                )
-            ],
+            block_size=cfg.block_size,
+            prefix_caching=cfg.prefix_caching,
+            structured_output_manager=SimpleNamespace(should_advance=lambda r: False),
+            log_stats=False,
         )
-        with mock.patch.object(vsched, "compute_encoder_budget", lambda **kw: (0, 0)):
-            self.sched = vsched.Scheduler(
-                vllm_config=vllm_config,
-                kv_cache_config=kv_cfg,
-                structured_output_manager=SimpleNamespace(should_advance=lambda r: False),
-                block_size=cfg.block_size,
-                log_stats=False,
-            )
         if cfg.connector:
             self.sched.connector = ScriptedConnector(self.script)
         self.hasher = get_request_block_hasher(cfg.block_size, sha256)

@@ -14,24 +14,16 @@ import logging
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
 from vllm.config import SchedulerConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched import scheduler as vsched
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
+from vllm_stub import make_scheduler
 from workload import BLOCK_SIZE, limits, make_prompts
 
 logging.disable(logging.WARNING)
@@ -47,50 +39,20 @@ class NoStructuredOutput:
 
 def build(n: int, steps: int) -> tuple[object, object]:
     max_len, num_blocks, budget = limits(n, steps)
-    cfg = SimpleNamespace(
-        scheduler_config=SchedulerConfig(
+    sched = make_scheduler(
+        SchedulerConfig(
             max_num_seqs=n,
             max_num_batched_tokens=budget,
             max_model_len=max_len,
             is_encoder_decoder=False,
         ),
-        cache_config=SimpleNamespace(
-            num_gpu_blocks=num_blocks, enable_prefix_caching=True, block_size=BLOCK_SIZE
-        ),
-        lora_config=None,
-        kv_events_config=None,
-        kv_transfer_config=None,
-        ec_transfer_config=None,
-        speculative_config=None,
-        parallel_config=SimpleNamespace(
-            data_parallel_rank=0,
-            decode_context_parallel_size=1,
-            prefill_context_parallel_size=1,
-            pipeline_parallel_size=1,
-        ),
-        observability_config=SimpleNamespace(kv_cache_metrics=False),
-        model_config=SimpleNamespace(is_encoder_decoder=False, max_model_len=max_len),
-    )
-    kv_cfg = KVCacheConfig(
+        max_model_len=max_len,
         num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer.0"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
-                ),
-            )
-        ],
+        block_size=BLOCK_SIZE,
+        prefix_caching=True,
+        structured_output_manager=NoStructuredOutput(),
+        log_stats=True,
     )
-    with mock.patch.object(vsched, "compute_encoder_budget", lambda **kw: (0, 0)):
-        sched = vsched.Scheduler(
-            vllm_config=cfg,
-            kv_cache_config=kv_cfg,
-            structured_output_manager=NoStructuredOutput(),
-            block_size=BLOCK_SIZE,
-            log_stats=True,
-        )
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
     params = SamplingParams(max_tokens=max_len, ignore_eos=True)
