@@ -83,12 +83,10 @@ class ServerProcess:
         """wait_serving, killing the process if it never serves: __exit__
         will not run, and a server left starting would outlive the test run
         (a pytest timeout lands here on a busy machine)."""
-        assert self.proc is not None
         try:
             self.wait_serving()
         except BaseException:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
             raise
 
     def __exit__(
@@ -137,9 +135,14 @@ class ServerProcess:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL (no drain) if it still runs, and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-            raise
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-8000:] if self.log_path else ""
@@ -173,6 +176,4 @@ def launched(*servers: ServerProcess) -> Iterator[None]:
         yield
     finally:
         for server in servers:
-            if server.proc is not None and server.proc.poll() is None:
-                server.proc.kill()
-                server.proc.wait()
+            server.kill()

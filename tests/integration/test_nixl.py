@@ -178,28 +178,21 @@ def test_prefill_pod_killed_before_the_read(
     decode = nixl_pd[2].target
     ids, want = _want(server, FRESH[1])
     before = asyncio.run(_status(decode))
-    pre = lone_prefills.killed
-    pre.wait_started()  # not a `with`: it is killed, not drained
-    try:
-        first, params = _prefill_leg(pre.target, ids)
-        assert pre.proc is not None
-        pre.proc.kill()
-        pre.proc.wait()
-        rest = _decode_leg(decode, ids, first, params)
-        assert first + list(rest.token_ids) == want
-        assert rest.usage.cached_tokens == 0  # all recomputed
-        assert f"NIXL peer {pre.target} refused" in nixl_pd[2].log()
-        _idle(decode)
-        # Counted on the decode pod: a failed load by kind, and its tokens.
-        after = asyncio.run(_status(decode))
-        assert after.kv_recomputed_tokens - before.kv_recomputed_tokens == len(ids)
-        failures = Counter(after.kv_transfer_failures)
-        failures.subtract(before.kv_transfer_failures)
-        assert +failures == {"peer_unreachable": 1}
-    finally:
-        if pre.proc is not None and pre.proc.poll() is None:
-            pre.proc.kill()
-            pre.proc.wait()
+    pre = lone_prefills.killed  # not a `with`: it is killed, not drained
+    pre.wait_started()
+    first, params = _prefill_leg(pre.target, ids)
+    pre.kill()
+    rest = _decode_leg(decode, ids, first, params)
+    assert first + list(rest.token_ids) == want
+    assert rest.usage.cached_tokens == 0  # all recomputed
+    assert f"NIXL peer {pre.target} refused" in nixl_pd[2].log()
+    _idle(decode)
+    # Counted on the decode pod: a failed load by kind, and its tokens.
+    after = asyncio.run(_status(decode))
+    assert after.kv_recomputed_tokens - before.kv_recomputed_tokens == len(ids)
+    failures = Counter(after.kv_transfer_failures)
+    failures.subtract(before.kv_transfer_failures)
+    assert +failures == {"peer_unreachable": 1}
 
 
 def test_mismatched_block_size_is_refused(
@@ -231,24 +224,9 @@ def test_restarted_peers_are_handshaken_again(server: ServerProcess, nixl_pd: St
     ids, want = _want(server, FRESH[3])
     dec = ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER])
     pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
-    pre.start()  # starts alongside the decode pod; used from the second part
-    try:
-        _restarted_peers(server, prefill, dec, pre, ids, want)
-    finally:
-        if pre.proc is not None and pre.proc.poll() is None:
-            pre.proc.kill()
-            pre.proc.wait()
-
-
-def _restarted_peers(
-    server: ServerProcess,
-    prefill: str,
-    dec: ServerProcess,
-    pre: ServerProcess,
-    ids: list[int],
-    want: list[int],
-) -> None:
-    with dec:
+    # The prefill pod starts alongside the decode pod; it is used from the
+    # second part on.
+    with launched(pre), dec:
         first, params = _prefill_leg(prefill, ids)
         rest = _decode_leg(dec.target, ids, first, params)
         assert first + list(rest.token_ids) == want

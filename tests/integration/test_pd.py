@@ -20,7 +20,7 @@ from service.convert import dict_to_struct
 from service.errors import was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
-from tests.integration.servers import ServerProcess, serving
+from tests.integration.servers import ServerProcess, launched, serving
 
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 6
 QUESTIONS = [
@@ -459,15 +459,9 @@ def test_pd_faults_over_redis(
     # Blocks that never come are given up on after 2 s (not the default 10).
     consumer = _kv("redis", "kv_consumer", {**extra, "load_wait_seconds": 2})
     dec = ServerProcess(["--role", "decode", *SMALL, *consumer])
-    pre.start()  # both start at once
-    try:
-        with dec:
-            pre.wait_started()
-            _faults(pre, dec, redis_server, server, reference, extra)
-    finally:
-        if pre.proc is not None and pre.proc.poll() is None:
-            pre.proc.kill()
-            pre.proc.wait()
+    with launched(pre), dec:  # both start at once
+        pre.wait_started()
+        _faults(pre, dec, redis_server, server, reference, extra)
 
 
 def _faults(
@@ -489,9 +483,7 @@ def _faults(
     # Killed once its saves landed (a kill before that is the Redis-gone
     # case below: the decode pod recomputes what is missing).
     _wait_for_keys(redis_server, extra["key_prefix"], len(ids) // 16)
-    assert pre.proc is not None
-    pre.proc.kill()
-    pre.proc.wait()
+    pre.kill()
     rest = asyncio.run(_leg(dec.target, ids + list(first.token_ids), 11, params))
     assert list(first.token_ids) + list(rest.token_ids) == list(reference[1].token_ids)
     assert rest.usage.cached_tokens >= 16 * (len(ids) // 16 - 1)

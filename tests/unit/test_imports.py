@@ -21,26 +21,28 @@ def test_top_level_packages_come_from_this_repository():
         assert Path(module.__file__).resolve().is_relative_to(ROOT), module.__file__
 
 
-def test_scheduler_and_kv_cache_do_not_import_torch():
+def _assert_imports_none_of(modules: str, roots: tuple[str, ...]) -> None:
+    """Importing `modules` (comma-separated) in a fresh interpreter loads
+    no module under any of `roots`."""
     code = (
-        "import sys; import engine.sched.scheduler, engine.kv_cache;"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'vllm')];"
-        "print(bad); sys.exit(1 if bad else 0)"
+        f"import sys; import {modules};"
+        f"bad = [m for m in sys.modules if m.split('.')[0] in {roots!r}];"
+        "print(bad[:5]); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_scheduler_and_kv_cache_do_not_import_torch():
+    _assert_imports_none_of("engine.sched.scheduler, engine.kv_cache", ("torch", "numpy", "vllm"))
 
 
 def test_the_router_imports_neither_torch_nor_transformers():
     """It holds no model. With them, a router took 3.2-3.7 s to listen and
     266 MB; without, 0.3 s and 45 MB."""
-    code = (
-        "import sys; import service.cli, service.router, service.pods, service.tls;"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')];"
-        "print(bad[:5]); sys.exit(1 if bad else 0)"
+    _assert_imports_none_of(
+        "service.cli, service.router, service.pods, service.tls", ("torch", "transformers")
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_no_module_imports_vllm_or_sglang():
