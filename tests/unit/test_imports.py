@@ -38,8 +38,8 @@ def test_scheduler_and_kv_cache_do_not_import_torch():
 
 
 def test_the_router_imports_neither_torch_nor_transformers():
-    """It holds no model. With them, a router took 3.2-3.7 s to listen and
-    266 MB; without, 0.3 s and 45 MB."""
+    """It holds no model. With them a router took 3.8 s to listen and
+    266 MB; without, 0.37 s and 45 MB (benchmarks/startup_bench.py)."""
     _assert_imports_none_of(
         "service.cli, service.router, service.pods, service.tls", ("torch", "transformers")
     )
