@@ -203,10 +203,24 @@ class AsyncEngine:
     def subscribe_kv_events(self, max_pending: int = 1024) -> KvEventSubscription:
         return self._kv_events.subscribe(max_pending)
 
+    @property
+    def engine_id(self) -> str:
+        """This engine's id (what its KV connector names itself by)."""
+        return self._core.engine_id
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block no request holds, before the next
+        step; False (nothing forgotten) while a running request holds any."""
+        return await asyncio.wrap_future(self._thread.reset_prefix_cache())
+
     # --- drain and shutdown ----------------------------------------------------------
 
     def begin_drain(self) -> None:
         self._admission.draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._admission.draining
 
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """Waits until no request is live; False if ``timeout`` passed first."""

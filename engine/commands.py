@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.outputs import EngineCoreOutputs
@@ -45,11 +46,19 @@ class ReleaseHeldKV:
 
 
 @dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """Forget every cached block not in use (FlushCache). ``done`` gets
+    whether it happened: not while a running request holds blocks."""
+
+    done: Future[bool]
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """Shut the core down and end the engine thread."""
 
 
-Command = AddRequest | AbortRequests | ReleaseHeldKV | Stop
+Command = AddRequest | AbortRequests | ReleaseHeldKV | ResetPrefixCache | Stop
 
 
 @dataclass

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from engine.commands import (
     AbortRequests,
@@ -27,6 +28,7 @@ from engine.commands import (
     EngineEvent,
     EngineFailed,
     ReleaseHeldKV,
+    ResetPrefixCache,
     StepDone,
     Stop,
 )
@@ -113,6 +115,11 @@ class EngineThread(threading.Thread):
     def release_held_kv(self, request_ids: list[str]) -> None:
         self._commands.put(ReleaseHeldKV(request_ids))
 
+    def reset_prefix_cache(self) -> Future[bool]:
+        done: Future[bool] = Future()
+        self._commands.put(ResetPrefixCache(done))
+        return done
+
     def stop(self) -> None:
         self._commands.put(Stop())
 
@@ -163,6 +170,8 @@ class EngineThread(threading.Thread):
                 core.abort_requests(request_ids, status)
             case ReleaseHeldKV(request_ids):
                 core.release_held_kv(request_ids)
+            case ResetPrefixCache(done):
+                done.set_result(core.scheduler.reset_prefix_cache())
         return 0
 
     def _add(self, core: EngineCore, request: Request) -> None:

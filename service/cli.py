@@ -220,6 +220,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="this server's part in prefill/decode disaggregation (default: both)",
     )
     n.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients and gateways see (OpenAI's `model` through smg; "
+        "default: the model directory's name)",
+    )
+    n.add_argument(
         "--max-waiting-requests",
         type=int,
         default=1024,
@@ -340,6 +346,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         drain_grace_seconds=args.drain_grace,
         max_waiting_requests=args.max_waiting_requests,
+        served_model_name=args.served_model_name,
     )
     asyncio.run(serve(engine_config_from_args(args), config))
     return 0

@@ -4,6 +4,7 @@ gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken port
 then starts without complaint and the kernel splits connections between the
 two. `new_server` turns that off, so `listen` on a taken port fails, as a
 `ListenError` (a ConfigError: the CLI prints it on one line and exits 2).
+It also accepts gateways' keepalive pings (see KEEPALIVE_OPTIONS).
 """
 
 from __future__ import annotations
@@ -19,8 +20,21 @@ class ListenError(ConfigError):
     """The address cannot be listened on (in use, or not this host's)."""
 
 
+# Gateways keep idle channels alive with HTTP/2 pings (smg's gRPC client
+# pings every few seconds, with or without calls). gRPC's defaults answer
+# pings closer than 5 minutes apart with GOAWAY "too_many_pings", which drops
+# every stream on the channel; these accept them.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)])
+    return grpc.aio.server(
+        interceptors=list(interceptors), options=[("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
+    )
 
 
 def listen(

@@ -19,6 +19,7 @@ from typing import Literal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine import AsyncEngine, ConfigError, EngineConfig
 from service.auth import ApiKeyInterceptor
@@ -28,9 +29,11 @@ from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from service.gen.tandem.v1 import kv_transfer_pb2_grpc
 from service.grpc_server import ListenError, listen, new_server
 from service.metrics import ServiceMetrics
-from service.servicer import GenerationServicer
+from service.servicer import GenerationServicer, new_input_pool
 from service.side_channel import KVTransferServicer, with_side_channel
 from service.tls import ServerTLS
+from service.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME
+from service.vllm_servicer import VllmEngineServicer
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,9 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     drain_grace_seconds: float = 30.0
     max_waiting_requests: int = 1024
+    # The model name clients and gateways see (GetModelInfo); None: the
+    # model directory's name.
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
@@ -74,8 +80,17 @@ class TandemServer:
         self.metrics = ServiceMetrics()
         self.health = health.aio.HealthServicer()
         kv = engine_config.kv_transfer
+        connector = kv.kv_connector if kv is not None else ""
+        inputs = new_input_pool()
         self.servicer = GenerationServicer(
-            role=config.role, kv_connector=kv.kv_connector if kv is not None else ""
+            role=config.role, kv_connector=connector, input_pool=inputs
+        )
+        # The field's engine protocol, for the smg gateway (same port).
+        self.vllm_servicer = VllmEngineServicer(
+            inputs,
+            role=config.role,
+            kv_connector=connector,
+            served_model_name=config.served_model_name,
         )
         self.side_channel = KVTransferServicer()
         self.engine: AsyncEngine | None = None
@@ -92,9 +107,14 @@ class TandemServer:
         interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
         server = new_server([*interceptors, DecodeGuard()])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
+        vpb_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self.side_channel, server)  # type: ignore[no-untyped-call]
-        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        names = (
+            SERVICE_NAME,
+            VLLM_SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        )
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
         # Both ports are taken before the model loads: a taken one ends
         # the start at once (ListenError).
@@ -111,6 +131,7 @@ class TandemServer:
             observer=self.metrics,
         )
         self.servicer.attach(self.engine)
+        self.vllm_servicer.attach(self.engine)
         self.side_channel.engine = self.engine
         self.engine.add_failure_listener(self._on_engine_failure)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -209,7 +230,7 @@ class TandemServer:
             )
 
     async def _set_health(self, status: int) -> None:
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, VLLM_SERVICE_NAME):
             await self.health.set(name, status)
 
 

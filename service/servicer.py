@@ -40,15 +40,25 @@ T = TypeVar("T")
 INPUT_THREADS = 4
 
 
+def new_input_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="tandem-input")
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Registered before the model loads (so health answers meanwhile); RPCs
     get UNAVAILABLE until `attach` hands it the engine."""
 
-    def __init__(self, *, role: str = "both", kv_connector: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        role: str = "both",
+        kv_connector: str = "",
+        input_pool: ThreadPoolExecutor | None = None,
+    ) -> None:
         self._engine: AsyncEngine | None = None
         self.role = role
         self.kv_connector = kv_connector
-        self._input_pool = ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="tandem-input")
+        self._input_pool = input_pool or new_input_pool()
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine

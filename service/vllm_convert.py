@@ -1,0 +1,438 @@
+"""Conversions between the field's engine protocol (``vllm.grpc.engine``,
+the stubs of PyPI ``smg-grpc-proto``) and Tandem's engine types.
+
+The Shepherd Model Gateway (smg) drives workers over this protocol: it
+tokenizes and detokenizes itself, so requests arrive as token ids and
+answers leave as token ids. Sampling fields follow the vLLM servicer's
+reading, where proto3's zero means "unset" for the fields without presence:
+``top_p`` 0 is 1.0, ``repetition_penalty`` 0 is 1.0, ``n`` 0 is 1. What
+Tandem cannot do yet (structured output, logprobs of the whole vocabulary,
+prompt truncation) is refused with the field's name, never ignored.
+
+Pure functions, no gRPC context; ``service.vllm_servicer`` owns the calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from connectors.kv_transfer_params import KVTransferParams, KVTransferParamsError
+from engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    SamplingParamsError,
+)
+from service.errors import RequestFailedError
+
+if TYPE_CHECKING:
+    from engine import (
+        EngineStatus,
+        InputProcessor,
+        KVCacheEvent,
+        KvEventBatch,
+        ProcessedPrompt,
+        RequestOutput,
+        TokenLogprob,
+    )
+
+# The finish reasons vLLM's servicer sends (GenerateComplete.finish_reason).
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+}
+
+# What vLLM publishes as the medium of its own paged KV cache; Tandem's
+# paged cache is the same tier whatever its device (see README, KV events).
+MEDIUM = "GPU"
+
+# Most choices one request may ask for: each is a request in the engine.
+MAX_N = 16
+
+
+@dataclass(frozen=True)
+class VllmGenerateInput:
+    """A GenerateRequest, checked and tokenized: ``n`` choices of ``params``
+    (each choice's seed is the request's plus its index, as vLLM does)."""
+
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    n: int
+    stream: bool
+    kv_transfer_params: KVTransferParams | None
+
+    def choice_ids(self) -> list[str]:
+        """The engine request id of each choice: the request's own for a
+        single choice (a P/D pair's two legs share it), else ``id-i``."""
+        if self.n == 1:
+            return [self.request_id]
+        return [f"{self.request_id}-{i}" for i in range(self.n)]
+
+    def choice_params(self, index: int) -> SamplingParams:
+        if self.params.seed is None or self.n == 1:
+            return self.params
+        return replace(self.params, seed=self.params.seed + index)
+
+
+# --- requests --------------------------------------------------------------------
+
+
+def generate_input(
+    msg: vpb.GenerateRequest, inputs: InputProcessor, *, role: str
+) -> VllmGenerateInput:
+    """Raises InvalidRequestError naming the proto field that is wrong."""
+    if not msg.request_id:
+        raise InvalidRequestError("request_id", "must be set (the gateway's id for Abort)")
+    _refuse_unsupported(msg)
+    params_msg = msg.sampling_params
+    n = params_msg.n or 1
+    if n > MAX_N:
+        raise InvalidRequestError("sampling_params.n", f"must be in [1, {MAX_N}], got {n}")
+    kv = _kv_transfer_params(msg)
+    if kv is None and role == "prefill":
+        # smg's prefill leg carries no params: this pod's connector makes
+        # the hand-over's params itself, for the decode leg to relay back.
+        kv = KVTransferParams(do_remote_decode=True)
+    if n > 1 and (kv is not None or role != "both"):
+        raise InvalidRequestError(
+            "sampling_params.n", "n > 1 is not supported with prefill/decode disaggregation"
+        )
+    return VllmGenerateInput(
+        request_id=msg.request_id,
+        prompt=_prompt(msg, inputs),
+        params=sampling_params(params_msg),
+        n=n,
+        stream=msg.stream,
+        kv_transfer_params=kv,
+    )
+
+
+def _prompt(msg: vpb.GenerateRequest, inputs: InputProcessor) -> ProcessedPrompt:
+    kind = msg.WhichOneof("input")
+    if kind == "tokenized":
+        return inputs.process_token_ids(list(msg.tokenized.input_ids), "tokenized.input_ids")
+    if kind == "text":
+        return inputs.process_text(msg.text, "text")
+    raise InvalidRequestError("input", "set one of tokenized or text")
+
+
+def _refuse_unsupported(msg: vpb.GenerateRequest) -> None:
+    params = msg.sampling_params
+    constraint = params.WhichOneof("constraint")
+    if constraint is not None:
+        raise InvalidRequestError(
+            f"sampling_params.{constraint}", "structured output is not supported yet"
+        )
+    if params.HasField("truncate_prompt_tokens"):
+        raise InvalidRequestError(
+            "sampling_params.truncate_prompt_tokens", "prompt truncation is not supported"
+        )
+    if params.HasField("logprobs") and params.logprobs < 0:
+        raise InvalidRequestError(
+            "sampling_params.logprobs", "-1 (the whole vocabulary) is not supported; use 0-20"
+        )
+    if msg.HasField("mm_inputs") or len(msg.extra_mm_inputs) or msg.HasField("media_refs"):
+        raise InvalidRequestError("mm_inputs", "this model takes text only")
+
+
+def sampling_params(msg: vpb.SamplingParams) -> SamplingParams:
+    values: dict[str, Any] = {
+        "top_p": msg.top_p or 1.0,
+        "top_k": msg.top_k,
+        "min_tokens": msg.min_tokens,
+        "stop": list(msg.stop),
+        "stop_token_ids": list(msg.stop_token_ids),
+        "ignore_eos": msg.ignore_eos,
+    }
+    for name in ("temperature", "max_tokens", "seed", "logprobs"):
+        if msg.HasField(name):
+            values[name] = getattr(msg, name)
+    values.update(_extras(msg))
+    try:
+        return SamplingParams(**values)
+    except SamplingParamsError as exc:
+        raise InvalidRequestError(
+            f"sampling_params.{exc.field}", str(exc).split(": ", 1)[-1]
+        ) from exc
+
+
+def _extras(msg: vpb.SamplingParams) -> dict[str, Any]:
+    """The vLLM extras, passed on when the engine's SamplingParams has them
+    (min_p, penalties, logit_bias, prompt_logprobs); a value set for one it
+    lacks is refused rather than dropped."""
+    wanted: dict[str, Any] = {}
+    if msg.min_p:
+        wanted["min_p"] = msg.min_p
+    if msg.frequency_penalty:
+        wanted["frequency_penalty"] = msg.frequency_penalty
+    if msg.presence_penalty:
+        wanted["presence_penalty"] = msg.presence_penalty
+    if msg.repetition_penalty and msg.repetition_penalty != 1.0:
+        wanted["repetition_penalty"] = msg.repetition_penalty
+    if msg.logit_bias:
+        wanted["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("prompt_logprobs"):
+        wanted["prompt_logprobs"] = msg.prompt_logprobs
+    known = SamplingParams.__dataclass_fields__
+    for name in wanted:
+        if name not in known:
+            raise InvalidRequestError(f"sampling_params.{name}", "is not supported yet")
+    return wanted
+
+
+def _kv_transfer_params(msg: vpb.GenerateRequest) -> KVTransferParams | None:
+    if not msg.HasField("kv_transfer_params_json") or not msg.kv_transfer_params_json:
+        return None
+    try:
+        values = json.loads(msg.kv_transfer_params_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError("kv_transfer_params_json", f"is not JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise InvalidRequestError("kv_transfer_params_json", "must be a JSON object")
+    try:
+        return KVTransferParams.from_dict(values)
+    except KVTransferParamsError as exc:
+        raise InvalidRequestError(f"kv_transfer_params_json.{exc.key}", exc.reason) from exc
+
+
+# --- responses -------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice's outputs merged: the tokens (and their logprobs) new
+    since the last message sent for it, and the latest counts."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    last: RequestOutput
+
+    @classmethod
+    def merge(cls, index: int, outputs: list[RequestOutput]) -> ChoiceOutput:
+        tokens = [t for out in outputs for t in out.token_ids]
+        lps = [lp for out in outputs for lp in (out.logprobs or ())]
+        asked = any(out.logprobs is not None for out in outputs)
+        return cls(index, tokens, lps if asked else None, outputs[-1])
+
+
+def chunk(choice: ChoiceOutput, num_logprobs: int | None) -> vpb.GenerateResponse:
+    """A streamed delta (vLLM's servicer: counts are the delta's; the
+    gateway adds them up)."""
+    last = choice.last
+    return vpb.GenerateResponse(
+        chunk=vpb.GenerateStreamChunk(
+            token_ids=choice.token_ids,
+            prompt_tokens=last.num_prompt_tokens,
+            completion_tokens=len(choice.token_ids),
+            cached_tokens=last.num_cached_tokens,
+            output_logprobs=_output_logprobs(choice, num_logprobs),
+            index=choice.index,
+        )
+    )
+
+
+def complete(choice: ChoiceOutput, num_logprobs: int | None) -> vpb.GenerateResponse:
+    """A choice's end. Streamed, ``choice`` holds the last delta (sent as a
+    chunk just before); not streamed, the whole output. Raises
+    RequestFailedError for an output that ended in error."""
+    last = choice.last
+    reason = last.finish_reason
+    if reason is FinishReason.ERROR or reason is None:
+        raise RequestFailedError(
+            f"request {last.request_id} failed: {last.stop_reason or 'engine error'}; retry it"
+        )
+    done = vpb.GenerateComplete(
+        output_ids=choice.token_ids,
+        finish_reason=FINISH_REASONS[reason],
+        prompt_tokens=last.num_prompt_tokens,
+        completion_tokens=len(choice.token_ids),
+        cached_tokens=last.num_cached_tokens,
+        output_logprobs=_output_logprobs(choice, num_logprobs),
+        index=choice.index,
+    )
+    if isinstance(last.stop_reason, str):
+        done.matched_stop_str = last.stop_reason
+    elif isinstance(last.stop_reason, int):
+        done.matched_token_id = last.stop_reason
+    if last.kv_transfer_params is not None:
+        done.kv_transfer_params_json = json.dumps(last.kv_transfer_params.to_dict())
+    return vpb.GenerateResponse(complete=done)
+
+
+def _output_logprobs(choice: ChoiceOutput, num_logprobs: int | None) -> vpb.OutputLogProbs | None:
+    if not choice.logprobs:
+        return None
+    out = vpb.OutputLogProbs()
+    for lp in choice.logprobs:
+        out.token_ids.append(lp.token_id)
+        out.token_logprobs.append(lp.logprob)
+        if num_logprobs:
+            top = sorted(lp.top.items(), key=lambda kv: kv[1], reverse=True)[:num_logprobs]
+            out.top_logprobs.append(
+                vpb.TopLogProbs(token_ids=[t for t, _ in top], values=[v for _, v in top])
+            )
+    return out
+
+
+# --- model, server, loads --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What GetModelInfo answers (the engine's WorkerInfo plus the name the
+    pod serves under)."""
+
+    served_model_name: str
+    model_path: str
+    architecture: str
+    model_type: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+
+
+def model_type(model_dir: Path) -> str:
+    """The HF ``model_type`` in the model's config.json ("" if unreadable)."""
+    try:
+        value = json.loads((model_dir / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return value if isinstance(value, str) else ""
+
+
+def model_info(facts: ModelFacts) -> vpb.GetModelInfoResponse:
+    return vpb.GetModelInfoResponse(
+        model_path=facts.model_path,
+        is_generation=True,
+        max_context_length=facts.max_model_len,
+        max_req_input_len=facts.max_model_len - 1,
+        vocab_size=facts.vocab_size,
+        supports_vision=False,
+        served_model_name=facts.served_model_name,
+        tokenizer_path=facts.model_path,
+        model_type=facts.model_type,
+        architectures=[facts.architecture],
+        eos_token_ids=facts.eos_token_ids,
+        bos_token_id=-1 if facts.bos_token_id is None else facts.bos_token_id,
+        pad_token_id=-1 if facts.pad_token_id is None else facts.pad_token_id,
+    )
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What GetServerInfo answers besides the live counts."""
+
+    role: str  # prefill, decode or both
+    kv_connector: str
+    engine_id: str
+    block_size: int
+    dtype: str
+    max_num_seqs: int
+
+
+# The role names vLLM's kv_transfer_config uses.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def server_info(facts: ServerFacts, status: EngineStatus) -> vpb.GetServerInfoResponse:
+    connected = bool(facts.kv_connector)
+    return vpb.GetServerInfoResponse(
+        active_requests=status.num_running + status.num_waiting,
+        is_paused=status.draining,
+        uptime_seconds=status.uptime_seconds,
+        server_type="tandem-grpc",
+        kv_connector=facts.kv_connector,
+        kv_role=KV_ROLES[facts.role] if connected else "",
+        kv_engine_id=facts.engine_id if connected else "",
+        data_parallel_size=1,
+        kv_cache_dtype="auto",
+        block_size=facts.block_size,
+        model_dtype=f"torch.{facts.dtype}",
+        max_num_seqs=facts.max_num_seqs,
+    )
+
+
+def loads(
+    status: EngineStatus, *, num_blocks: int, block_size: int, max_num_seqs: int, timestamp: str
+) -> vpb.GetLoadsResponse:
+    """One SchedulerLoad (Tandem runs no data parallelism)."""
+    step_ms = status.recent_token_step_ms_p50
+    throughput = status.num_running * 1000.0 / step_ms if step_ms > 0 else 0.0
+    capacity = (num_blocks - 1) * block_size  # block 0 is the null block
+    load = vpb.SchedulerLoad(
+        dp_rank=0,
+        num_running_reqs=status.num_running,
+        num_waiting_reqs=status.num_waiting,
+        num_total_reqs=status.num_running + status.num_waiting,
+        num_used_tokens=round(status.kv_cache_usage * capacity),
+        max_total_num_tokens=capacity,
+        token_usage=status.kv_cache_usage,
+        gen_throughput=throughput,
+        cache_hit_rate=status.prefix_cache_hit_rate,
+        utilization=min(1.0, status.num_running / max_num_seqs) if max_num_seqs else 0.0,
+        max_running_requests=max_num_seqs,
+    )
+    return vpb.GetLoadsResponse(
+        timestamp=timestamp, version="tandem", dp_rank_count=1, loads=[load]
+    )
+
+
+# --- KV events -------------------------------------------------------------------
+
+
+def fold_hash(block_hash: bytes) -> int:
+    """A 32-byte block hash as the protocol's signed 64-bit one: the last 8
+    bytes, big-endian (vLLM's rule for its int hashes), read as int64."""
+    value = int.from_bytes(block_hash[-8:], "big")
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def kv_event_batch(batch: KvEventBatch, first_event_id: int) -> common_pb2.KvEventBatch:
+    """Events are numbered on from ``first_event_id``."""
+    return common_pb2.KvEventBatch(
+        sequence_number=batch.sequence,
+        timestamp=batch.timestamp,
+        events=[_kv_event(e, first_event_id + i) for i, e in enumerate(batch.events)],
+    )
+
+
+def _kv_event(event: KVCacheEvent, event_id: int) -> common_pb2.KvCacheEvent:
+    if isinstance(event, BlockStored):
+        size = event.block_size
+        blocks = [
+            common_pb2.KvBlock(
+                block_hash=fold_hash(h),
+                token_ids=event.token_ids[i * size : (i + 1) * size],
+                block_size=size,
+            )
+            for i, h in enumerate(event.block_hashes)
+        ]
+        stored = common_pb2.KvBlocksStored(
+            blocks=blocks, tier=common_pb2.KV_CACHE_TIER_DEVICE, medium=MEDIUM
+        )
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = fold_hash(event.parent_block_hash)
+        return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
+    if isinstance(event, BlockRemoved):
+        removed = common_pb2.KvBlocksRemoved(
+            block_hashes=[fold_hash(h) for h in event.block_hashes],
+            tier=common_pb2.KV_CACHE_TIER_DEVICE,
+            medium=MEDIUM,
+        )
+        return common_pb2.KvCacheEvent(event_id=event_id, removed=removed)
+    assert isinstance(event, AllBlocksCleared)
+    return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
