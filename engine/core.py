@@ -101,6 +101,11 @@ class EngineCore:
         nobody will run (see Scheduler.release_held_kv)."""
         self.scheduler.release_held_kv(request_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block no request holds (see
+        Scheduler.reset_prefix_cache); False if a running request holds any."""
+        return self.scheduler.reset_prefix_cache()
+
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
 

@@ -171,7 +171,7 @@ class EngineThread(threading.Thread):
             case ReleaseHeldKV(request_ids):
                 core.release_held_kv(request_ids)
             case ResetPrefixCache(done):
-                done.set_result(core.scheduler.reset_prefix_cache())
+                done.set_result(core.reset_prefix_cache())
         return 0
 
     def _add(self, core: EngineCore, request: Request) -> None:

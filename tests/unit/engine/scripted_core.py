@@ -37,6 +37,9 @@ class ScriptedCore:
     hold_kv: bool = False
     held_kv: set[str] = field(default_factory=set)
     steps: int = 0
+    engine_id: str = "scripted-engine"
+    # What reset_prefix_cache answers (the real one: False while blocks are in use).
+    cache_resettable: bool = True
     config: EngineConfig = field(default_factory=EngineConfig)
     info: WorkerInfo = field(
         default_factory=lambda: WorkerInfo(
@@ -63,6 +66,12 @@ class ScriptedCore:
     def release_held_kv(self, ids: list[str]) -> None:
         self.released.extend(ids)
         self.held_kv.difference_update(ids)
+
+    def connector_health(self) -> str | None:
+        return None
+
+    def reset_prefix_cache(self) -> bool:
+        return self.cache_resettable and not self.live
 
     def has_work(self) -> bool:
         return bool(self.live or self.held_kv)

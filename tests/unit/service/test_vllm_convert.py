@@ -1,0 +1,86 @@
+"""The VllmEngine conversions: sampling as vLLM's servicer reads it, and KV
+events in the protocol's shape."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from engine import AllBlocksCleared, BlockRemoved, BlockStored, InvalidRequestError, SamplingParams
+from engine.kv_events import KvEventBatch
+from service import vllm_convert as convert
+
+
+def test_zero_means_unset_where_the_field_has_no_presence() -> None:
+    params = convert.sampling_params(vpb.SamplingParams())
+    assert params == SamplingParams()  # every default, as vLLM's servicer reads it
+    assert params.top_p == 1.0 and params.temperature == 1.0 and params.top_k == 0
+
+
+def test_fields_with_presence_are_taken_even_when_zero() -> None:
+    params = convert.sampling_params(
+        vpb.SamplingParams(temperature=0.0, max_tokens=5, seed=0, logprobs=0)
+    )
+    assert params.temperature == 0.0 and params.greedy
+    assert params.max_tokens == 5 and params.seed == 0 and params.logprobs == 0
+
+
+def test_the_rest_carry_over() -> None:
+    params = convert.sampling_params(
+        vpb.SamplingParams(
+            top_p=0.5, top_k=7, min_tokens=2, stop=["x"], stop_token_ids=[3], ignore_eos=True
+        )
+    )
+    assert (params.top_p, params.top_k, params.min_tokens) == (0.5, 7, 2)
+    assert params.stop == ["x"] and params.stop_token_ids == [3] and params.ignore_eos
+
+
+def test_a_bad_value_names_the_proto_field() -> None:
+    with pytest.raises(InvalidRequestError, match=r"^sampling_params\.max_tokens: "):
+        convert.sampling_params(vpb.SamplingParams(max_tokens=0))
+
+
+def test_fold_hash_is_the_last_eight_bytes_big_endian_as_int64() -> None:
+    digest = hashlib.sha256(b"block").digest()
+    unsigned = int.from_bytes(digest[-8:], "big")
+    folded = convert.fold_hash(digest)
+    assert folded % (1 << 64) == unsigned
+    assert -(1 << 63) <= folded < 1 << 63
+    assert convert.fold_hash(b"\x00" * 24 + b"\xff" * 8) == -1
+
+
+def test_kv_events_become_the_protocols_batches() -> None:
+    h1, h2, parent = (hashlib.sha256(bytes([i])).digest() for i in range(3))
+    batch = KvEventBatch(
+        sequence=4,
+        timestamp=12.5,
+        events=[
+            BlockStored([h1, h2], parent, list(range(32)), 16),
+            BlockRemoved([h1]),
+            AllBlocksCleared(),
+        ],
+    )
+    out = convert.kv_event_batch(batch, first_event_id=10)
+    assert out.sequence_number == 4 and out.timestamp == 12.5
+    stored, removed, cleared = out.events
+    assert [e.event_id for e in out.events] == [10, 11, 12]
+    assert [b.block_hash for b in stored.stored.blocks] == [
+        convert.fold_hash(h1),
+        convert.fold_hash(h2),
+    ]
+    assert [list(b.token_ids) for b in stored.stored.blocks] == [
+        list(range(16)),
+        list(range(16, 32)),
+    ]
+    assert stored.stored.parent_block_hash == convert.fold_hash(parent)
+    assert stored.stored.medium == "GPU"
+    assert list(removed.removed.block_hashes) == [convert.fold_hash(h1)]
+    assert cleared.WhichOneof("data") == "cleared"
+
+
+def test_a_sequence_start_has_no_parent() -> None:
+    batch = KvEventBatch(1, 0.0, [BlockStored([b"\x01" * 32], None, [0] * 16, 16)])
+    (event,) = convert.kv_event_batch(batch, 1).events
+    assert not event.stored.HasField("parent_block_hash")
