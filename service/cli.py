@@ -1,6 +1,7 @@
 """`tandem`: serve a model, talk to a server, benchmark one.
 
     tandem serve [--model PATH] [--port 50051] ...   run a gRPC server
+    tandem gateway --worker HOST:PORT ...            an OpenAI endpoint (smg) in front
     tandem generate "prompt" [--chat] [--server ADDR] stream one answer
     tandem status [--server ADDR]                     model and load figures
     tandem bench [--server ADDR] ...                  serving benchmark
@@ -28,6 +29,7 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from service import gateway
 
 if TYPE_CHECKING:
     from service.gen.tandem.v1 import generation_pb2 as pb
@@ -65,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(sub)
     _add_router(sub)
+    gateway.add_parser(sub)
     _add_generate(sub)
     _add_status(sub)
     _add_bench(sub)

@@ -1,0 +1,164 @@
+"""Tandem behind the field's gateway: a real `smg` (through `tandem gateway`)
+in front of the session's `tandem serve`, driven with the `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from service.client import TandemClient
+from tests.integration.gateway import MODEL, SmgGateway
+from tests.integration.servers import ROOT, ServerProcess
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def gateway(server: ServerProcess) -> Iterator[SmgGateway]:
+    with SmgGateway(workers=[server.target]) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def client(gateway: SmgGateway) -> openai.OpenAI:
+    return gateway.openai(timeout=120.0)
+
+
+def _chat(client: openai.OpenAI, **kwargs: object) -> openai.types.chat.ChatCompletion:
+    params: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 24,
+        "temperature": 0,
+        **kwargs,
+    }
+    return client.chat.completions.create(**params)  # type: ignore[call-overload,no-any-return]
+
+
+def _status(server: ServerProcess) -> tuple[int, int, float]:
+    async def go() -> tuple[int, int, float]:
+        async with TandemClient(server.target) as c:
+            s = await c.status()
+            return s.num_running, s.num_waiting, s.kv_cache_usage
+
+    return asyncio.run(go())
+
+
+def test_greedy_chat_is_what_tandem_generate_answers(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    """smg renders the chat template and tokenizes itself: the same tokens
+    reach the engine as through tandem.v1's chat input."""
+    got = _chat(client)
+    flags = ["--server", server.target, "--max-tokens", "24", "--temperature", "0"]
+    cli = subprocess.run(
+        [sys.executable, "-m", "service.cli", "generate", "--chat", QUESTION, *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert got.choices[0].message.content == cli.stdout.strip()
+    assert got.choices[0].finish_reason == "stop"
+    usage = got.usage
+    assert usage is not None and usage.prompt_tokens > 20
+    assert 0 < usage.completion_tokens <= 24
+
+
+def test_a_streamed_chat_is_the_same_text_with_usage_last(client: openai.OpenAI) -> None:
+    whole = _chat(client).choices[0].message.content
+    stream = _chat(client, stream=True, stream_options={"include_usage": True})
+    parts: list[str] = []
+    usage = None
+    finish = None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(parts) == whole
+    assert finish == "stop"
+    # Asked again, the prompt's KV is in the prefix cache.
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_completion_max_tokens_stop_and_seed(client: openai.OpenAI) -> None:
+    long = client.completions.create(
+        model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=7, temperature=0
+    )
+    assert long.choices[0].finish_reason == "length"
+    assert long.usage is not None and long.usage.completion_tokens == 7
+    stopped = client.completions.create(
+        model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0, stop=[" 6"]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == " 4, 5,"
+    seeded = [
+        client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.2, seed=s
+        ).choices[0]
+        for s in (11, 11, 12)
+    ]
+    assert seeded[0].text == seeded[1].text
+    assert seeded[0].text != seeded[2].text
+
+
+def test_n_choices_share_the_prompt_and_differ(client: openai.OpenAI) -> None:
+    got = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.2, n=3, seed=5
+    )
+    texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(got.choices, key=lambda c: c.index)] == [0, 1, 2]
+    assert len(set(texts)) > 1
+    assert got.usage is not None and got.usage.completion_tokens == 30
+
+
+def test_logprobs_come_back_per_token(client: openai.OpenAI) -> None:
+    got = _chat(client, max_tokens=5, logprobs=True, top_logprobs=2)
+    content = got.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == got.usage.completion_tokens  # type: ignore[union-attr]
+    for token in content:
+        assert token.logprob <= 0
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+    # Greedy: the sampled token is the most likely one.
+    assert all(t.token == t.top_logprobs[0].token for t in content)
+
+
+def test_invalid_argument_is_http_400_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, response_format={"type": "json_object"})
+    assert "structured output is not supported" in str(err.value)
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, temperature=-1)
+
+
+def test_a_client_disconnect_aborts_the_request(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Write a very long story about a dragon.",
+        max_tokens=2000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for received, _ in enumerate(stream, 1):
+        if received == 3:
+            break
+    assert _status(server)[0] >= 1  # still generating on the pod
+    stream.close()
+    deadline = time.monotonic() + 30
+    while _status(server) != (0, 0, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _status(server) == (0, 0, 0.0)  # aborted, and its blocks are back
