@@ -226,3 +226,112 @@ grpc:
 {{- fail "auth.pools and tls.pools are not supported with kvTransfer.connector=nixl: the NIXL handshake between pods (their gRPC side channel) sends no API key and speaks no TLS yet. The NetworkPolicy keeps the pools' port to the router and the pools." }}
 {{- end }}
 {{- end }}
+
+{{/* ---- gateway: gateway.kind picks the client entry point ---------------- */}}
+
+{{/* The component whose pods may call the pools: the tandem router or smg. */}}
+{{- define "tandem.gateway.component" -}}
+{{- ternary "gateway" "router" (eq .Values.gateway.kind "smg") }}
+{{- end }}
+
+{{/* smg with Kubernetes discovery: it watches the pool pods itself. */}}
+{{- define "tandem.gateway.discovery" -}}
+{{- if and (eq .Values.gateway.kind "smg") .Values.gateway.discovery.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "tandem.gateway.serviceAccountName" -}}
+{{- if include "tandem.gateway.discovery" . }}
+{{- printf "%s-gateway" (include "tandem.fullname" .) }}
+{{- else }}
+{{- include "tandem.serviceAccountName" . }}
+{{- end }}
+{{- end }}
+
+{{/* smg runs from Tandem's image (pyproject pins smg) unless gateway.image says otherwise. */}}
+{{- define "tandem.gateway.image" -}}
+{{- with .Values.gateway.image }}
+{{- if .repository }}
+{{- printf "%s:%s" .repository (required "gateway.image.tag is required with gateway.image.repository" .tag) }}
+{{- else }}
+{{- include "tandem.image" $ }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A pool's pod labels as smg selector arguments ("key=value"), sorted:
+(dict "root" $ "component" "decode"). */}}
+{{- define "tandem.gateway.selector" -}}
+{{- $labels := include "tandem.componentSelectorLabels" . | fromYaml }}
+{{- range $key := keys $labels | sortAlpha }}
+- {{ printf "%s=%v" $key (get $labels $key) | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The gRPC URL of a pool's headless Service (a single smg worker). */}}
+{{- define "tandem.gateway.poolUrl" -}}
+{{- $engine := include "tandem.pool.engine" . | fromJson }}
+{{- printf "grpc://%s:%d" (include "tandem.poolHost" .) (int $engine.port) }}
+{{- end }}
+
+{{/* `smg launch` arguments, one YAML list item per argument. */}}
+{{- define "tandem.gateway.args" -}}
+{{- $g := .Values.gateway }}
+{{- $prefillCtx := dict "root" . "pool" "prefill" "component" "prefill" }}
+{{- $decodeCtx := dict "root" . "pool" "decode" "component" "decode" }}
+{{- $decode := include "tandem.pool.engine" $decodeCtx | fromJson }}
+{{- $args := list "launch" "--host" "0.0.0.0" "--port" (int $g.port) "--backend" "vllm" }}
+{{- if eq $g.mode "pd" }}
+{{- $args = append $args "--pd-disaggregation" }}
+{{- end }}
+{{- if $g.discovery.enabled }}
+{{- /* One worker per ready pod, found by its labels; the namespace keeps the
+watch inside the Role's namespace. A prefill pool on another port says so in
+its smg.ai/worker-ports annotation. */}}
+{{- $args = concat $args (list "--service-discovery" "--service-discovery-namespace" .Release.Namespace "--service-discovery-port" (int $decode.port)) }}
+{{- $decodeSelector := include "tandem.gateway.selector" $decodeCtx | fromYamlArray }}
+{{- if eq $g.mode "pd" }}
+{{- $args = concat $args (list "--prefill-selector") (include "tandem.gateway.selector" $prefillCtx | fromYamlArray) }}
+{{- $args = concat $args (list "--decode-selector") $decodeSelector }}
+{{- else }}
+{{- $args = concat $args (list "--selector") $decodeSelector }}
+{{- end }}
+{{- else if eq $g.mode "pd" }}
+{{- $args = concat $args (list "--prefill" (include "tandem.gateway.poolUrl" $prefillCtx) "--decode" (include "tandem.gateway.poolUrl" $decodeCtx)) }}
+{{- else }}
+{{- $args = concat $args (list "--worker-urls" (include "tandem.gateway.poolUrl" $decodeCtx)) }}
+{{- end }}
+{{- if eq $g.mode "pd" }}
+{{- $args = concat $args (list "--prefill-policy" $g.policies.prefill "--decode-policy" $g.policies.decode) }}
+{{- else }}
+{{- $args = concat $args (list "--policy" $g.policies.colocated) }}
+{{- end }}
+{{- $level := ternary "warn" .Values.logLevel (eq .Values.logLevel "warning") }}
+{{- $args = concat $args (list "--health-check-port" (int $g.healthCheckPort) "--prometheus-host" "0.0.0.0" "--prometheus-port" (int $g.prometheusPort) "--log-level" $level "--shutdown-grace-period-secs" (int $g.shutdownGraceSeconds)) }}
+{{- $args = concat $args ($g.extraArgs | default list) }}
+{{- range $args }}
+- {{ toString . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Settings smg cannot honour fail the render, saying why. */}}
+{{- define "tandem.gateway.check" -}}
+{{- $g := .Values.gateway }}
+{{- if or .Values.auth.router.existingSecret .Values.auth.pools.existingSecret .Values.tls.router.existingSecret .Values.tls.pools.existingSecret }}
+{{- fail "auth.* and tls.* are not supported with gateway.kind=smg yet: smg takes an API key only as a command-line flag (the chart never puts a key in args) and the chart reaches the pools over plaintext gRPC. Leave auth and tls empty, or use gateway.kind=tandem." }}
+{{- end }}
+{{- $ports := list (int $g.port) (int $g.healthCheckPort) (int $g.prometheusPort) }}
+{{- if ne (len ($ports | uniq)) 3 }}
+{{- fail (printf "gateway.port, gateway.healthCheckPort and gateway.prometheusPort must differ (got %d, %d, %d)" (int $g.port) (int $g.healthCheckPort) (int $g.prometheusPort)) }}
+{{- end }}
+{{- if not $g.discovery.enabled }}
+{{- $used := ternary (dict "prefill" $g.policies.prefill "decode" $g.policies.decode) (dict "colocated" $g.policies.colocated) (eq $g.mode "pd") }}
+{{- range $key := keys $used | sortAlpha }}
+{{- if eq (get $used $key) "power_of_two" }}
+{{- fail (printf "gateway.policies.%s=power_of_two needs at least two workers, and without gateway.discovery.enabled each pool is one smg worker (its Service): enable discovery or pick another policy" $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and (eq $g.mode "colocated") (or .Values.prefill.autoscaling.enabled (gt (int .Values.prefill.replicas) 0)) }}
+{{- fail "gateway.mode=colocated sends whole requests to the decode pool and none to prefill pods: set prefill.replicas=0 and prefill.autoscaling.enabled=false, or use gateway.mode=pd" }}
+{{- end }}
+{{- end }}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import kubernetes_validate
 
 CHART_DIR = Path(__file__).resolve().parents[3] / "helm" / "tandem"
 RELEASE = "demo"
@@ -111,6 +112,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
     },
 }
+
+
+# Chart.yaml's kubeVersion (>=1.27), or the oldest schemas this kubernetes-validate has.
+OLDEST = next(
+    v
+    for v in kubernetes_validate.utils.all_versions()
+    if tuple(map(int, v.split(".")[:2])) >= (1, 27)
+)
+NEWEST = kubernetes_validate.utils.latest_version()
+# Custom resources: no Kubernetes schema; checked in test_wiring instead.
+CRDS = {"ServiceMonitor"}
+
+
+def kubernetes_error(obj: Obj, version: str) -> str | None:
+    """None if the object is valid against that Kubernetes version's schemas
+    (strict: unknown fields fail too), else the error."""
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        path = ".".join(str(p) for p in e.path)
+        return f"{obj['kind']}/{obj['metadata']['name']} at {path}: {e.message}"
+    return None
 
 
 class RenderFailed(Exception):

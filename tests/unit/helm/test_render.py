@@ -13,36 +13,20 @@ import pytest
 
 from tests.unit.helm.chart import (
     CHART_DIR,
+    CRDS,
     FULLNAME,
     NAMESPACE,
+    NEWEST,
+    OLDEST,
     VARIANTS,
     Obj,
     find,
+    kubernetes_error,
     of_kind,
     pod_spec,
     render,
     render_files,
 )
-
-# Chart.yaml's kubeVersion (>=1.27), or the oldest schemas this kubernetes-validate has.
-OLDEST = next(
-    v
-    for v in kubernetes_validate.utils.all_versions()
-    if tuple(map(int, v.split(".")[:2])) >= (1, 27)
-)
-NEWEST = kubernetes_validate.utils.latest_version()
-# Custom resources: no Kubernetes schema; checked in test_wiring instead.
-CRDS = {"ServiceMonitor"}
-
-
-def _validate(obj: Obj, version: str) -> str | None:
-    """None if valid, else the error."""
-    try:
-        kubernetes_validate.validate(obj, version, strict=True)
-    except kubernetes_validate.ValidationError as e:
-        path = ".".join(str(p) for p in e.path)
-        return f"{obj['kind']}/{obj['metadata']['name']} at {path}: {e.message}"
-    return None
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -56,7 +40,7 @@ def test_every_object_is_valid_kubernetes(variant: str, version: str) -> None:
             with pytest.raises(kubernetes_validate.SchemaNotFoundError):
                 kubernetes_validate.validate(obj, version, strict=True)
             continue
-        error = _validate(obj, version)
+        error = kubernetes_error(obj, version)
         if error:
             errors.append(error)
     assert not errors, "\n".join(errors)
@@ -65,13 +49,13 @@ def test_every_object_is_valid_kubernetes(variant: str, version: str) -> None:
 def test_validation_is_strict() -> None:
     """The check above would catch a misspelt field or a wrong type."""
     deployment = find(render(), "Deployment", f"{FULLNAME}-decode")
-    assert _validate(deployment, NEWEST) is None
+    assert kubernetes_error(deployment, NEWEST) is None
     misspelt = copy.deepcopy(deployment)
     pod_spec(misspelt)["terminationGracePeriod"] = 30
-    assert _validate(misspelt, NEWEST) is not None
+    assert kubernetes_error(misspelt, NEWEST) is not None
     wrong_type = copy.deepcopy(deployment)
     pod_spec(wrong_type)["containers"][0]["ports"][0]["containerPort"] = "grpc"
-    assert _validate(wrong_type, NEWEST) is not None
+    assert kubernetes_error(wrong_type, NEWEST) is not None
 
 
 def _kinds(objects: list[Obj]) -> set[str]:

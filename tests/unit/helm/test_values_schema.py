@@ -50,6 +50,34 @@ from tests.unit.helm.chart import CHART_DIR, VARIANTS, render, render_error
             "at '/redis/auth/password': 'p@ss/word' does not match pattern",
         ),
         ({"router": {"port": 70000}}, "at '/router/port': maximum: got 70,000, want 65,535"),
+        (
+            {"gateway": {"kind": "envoy"}},
+            "at '/gateway/kind': value must be one of 'tandem', 'smg'",
+        ),
+        (
+            {"gateway": {"kind": "smg", "mode": "split"}},
+            "at '/gateway/mode': value must be one of 'pd', 'colocated'",
+        ),
+        (
+            {"gateway": {"kind": "smg", "policies": {"prefill": "fastest"}}},
+            "at '/gateway/policies/prefill': value must be one of 'random', 'round_robin',"
+            " 'passthrough', 'cache_aware', 'power_of_two', 'least_load', 'manual',"
+            " 'consistent_hashing', 'prefix_hash', 'bucket'",
+        ),
+        (
+            # smg's bucket policy is for prefill only.
+            {"gateway": {"kind": "smg", "policies": {"decode": "bucket"}}},
+            "at '/gateway/policies/decode': value must be one of 'random', 'round_robin',"
+            " 'passthrough', 'cache_aware', 'power_of_two', 'least_load', 'manual',"
+            " 'consistent_hashing', 'prefix_hash'",
+        ),
+        (
+            {"gateway": {"kind": "smg", "mode": "colocated", "policies": {"colocated": "bucket"}}},
+            "at '/gateway/policies/colocated': value must be one of 'random'",
+        ),
+        ({"gateway": {"discovery": {"enabled": "yes"}}}, "at '/gateway/discovery/enabled'"),
+        ({"gateway": {"healthCheckPort": 0}}, "at '/gateway/healthCheckPort': minimum: got 0"),
+        ({"gateway": {"kind": "smg", "policy": "random"}}, "additional properties 'policy'"),
     ],
 )
 def test_bad_values_fail_with_the_schemas_message(values: dict[str, Any], message: str) -> None:
@@ -64,6 +92,14 @@ def test_the_schema_alone_refuses_them_too() -> None:
         chart.validate_schema(chart.merge_values({}))
         with pytest.raises(helm.HelmValuesError, match="/kvTransfer/connector"):
             chart.validate_schema(chart.merge_values({"kvTransfer": {"connector": "rdma"}}))
+
+
+def test_the_policies_smg_accepts_pass() -> None:
+    """The schema's enums are smg 1.13.0's choices (`smg launch --help`)."""
+    for prefill in ("cache_aware", "bucket", "prefix_hash"):
+        for decode in ("least_load", "power_of_two", "round_robin"):
+            policies = {"prefill": prefill, "decode": decode}
+            assert render({"gateway": {"kind": "smg", "policies": policies}})
 
 
 def test_the_redis_url_is_only_required_without_the_charts_redis() -> None:
