@@ -51,6 +51,11 @@ class GatewayConfig:
     prefill_policy: str = "cache_aware"
     decode_policy: str = "least_load"
     block_size: int = 16
+    # smg's defaults (3 s without a token, 2 s without contact) fit GPU
+    # pods; a CPU pod's prefill of a few long prompts takes longer, and smg
+    # would answer 504 "worker silent" meanwhile.
+    wedge_seconds: float = 30.0
+    stall_seconds: float = 10.0
     prometheus_port: int | None = None
     log_level: str = "info"
     extra_args: list[str] = field(default_factory=list)
@@ -89,6 +94,8 @@ def smg_args(cfg: GatewayConfig) -> list[str]:
     """The ``smg launch`` arguments for ``cfg`` (after the program name)."""
     args = ["launch", "--host", cfg.host, "--port", str(cfg.port), "--backend", "vllm"]
     args += ["--block-size", str(cfg.block_size), "--log-level", cfg.log_level]
+    args += ["--worker-wedge-secs", f"{cfg.wedge_seconds:g}"]
+    args += ["--worker-stall-secs", f"{cfg.stall_seconds:g}"]
     if cfg.disaggregated:
         args.append("--pd-disaggregation")
         for url in cfg.prefill:
@@ -134,6 +141,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--block-size", type=int, default=16, help="the pods' KV block size (default: 16)"
     )
+    p.add_argument(
+        "--wedge-seconds",
+        type=float,
+        default=30.0,
+        help="a pod with requests in flight and no token for this long gets no new ones "
+        "(smg's --worker-wedge-secs; default: 30, for CPU pods' long prefills)",
+    )
+    p.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=10.0,
+        help="a pod not heard from for this long gets no requests "
+        "(smg's --worker-stall-secs; default: 10)",
+    )
     p.add_argument("--prometheus-port", type=int, help="smg's own metrics port")
     p.add_argument("smg_args", nargs=argparse.REMAINDER, help="-- then more `smg launch` flags")
     p.set_defaults(run=run)
@@ -153,6 +174,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         block_size=args.block_size,
+        wedge_seconds=args.wedge_seconds,
+        stall_seconds=args.stall_seconds,
         prometheus_port=args.prometheus_port,
         log_level={"warning": "warn"}.get(args.log_level, args.log_level),
         extra_args=extra,

@@ -97,3 +97,39 @@ class SmgGateway:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-8000:] if self.log_path else ""
+
+
+def greedy_completions(
+    client: openai.OpenAI, prompts: list[str], max_tokens: int = 12
+) -> list[openai.types.Completion]:
+    """Each prompt completed greedily, EOS ignored, all at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt: str) -> openai.types.Completion:
+        return client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def cancel_after(client: openai.OpenAI, prompt: str, chunks: int) -> None:
+    """Streams a long completion and hangs up after `chunks` chunks (0: as
+    soon as the response starts)."""
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    with stream:
+        for received, _ in enumerate(stream, 1):
+            if received >= chunks:
+                break

@@ -74,7 +74,14 @@ def test_greedy_chat_is_what_tandem_generate_answers(
 
 def test_a_streamed_chat_is_the_same_text_with_usage_last(client: openai.OpenAI) -> None:
     whole = _chat(client).choices[0].message.content
-    stream = _chat(client, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts: list[str] = []
     usage = None
     finish = None

@@ -37,6 +37,7 @@ from tests.integration.test_pd import (
     _tokenize,
     _wait_idle,
     cancel_at_every_phase,
+    check_pd_behind_smg,
 )
 
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
@@ -421,3 +422,20 @@ def test_a_cancel_at_any_phase_frees_both_pods_at_once(nixl_short_decode: Stack)
     (A short prompt: this stack's decode pod holds 64 tokens.)"""
     router, prefill, decode = (p.target for p in nixl_short_decode)
     cancel_at_every_phase(router, [prefill, decode], "Count from one to fifty.", 10.0)
+
+
+def test_pd_over_nixl_behind_smg(
+    nixl_short_decode: Stack, reference: list[pb.GenerateResponse]
+) -> None:
+    """smg's legs over NIXL. The prefill pod's lease is 30 s here, so both
+    pods idle within 10 s of a cancel means its hold was released, not left
+    to lapse. (This stack's decode pod holds 64 tokens: short prompts.)"""
+    _, prefill, decode = (p.target for p in nixl_short_decode)
+    short = [i for i, p in enumerate(PROMPTS) if not p.startswith(SYSTEM)]
+    check_pd_behind_smg(
+        prefill,
+        decode,
+        [PROMPTS[i] for i in short],
+        [reference[i] for i in short],
+        "Count from one to fifty.",
+    )

@@ -19,6 +19,7 @@ from service.client import TandemClient, make_request
 from service.convert import dict_to_struct
 from service.errors import was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
+from tests.integration.gateway import SmgGateway, cancel_after, greedy_completions
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
 from tests.integration.servers import ServerProcess, launched, serving
 
@@ -379,6 +380,49 @@ def test_client_cancel_at_the_router_frees_both_pods(shm_pd: tuple[str, str, str
     pod holds nothing for the decode leg, whenever the client cancels."""
     router, prefill, decode = shm_pd
     cancel_at_every_phase(router, [prefill, decode], SYSTEM + "Count to one hundred.", 10.0)
+
+
+def check_pd_behind_smg(
+    prefill: str,
+    decode: str,
+    prompts: list[str],
+    reference: list[pb.GenerateResponse],
+    cancel_prompt: str,
+    within: float = 10.0,
+) -> None:
+    """smg in P/D mode in front of the pods: its prefill leg (max_tokens 1,
+    no kv_transfer_params) makes the prefill pod hand the KV over, and the
+    params it relays to the decode leg load it. Greedy text is the
+    colocated server's; cancels after 0, 1 and 3 chunks leave both pods
+    idle within `within` seconds."""
+    with SmgGateway(prefill=[prefill], decode=[decode]) as gateway:
+        client = gateway.openai(timeout=120.0)
+        # One prompt alone first: the decode pod cannot have its prefix
+        # cached yet, so the KV it did not compute came through the connector
+        # (every full block but the one holding the last prompt token).
+        before = asyncio.run(_status(decode)).kv_connector_hits
+        got = greedy_completions(client, prompts[:1])
+        loaded = asyncio.run(_status(decode)).kv_connector_hits - before
+        assert loaded == 16 * ((reference[0].usage.prompt_tokens - 1) // 16)
+        got += greedy_completions(client, prompts[1:])
+        for i, (g, want) in enumerate(zip(got, reference, strict=True)):
+            assert g.choices[0].text == want.text, f"prompt {i}"
+            assert g.usage is not None
+            assert g.usage.completion_tokens == want.usage.completion_tokens
+            assert g.usage.prompt_tokens == want.usage.prompt_tokens
+        for chunks in (0, 1, 3):
+            cancel_after(client, f"Case {chunks}. {cancel_prompt}", chunks)
+            for target in (prefill, decode):
+                status = asyncio.run(_wait_idle(target, timeout=within))
+                held = (status.num_running, status.num_waiting, status.kv_cache_usage)
+                assert held == (0, 0, 0.0), f"after {chunks} chunks: {target} holds {held}"
+
+
+def test_pd_over_shared_memory_behind_smg(
+    shm_pd: tuple[str, str, str], reference: list[pb.GenerateResponse]
+) -> None:
+    _, prefill, decode = shm_pd
+    check_pd_behind_smg(prefill, decode, PROMPTS, reference, SYSTEM + "Count to one hundred.")
 
 
 def test_router_passes_pod_errors_through(shm_pd: tuple[str, str, str]) -> None:

@@ -306,7 +306,7 @@ its smg.ai/worker-ports annotation. */}}
 {{- $args = concat $args (list "--policy" $g.policies.colocated) }}
 {{- end }}
 {{- $level := ternary "warn" .Values.logLevel (eq .Values.logLevel "warning") }}
-{{- $args = concat $args (list "--health-check-port" (int $g.healthCheckPort) "--prometheus-host" "0.0.0.0" "--prometheus-port" (int $g.prometheusPort) "--log-level" $level "--shutdown-grace-period-secs" (int $g.shutdownGraceSeconds)) }}
+{{- $args = concat $args (list "--health-check-port" (int $g.healthCheckPort) "--prometheus-host" "0.0.0.0" "--prometheus-port" (int $g.prometheusPort) "--log-level" $level "--shutdown-grace-period-secs" (int $g.shutdownGraceSeconds) "--worker-wedge-secs" (int $g.wedgeSeconds) "--worker-stall-secs" (int $g.stallSeconds)) }}
 {{- $args = concat $args ($g.extraArgs | default list) }}
 {{- range $args }}
 - {{ toString . | quote }}

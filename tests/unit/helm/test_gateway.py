@@ -219,6 +219,10 @@ COMMON_TAIL = [
     "info",
     "--shutdown-grace-period-secs",
     "30",
+    "--worker-wedge-secs",
+    "30",
+    "--worker-stall-secs",
+    "10",
 ]
 HEAD = ["launch", "--host", "0.0.0.0", "--port", "8000", "--backend", "vllm"]
 DISCOVERY = [
