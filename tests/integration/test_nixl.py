@@ -438,4 +438,5 @@ def test_pd_over_nixl_behind_smg(
         [PROMPTS[i] for i in short],
         [reference[i] for i in short],
         "Count from one to fifty.",
+        partial_blocks=True,
     )
