@@ -11,7 +11,6 @@ the wire's; an output that ended in error becomes ``RequestFailedError``.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format, struct_pb2
@@ -26,6 +25,7 @@ from engine import (
     SamplingParams,
     SamplingParamsError,
 )
+from service.choices import Call, check_n
 from service.errors import RequestFailedError
 from service.gen.tandem.v1 import generation_pb2 as pb
 
@@ -50,31 +50,32 @@ FINISH_REASONS = {
 }
 
 
-@dataclass(frozen=True)
-class GenerateInput:
-    """A GenerateRequest, checked and tokenized."""
-
-    request_id: str
-    prompt: ProcessedPrompt
-    params: SamplingParams
-    priority: int
-    kv_transfer_params: KVTransferParams | None
-    num_output_tokens_in_prompt: int
-
-
 # --- requests --------------------------------------------------------------------
 
 
-def generate_input(msg: pb.GenerateRequest, inputs: InputProcessor) -> GenerateInput:
-    prompt = _prompt(msg, inputs)
-    return GenerateInput(
+def generate_input(
+    msg: pb.GenerateRequest,
+    inputs: InputProcessor,
+    *,
+    served_model_name: str | None = None,
+    role: str = "both",
+) -> Call:
+    """A GenerateRequest, checked and tokenized, as the engine's call.
+    ``served_model_name`` None takes any ``model``."""
+    if msg.model and served_model_name is not None and msg.model != served_model_name:
+        raise InvalidRequestError(
+            "model", f"this server serves {served_model_name!r}, not {msg.model!r}"
+        )
+    kv = kv_transfer_params(msg.kv_transfer_params) if msg.HasField("kv_transfer_params") else None
+    n = msg.sampling.n or 1
+    check_n(n, "sampling.n", disaggregated=kv is not None or role != "both")
+    return Call(
         request_id=msg.request_id or uuid.uuid4().hex,
-        prompt=prompt,
+        prompt=_prompt(msg, inputs),
         params=sampling_params(msg.sampling) if msg.HasField("sampling") else SamplingParams(),
+        n=n,
         priority=msg.priority,
-        kv_transfer_params=kv_transfer_params(msg.kv_transfer_params)
-        if msg.HasField("kv_transfer_params")
-        else None,
+        kv_transfer_params=kv,
         num_output_tokens_in_prompt=msg.num_output_tokens_in_prompt,
     )
 
@@ -149,7 +150,9 @@ def dict_to_struct(values: dict[str, Any]) -> struct_pb2.Struct:
 # --- responses -------------------------------------------------------------------
 
 
-def generate_response(outputs: list[RequestOutput]) -> pb.GenerateResponse:
+def generate_response(
+    outputs: list[RequestOutput], *, call_id: str | None = None, index: int = 0
+) -> pb.GenerateResponse:
     """One response for one or more consecutive outputs of a request (merged
     when the client reads slower than the engine produces). An output that
     ended in error (a KV load failed under kv_load_failure_policy=fail)
@@ -160,7 +163,7 @@ def generate_response(outputs: list[RequestOutput]) -> pb.GenerateResponse:
             f"request {last.request_id} failed: {last.stop_reason or 'engine error'} "
             "(kv_load_failure_policy=fail); retry it"
         )
-    resp = pb.GenerateResponse(request_id=last.request_id)
+    resp = pb.GenerateResponse(request_id=call_id or last.request_id, index=index)
     for out in outputs:
         resp.token_ids.extend(out.token_ids)
         if out.logprobs is not None:

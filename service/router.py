@@ -566,6 +566,13 @@ def _max_tokens(request: pb.GenerateRequest) -> int:
     min_tokens as a pod checks them: the legs' own limits would hide a bad
     value (the prefill leg asks for one token) or misstate it."""
     sampling = request.sampling
+    if sampling.n > 1:
+        # The legs hand one request's KV over; n choices would be n hand-overs.
+        raise _LegFailed(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.n: n > 1 is not supported through tandem router; "
+            "use the smg gateway (tandem gateway) or a colocated pod",
+        )
     max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if max_tokens < 1:
         raise _LegFailed(

@@ -83,7 +83,10 @@ class TandemServer:
         connector = kv.kv_connector if kv is not None else ""
         inputs = new_input_pool()
         self.servicer = GenerationServicer(
-            role=config.role, kv_connector=connector, input_pool=inputs
+            role=config.role,
+            kv_connector=connector,
+            input_pool=inputs,
+            served_model_name=config.served_model_name,
         )
         # The field's engine protocol, for the smg gateway (same port).
         self.vllm_servicer = VllmEngineServicer(

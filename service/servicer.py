@@ -24,8 +24,8 @@ from typing import TypeVar
 
 import grpc
 
-from engine import AsyncEngine, InputProcessor, Request
-from service import convert
+from engine import AsyncEngine
+from service import choices, convert
 from service.errors import EngineLoadingError, abort_with
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -54,10 +54,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         role: str = "both",
         kv_connector: str = "",
         input_pool: ThreadPoolExecutor | None = None,
+        served_model_name: str | None = None,
     ) -> None:
         self._engine: AsyncEngine | None = None
         self.role = role
         self.kv_connector = kv_connector
+        self.served_model_name = served_model_name
+        self._choices = choices.ChoiceRegistry()
         self._input_pool = input_pool or new_input_pool()
 
     def attach(self, engine: AsyncEngine) -> None:
@@ -74,21 +77,34 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             engine = self.engine
-            parsed, engine_request = await self._off_loop(_prepare, request, engine.front.inputs)
-            stream = engine.submit(engine_request, parsed.prompt.text)
+            call = await self._off_loop(self._prepare, request, engine)
+            streams = choices.submit(engine, call)
         except Exception as exc:
             await abort_with(context, exc, refused=True)
             return
+        self._choices.add(call.request_id, call.n)
+        call_id = call.request_id if call.n > 1 else None
         try:
-            async for output in stream:
+            async for index, outputs in choices.outputs(streams):
                 # A slow reader gets what piled up meanwhile as one message.
-                yield convert.generate_response([output, *stream.drain_ready()])
+                yield convert.generate_response(outputs, call_id=call_id, index=index)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await abort_with(context, exc)
         finally:
-            stream.close()
+            for stream in streams:
+                stream.close()
+            self._choices.remove(call.request_id)
+
+    def _prepare(self, msg: pb.GenerateRequest, engine: AsyncEngine) -> choices.Call:
+        """A GenerateRequest checked and tokenized (on an input thread)."""
+        return convert.generate_input(
+            msg,
+            engine.front.inputs,
+            served_model_name=self.served_model_name or engine.info.model_name,
+            role=self.role,
+        )
 
     async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the input threads."""
@@ -110,7 +126,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         come (the router says so when the decode pod refused the request):
         those blocks are released. Answers the ids that were live."""
         engine = await self._engine_for(context)
-        ids = list(request.request_ids)
+        ids = self._choices.expand(list(request.request_ids))
         aborted = engine.abort(ids)
         engine.release_held_kv([rid for rid in ids if rid not in aborted])
         return pb.AbortResponse(aborted_request_ids=aborted)
@@ -138,6 +154,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             connector=self.kv_connector,
             dtype=config.model.dtype,
         )
+        if self.served_model_name:
+            info.model_name = self.served_model_name
         return info
 
     async def GetServerStatus(
@@ -155,20 +173,3 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield convert.kv_event_batch(batch)
         finally:
             subscription.close()
-
-
-def _prepare(
-    msg: pb.GenerateRequest, inputs: InputProcessor
-) -> tuple[convert.GenerateInput, Request]:
-    """A GenerateRequest checked, tokenized and made into the engine's
-    Request (on an input thread)."""
-    parsed = convert.generate_input(msg, inputs)
-    request = inputs.make_request(
-        parsed.request_id,
-        parsed.prompt,
-        parsed.params,
-        priority=parsed.priority,
-        kv_transfer_params=parsed.kv_transfer_params,
-        num_output_tokens_in_prompt=parsed.num_output_tokens_in_prompt,
-    )
-    return parsed, request

@@ -15,7 +15,7 @@ Pure functions, no gRPC context; ``service.vllm_servicer`` owns the calls.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from engine import (
     SamplingParams,
     SamplingParamsError,
 )
+from service.choices import Call, check_n
 from service.errors import RequestFailedError
 
 if TYPE_CHECKING:
@@ -56,33 +57,13 @@ FINISH_REASONS = {
 # paged cache is the same tier whatever its device (see README, KV events).
 MEDIUM = "GPU"
 
-# Most choices one request may ask for: each is a request in the engine.
-MAX_N = 16
-
 
 @dataclass(frozen=True)
 class VllmGenerateInput:
-    """A GenerateRequest, checked and tokenized: ``n`` choices of ``params``
-    (each choice's seed is the request's plus its index, as vLLM does)."""
+    """A GenerateRequest, checked and tokenized."""
 
-    request_id: str
-    prompt: ProcessedPrompt
-    params: SamplingParams
-    n: int
+    call: Call
     stream: bool
-    kv_transfer_params: KVTransferParams | None
-
-    def choice_ids(self) -> list[str]:
-        """The engine request id of each choice: the request's own for a
-        single choice (a P/D pair's two legs share it), else ``id-i``."""
-        if self.n == 1:
-            return [self.request_id]
-        return [f"{self.request_id}-{i}" for i in range(self.n)]
-
-    def choice_params(self, index: int) -> SamplingParams:
-        if self.params.seed is None or self.n == 1:
-            return self.params
-        return replace(self.params, seed=self.params.seed + index)
 
 
 # --- requests --------------------------------------------------------------------
@@ -95,27 +76,21 @@ def generate_input(
     if not msg.request_id:
         raise InvalidRequestError("request_id", "must be set (the gateway's id for Abort)")
     _refuse_unsupported(msg)
-    params_msg = msg.sampling_params
-    n = params_msg.n or 1
-    if n > MAX_N:
-        raise InvalidRequestError("sampling_params.n", f"must be in [1, {MAX_N}], got {n}")
+    n = msg.sampling_params.n or 1
     kv = _kv_transfer_params(msg)
     if kv is None and role == "prefill":
         # smg's prefill leg carries no params: this pod's connector makes
         # the hand-over's params itself, for the decode leg to relay back.
         kv = KVTransferParams(do_remote_decode=True)
-    if n > 1 and (kv is not None or role != "both"):
-        raise InvalidRequestError(
-            "sampling_params.n", "n > 1 is not supported with prefill/decode disaggregation"
-        )
-    return VllmGenerateInput(
+    check_n(n, "sampling_params.n", disaggregated=kv is not None or role != "both")
+    call = Call(
         request_id=msg.request_id,
         prompt=_prompt(msg, inputs),
-        params=sampling_params(params_msg),
+        params=sampling_params(msg.sampling_params),
         n=n,
-        stream=msg.stream,
         kv_transfer_params=kv,
     )
+    return VllmGenerateInput(call, msg.stream)
 
 
 def _prompt(msg: vpb.GenerateRequest, inputs: InputProcessor) -> ProcessedPrompt:

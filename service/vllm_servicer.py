@@ -35,11 +35,12 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from engine import AsyncEngine, RequestOutput, RequestStream
+from engine import AsyncEngine, RequestOutput
+from service import choices
 from service import vllm_convert as convert
 from service.errors import EngineLoadingError, abort_with
 from service.tokenizer_bundle import TokenizerBundle
-from service.vllm_convert import ChoiceOutput, VllmGenerateInput
+from service.vllm_convert import ChoiceOutput
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -66,8 +67,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
         self._input_pool = input_pool
         self._engine: AsyncEngine | None = None
         self._tokenizer: TokenizerBundle | None = None
-        # Request id -> its choices' engine ids, while an n > 1 call runs.
-        self._choices: dict[str, list[str]] = {}
+        self._choices = choices.ChoiceRegistry()
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -100,16 +100,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
             parsed = await self._off_loop(
                 convert.generate_input, request, engine.front.inputs, role=self.role
             )
-            streams = _submit(engine, parsed)
+            call = parsed.call
+            streams = choices.submit(engine, call)
         except Exception as exc:
             await abort_with(context, exc, refused=True)
             return
-        if parsed.n > 1:
-            self._choices[parsed.request_id] = parsed.choice_ids()
-        num_logprobs = parsed.params.logprobs
+        self._choices.add(call.request_id, call.n)
+        num_logprobs = call.params.logprobs
         finished: dict[int, list[RequestOutput]] = {}
         try:
-            async for index, outputs in _outputs(streams):
+            async for index, outputs in choices.outputs(streams):
                 if parsed.stream:
                     choice = ChoiceOutput.merge(index, outputs)
                     yield convert.chunk(choice, num_logprobs)
@@ -127,7 +127,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
         finally:
             for stream in streams:
                 stream.close()
-            self._choices.pop(parsed.request_id, None)
+            self._choices.remove(call.request_id)
 
     # --- control ---------------------------------------------------------------------
 
@@ -135,9 +135,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
         self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> vpb.AbortResponse:
         engine = await self._engine_for(context)
-        ids: list[str] = []
-        for rid in request.request_ids:
-            ids.extend(self._choices.get(rid, [rid]))
+        ids = self._choices.expand(list(request.request_ids))
         aborted = set(engine.abort(ids))
         engine.release_held_kv([rid for rid in ids if rid not in aborted])
         return vpb.AbortResponse()
@@ -269,60 +267,3 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 next_id += len(batch.events)
         finally:
             subscription.close()
-
-
-def _submit(engine: AsyncEngine, parsed: VllmGenerateInput) -> list[RequestStream]:
-    """One engine request per choice; if one is refused, the ones already
-    queued are aborted and the refusal raised (nothing of the call runs)."""
-    inputs = engine.front.inputs
-    streams: list[RequestStream] = []
-    try:
-        for index, rid in enumerate(parsed.choice_ids()):
-            request = inputs.make_request(
-                rid,
-                parsed.prompt,
-                parsed.choice_params(index),
-                kv_transfer_params=parsed.kv_transfer_params,
-            )
-            streams.append(engine.submit(request, parsed.prompt.text))
-    except BaseException:
-        for stream in streams:
-            stream.close()
-        raise
-    return streams
-
-
-async def _outputs(
-    streams: list[RequestStream],
-) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
-    """``(choice index, outputs ready)`` as the choices produce them. One
-    choice is read directly; several through a queue their readers fill."""
-    if len(streams) == 1:
-        stream = streams[0]
-        async for output in stream:
-            yield 0, [output, *stream.drain_ready()]
-        return
-    ready: asyncio.Queue[tuple[int, list[RequestOutput] | BaseException | None]] = asyncio.Queue()
-
-    async def read(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                ready.put_nowait((index, [output, *stream.drain_ready()]))
-        except Exception as exc:
-            ready.put_nowait((index, exc))
-        ready.put_nowait((index, None))
-
-    readers = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
-    try:
-        open_count = len(readers)
-        while open_count:
-            index, item = await ready.get()
-            if item is None:
-                open_count -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for reader in readers:
-            reader.cancel()
