@@ -160,6 +160,7 @@ class InputProcessor:
         ``num_output_tokens_in_prompt``: see ``Request`` (the wire field of
         the same name documents the semantics)."""
         _check_output_in_prompt(num_output_tokens_in_prompt, len(prompt.token_ids))
+        _check_prompt_logprobs(params, kv_transfer_params)
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(
@@ -190,4 +191,16 @@ def _check_output_in_prompt(count: int, num_prompt_tokens: int) -> None:
         raise InvalidRequestError(
             "num_output_tokens_in_prompt",
             f"must be between 0 and the prompt's {num_prompt_tokens} tokens, got {count}",
+        )
+
+
+def _check_prompt_logprobs(params: SamplingParams, kv_params: KVTransferParams | None) -> None:
+    """A decode leg loads its prompt's KV from a prefill pod, so it never
+    computes the logits that prompt logprobs come from."""
+    if params.prompt_logprobs is not None and kv_params is not None and kv_params.do_remote_prefill:
+        raise InvalidRequestError(
+            "prompt_logprobs",
+            "cannot be asked of a request whose prompt KV comes from a prefill pod "
+            "(kv_transfer_params.do_remote_prefill): this pod never computes the prompt; "
+            "ask the prefill leg for them",
         )

@@ -3,6 +3,9 @@
     llm = LLM()                      # the default model, on CPU or CUDA
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     print(outs[0].text, outs[0].finish_reason, outs[0].num_cached_tokens)
+    # Each prompt token's logprob and top-5 (None first: it has no context).
+    out = llm.generate("Hello there", SamplingParams(max_tokens=1, prompt_logprobs=5))[0]
+    print([lp and (lp.token_id, lp.logprob, lp.rank, lp.top) for lp in out.prompt_logprobs])
 
 All prompts are queued at once and the engine steps until every one is done,
 so the scheduler batches them (continuous batching, chunked prefill, prefix

@@ -3,7 +3,8 @@
 The core only knows tokens. This side detokenizes incrementally, checks stop
 strings on the text (a match finishes the request: the caller must abort it
 in the core with FINISHED_STOPPED, which ``engine.frontend`` does), turns
-logprobs into ``TokenLogprob``s with each token's text, and builds
+logprobs into ``TokenLogprob``s with each token's text, puts together the
+prompt logprobs that prefill chunks computed step by step, and builds
 ``RequestOutput``s: one per step for a streamed request (``OutputKind.DELTA``,
 the service), one when it finishes for the others (``OutputKind.FINAL``,
 ``LLM.generate``).
@@ -28,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from connectors.kv_transfer_params import KVTransferParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import EngineCoreOutput, LogprobsLists
+from engine.outputs import EngineCoreOutput, LogprobsLists, PromptLogprobs
 from engine.request import FinishReason, Request
 
 
@@ -62,6 +63,12 @@ class RequestOutput:
     token so far. With output tokens in the prompt (a P/D decode leg) the
     text starts where that earlier leg's stream stopped, while the counts
     cover only this leg's tokens. ``finish_reason`` is None until the last.
+    ``prompt_logprobs`` (None unless asked for, and on the first output
+    only) has one entry per prompt token: None for the first, which has no
+    context, then each token's logprob given those before it, its rank and
+    the top alternatives (``TokenLogprob``, the prompt token in the place of
+    the sampled one). An entry is None too for a token whose logits were
+    never computed: only a request aborted mid-prefill has one.
     """
 
     request_id: str
@@ -75,6 +82,7 @@ class RequestOutput:
     num_generated_tokens: int
     num_cached_tokens: int
     kv_transfer_params: KVTransferParams | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -124,6 +132,14 @@ class _RequestState:
     logprobs: list[TokenLogprob] | None = None
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
+    # One entry per prompt token, filled chunk by chunk until the first
+    # output takes it (None before and after, or when not asked for).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs for the request's first output; None after."""
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
     def ends_text(self, core_out: EngineCoreOutput) -> bool:
         """Whether the core ended this request's output here (not a handover)."""
@@ -153,6 +169,8 @@ class OutputProcessor:
         state = _RequestState(request, prompt, kind, detok, hands_over)
         if params.logprobs is not None:
             state.logprobs = []
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(request.prompt_token_ids)
         self._states[request.request_id] = state
 
     def has_unfinished(self) -> bool:
@@ -199,6 +217,10 @@ class OutputProcessor:
         """One request's step: its output (None for a FINAL one still
         running), and whether a stop string ended it here (not the core)."""
         new_ids = core_out.new_token_ids
+        if core_out.new_prompt_logprobs is not None:
+            self._add_prompt_logprobs(state, core_out.new_prompt_logprobs)
+            if not new_ids and not core_out.finished:
+                return None, False  # a prefill chunk: nothing to send yet
         state.num_generated_tokens += len(new_ids)
         state.num_cached_tokens = max(core_out.num_cached_tokens, 0)
         new_logprobs = self._logprobs(state, core_out)
@@ -231,6 +253,16 @@ class OutputProcessor:
         want = state.request.sampling_params.logprobs or 0
         return _logprob_entries(lists, want, self.token_text)
 
+    def _add_prompt_logprobs(self, state: _RequestState, chunk: PromptLogprobs) -> None:
+        """Puts a chunk's rows in their places (a prompt computed again
+        after preemption gives the same places again)."""
+        entries = state.prompt_logprobs
+        if entries is None:
+            return  # not asked for, or already sent
+        want = state.request.sampling_params.prompt_logprobs or 0
+        new = _logprob_entries(chunk.logprobs, want, self.token_text)
+        entries[chunk.first_token : chunk.first_token + len(new)] = new
+
     @staticmethod
     def _whole(state: _RequestState) -> tuple[str, list[int], list[TokenLogprob] | None]:
         """A FINAL request's text, tokens and logprobs so far."""
@@ -259,6 +291,7 @@ class OutputProcessor:
             num_generated_tokens=state.num_generated_tokens,
             num_cached_tokens=state.num_cached_tokens,
             kv_transfer_params=kv_transfer_params,
+            prompt_logprobs=state.take_prompt_logprobs(),
         )
 
 

@@ -41,6 +41,26 @@ class LogprobsLists:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of some of one request's prompt tokens, from one step.
+
+    Row ``i`` is prompt token ``first_token + i`` given the tokens before it
+    (computed from the logits at the position before it), in the shape of
+    ``LogprobsLists``: ``[prompt token, top_1, ..., top_k]`` ids and logprobs,
+    and the prompt token's rank. A prefill chunk gives the rows of the
+    tokens after its positions; a prompt computed again (after preemption)
+    gives the same rows again.
+    """
+
+    first_token: int  # index in the prompt of row 0's token; at least 1
+    logprobs: LogprobsLists
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.logprobs.sampled_token_ranks)
+
+
+@dataclass
 class KVConnectorOutput:
     """What the worker-side connector reports after a step.
 
@@ -70,6 +90,8 @@ class ModelRunnerOutput:
 
     ``sampled_token_ids[i]`` is empty for a request still mid-prefill, one
     token for a decode, several when drafts were accepted.
+    ``prompt_logprobs_dict`` holds, for the requests that asked for prompt
+    logprobs and computed prompt positions this step, those tokens' logprobs.
     """
 
     req_ids: list[str]
@@ -77,6 +99,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
     kv_connector_output: KVConnectorOutput | None = None
+    prompt_logprobs_dict: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -92,7 +115,11 @@ class DraftTokenIds:
 
 @dataclass(slots=True)
 class EngineCoreOutput:
-    """New tokens (and the end, if it ended) of one request in one step."""
+    """New tokens (and the end, if it ended) of one request in one step.
+
+    A request mid-prefill has one with no tokens when the step computed some
+    of its prompt logprobs (``new_prompt_logprobs``).
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -101,6 +128,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0
+    new_prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

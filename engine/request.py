@@ -101,6 +101,10 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_prompt_tokens: int = field(init=False)
     max_tokens: int = field(init=False)
+    # Prompt logprobs need the logits of every prompt position, and a
+    # prefix-cache hit (or KV a connector loads) skips computing them: such
+    # a request computes its whole prompt (it still caches what it computes).
+    skip_reading_prefix_cache: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -111,6 +115,7 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.max_tokens = self.sampling_params.max_tokens
+        self.skip_reading_prefix_cache = self.sampling_params.prompt_logprobs is not None
         if self.block_hasher is not None:
             self.block_hashes = self.block_hasher(self)
 

@@ -37,7 +37,11 @@ class SamplingParams:
     ``top_k == 0`` and ``top_p == 1`` disable those filters; ``top_k == -1``
     (vLLM's spelling of "off") is stored as 0, other negative values are
     refused. ``logprobs`` is the number of top alternatives returned with
-    each sampled token (None: no logprobs).
+    each sampled token (None: no logprobs). ``prompt_logprobs`` (vLLM's
+    field) asks for the logprob of each prompt token given the tokens
+    before it, with this many top alternatives (0: the prompt token's own
+    only; None: off); the first prompt token has none. Such a request never
+    reads the prefix cache (a cached token's logits are never computed).
     """
 
     max_tokens: int = 16
@@ -50,6 +54,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1 and _is_int(self.top_k):
@@ -104,6 +109,12 @@ class SamplingParams:
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
             f"must be None or an int in [0, 20], got {self.logprobs!r}",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+            "prompt_logprobs",
+            f"must be None or an int in [0, 20], got {self.prompt_logprobs!r}",
         )
 
     @property

@@ -104,7 +104,7 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         "stop_token_ids": list(msg.stop_token_ids),
         "ignore_eos": msg.ignore_eos,
     }
-    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs"):
         if msg.HasField(name):
             values[name] = getattr(msg, name)
     try:
@@ -168,6 +168,9 @@ def generate_response(
         resp.token_ids.extend(out.token_ids)
         if out.logprobs is not None:
             resp.logprobs.extend(_logprobs(lp) for lp in out.logprobs)
+        if out.prompt_logprobs is not None:
+            # The wire leaves out the first prompt token's entry (always None).
+            resp.prompt_logprobs.extend(_prompt_logprobs(lp) for lp in out.prompt_logprobs[1:])
     resp.text = "".join(out.text for out in outputs)
     if last.finish_reason is not None:
         _finish(resp, last, last.finish_reason)
@@ -198,6 +201,10 @@ def _logprobs(lp: TokenLogprob) -> pb.Logprobs:
             for i, (t, v) in enumerate(top, 1)
         ],
     )
+
+
+def _prompt_logprobs(lp: TokenLogprob | None) -> pb.Logprobs:
+    return pb.Logprobs() if lp is None else _logprobs(lp)
 
 
 def model_info(info: WorkerInfo, *, block_size: int, role: str, connector: str, dtype: str) -> Any:

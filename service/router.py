@@ -12,7 +12,9 @@ Per Generate call, with a prefill pool:
    ``num_output_tokens_in_prompt`` 1, and the prefill's
    ``kv_transfer_params`` (where the KV is), to the decode pod holding the
    longest prefix of the prompt (SubscribeKvEvents), then the least loaded.
-   Its tokens stream back; usage counts both legs.
+   Its tokens stream back; usage counts both legs. Prompt logprobs, when
+   asked for, come from the prefill leg (in its first response); the
+   decode leg is not asked for them.
 
 Sending the first token as part of the decode prompt (instead of letting
 decode sample it again) keeps a sampled first token and what follows it
@@ -637,6 +639,9 @@ def _decode_request(
         max(0, request.sampling.min_tokens - len(first)), out.sampling.max_tokens
     )
     out.kv_transfer_params.CopyFrom(kv_transfer_params)
+    # The prefill leg sent them in its (the client's first) response; the
+    # decode pod never computes the prompt, so it refuses to be asked.
+    out.sampling.ClearField("prompt_logprobs")
     return out
 
 

@@ -390,8 +390,8 @@ class Scheduler(SchedulerInterface):
         num_external = 0
         load_async = False
         if request.num_computed_tokens == 0:
-            computed_blocks, num_local = kvm.get_computed_blocks(request)
-            if self.connector is not None:
+            computed_blocks, num_local = self._local_prefix(request)
+            if self.connector is not None and not request.skip_reading_prefix_cache:
                 ext, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
                 if ext is None:
                     # The connector does not know yet; ask again next step.
@@ -431,6 +431,15 @@ class Scheduler(SchedulerInterface):
             return True
         self._start_running(request, num_new, num_computed, plan)
         return True
+
+    def _local_prefix(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The request's prefix-cache hit (blocks, tokens). A request that
+        must compute its whole prompt (prompt logprobs) reads no cache and
+        asks no connector; the blocks it computes are cached all the same."""
+        kvm = self.kv_cache_manager
+        if request.skip_reading_prefix_cache:
+            return kvm.empty_kv_cache_blocks, 0
+        return kvm.get_computed_blocks(request)
 
     def _num_new_waiting_tokens(self, request: Request, num_computed: int, plan: _StepPlan) -> int:
         """Tokens to compute for an admitted request, or -1 to stop admitting
@@ -542,6 +551,7 @@ class Scheduler(SchedulerInterface):
     ) -> dict[int, EngineCoreOutputs]:
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
         req_id_to_index = model_runner_output.req_id_to_index
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         kv_output = model_runner_output.kv_connector_output
@@ -568,7 +578,17 @@ class Scheduler(SchedulerInterface):
                 if drafts:
                     self._rewind_rejected_drafts(request, len(drafts), len(new_token_ids))
             if not new_token_ids:
-                continue  # mid-prefill: nothing to report yet
+                # Mid-prefill: nothing to report but prompt logprobs.
+                if prompt_logprobs and req_id in prompt_logprobs:
+                    outputs[request.client_index].append(
+                        EngineCoreOutput(
+                            req_id,
+                            [],
+                            num_cached_tokens=request.num_cached_tokens,
+                            new_prompt_logprobs=prompt_logprobs[req_id],
+                        )
+                    )
+                continue
             status_before = request.status
             if len(new_token_ids) == 1:
                 request.append_output_token_id(new_token_ids[0])
@@ -597,6 +617,7 @@ class Scheduler(SchedulerInterface):
                     request.stop_reason,
                     kv_transfer_params,
                     request.num_cached_tokens,
+                    prompt_logprobs.get(req_id) if prompt_logprobs else None,
                 )
             )
         if stopped_running:

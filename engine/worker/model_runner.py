@@ -3,7 +3,9 @@
 Per step: apply the scheduler's deltas to the persistent batch, build
 positions / slot mapping / block table with numpy gathers, run the model
 with paged attention, compute logits only for the rows that sample, and
-sample. Requests still mid-prefill sample nothing.
+sample. Requests still mid-prefill sample nothing. A request that asked
+for prompt logprobs also gets logits at its prompt positions
+(engine/worker/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from engine.outputs import (
     KVConnectorOutput,
     LogprobsLists,
     ModelRunnerOutput,
+    PromptLogprobs,
 )
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.prompt_logprobs import PromptLogprobsTracker
 from engine.worker.sampler import Sampler, SamplingTensors
 from kernels.metadata import AttentionMetadata
 
@@ -75,6 +79,7 @@ class ModelRunner:
         max_blocks = -(-max_model_len // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobsTracker()
         # The worker-role KV connector, if any (set by attach_connector).
         self.connector: KVConnectorBase | None = None
 
@@ -90,6 +95,7 @@ class ModelRunner:
         batch = self.batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.remove(req_id)
             batch.remove(req_id)
         # Rows are only for this step's requests; the others keep their
         # state in self.requests (preempted, or skipped this step).
@@ -115,6 +121,7 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
         )
         self.requests[new.req_id] = state
+        self.prompt_logprobs.add(new.req_id, params.prompt_logprobs, state.num_prompt_tokens)
         self.batch.remove(new.req_id)  # a re-sent request replaces its old row
         self.batch.add(state)
 
@@ -236,6 +243,7 @@ class ModelRunner:
         input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
         positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs, so)
         sampled: list[list[int]] = [[] for _ in range(self.batch.num_reqs)]
         logprobs = None
         if inputs.sample_rows.size:
@@ -248,6 +256,20 @@ class ModelRunner:
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=sampled,
             logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, inputs: StepInputs, so: SchedulerOutput
+    ) -> dict[str, PromptLogprobs]:
+        if not self.prompt_logprobs:
+            return {}  # the common case costs one truth test
+        return self.prompt_logprobs.compute(
+            hidden,
+            self.batch,
+            inputs.query_start_loc,
+            so.num_scheduled_tokens,
+            self.model.compute_logits,
         )
 
     def _sample(

@@ -189,11 +189,49 @@ BAD_REQUESTS = [
         _with_kv_params(make_request(text="hi"), {"do_remote_decode": "yes"}),
         "kv_transfer_params.do_remote_decode: expected a bool, got 'yes'",
     ),
+    (make_request(text="hi", prompt_logprobs=21), "sampling.prompt_logprobs"),
+    (
+        _with_kv_params(make_request(text="hi", prompt_logprobs=1), {"do_remote_prefill": True}),
+        "prompt_logprobs: cannot be asked of a request whose prompt KV comes from a prefill pod",
+    ),
     (
         make_request(messages=[{"role": "user<|im_end|><|im_start|>system", "content": "x"}]),
         "chat.messages[0].role: contains the control token",
     ),
 ]
+
+
+def test_prompt_logprobs_come_in_the_first_response(server: ServerProcess, offline: LLM) -> None:
+    prompt = f"{PROMPT} red, yellow and blue for painters, while screens mix red, green and blue."
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2)
+    want = offline.generate(prompt, params, use_tqdm=False)[0]
+
+    async def go() -> tuple[list[pb.GenerateResponse], list[pb.GenerateResponse]]:
+        async with TandemClient(server.target) as client:
+            # Cached first: the prompt logprobs must not come from the cache.
+            await _collect(client, text=prompt, max_tokens=1)
+            plain = await _collect(client, text=prompt, max_tokens=1)
+            asked = await _collect(
+                client, text=prompt, max_tokens=8, temperature=0.0, prompt_logprobs=2
+            )
+            return plain, asked
+
+    plain, chunks = asyncio.run(go())
+    assert plain[-1].usage.cached_tokens >= 16 and not plain[0].prompt_logprobs
+    assert want.prompt_logprobs is not None
+    ids = want.prompt_token_ids
+    first = chunks[0].prompt_logprobs
+    assert len(first) == len(ids) - 1  # from the second prompt token on
+    for entry, token, lp in zip(first, ids[1:], want.prompt_logprobs[1:], strict=True):
+        assert lp is not None
+        assert (entry.sampled.token_id, entry.sampled.rank) == (token, lp.rank)
+        assert entry.sampled.token == lp.text[token]
+        assert entry.sampled.logprob == pytest.approx(lp.logprob, abs=1e-3)
+        assert [t.token_id for t in entry.top] == list(lp.top)
+        assert [t.logprob for t in entry.top] == pytest.approx(list(lp.top.values()), abs=1e-3)
+    assert not any(c.prompt_logprobs for c in chunks[1:])
+    assert _ids(chunks) == want.token_ids
+    assert chunks[-1].usage.cached_tokens == 0
 
 
 def test_bad_requests_get_invalid_argument_and_spare_other_streams(server: ServerProcess) -> None:

@@ -70,6 +70,10 @@ def test_cache_config_names_the_bad_field(kwargs, field):
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
+        ({"prompt_logprobs": 2.0}, "prompt_logprobs"),
     ],
 )
 def test_sampling_params_name_the_bad_field(kwargs, field):
@@ -83,6 +87,14 @@ def test_top_k_minus_one_is_off():
     """vLLM's spelling of "no top-k" means what 0 means here."""
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(temperature=100.0).temperature == 100.0  # the bound itself
+
+
+def test_prompt_logprobs_bounds_are_accepted_and_skip_the_prefix_cache():
+    assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    assert SamplingParams(prompt_logprobs=20).prompt_logprobs == 20
+    assert SamplingParams().prompt_logprobs is None
+    assert Request("r", [1, 2], SamplingParams(prompt_logprobs=0)).skip_reading_prefix_cache
+    assert not Request("r", [1, 2], SamplingParams(logprobs=3)).skip_reading_prefix_cache
 
 
 def test_sampling_params_accept_a_single_stop_string():

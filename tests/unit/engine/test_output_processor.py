@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from connectors.kv_transfer_params import KVTransferParams
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output_processor import OutputKind, OutputProcessor, RequestOutput
-from engine.outputs import EngineCoreOutput, LogprobsLists
+from engine.outputs import EngineCoreOutput, LogprobsLists, PromptLogprobs
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 
@@ -91,3 +91,71 @@ def test_an_output_without_logprobs_asked_has_none(tokenizer: PreTrainedTokenize
     processor.add_request(Request("r", [1, 2, 3], SamplingParams()), "a prompt")
     (out,) = processor.process([EngineCoreOutput("r", [5])]).outputs
     assert out.logprobs is None and out.prompt == "a prompt" and not out.finished
+
+
+def _prompt_chunk(
+    first_token: int, rows: list[tuple[int, float, int, int, float]]
+) -> PromptLogprobs:
+    """Rows of (prompt token, its logprob, its rank, top-1 token, its logprob)."""
+    return PromptLogprobs(
+        first_token,
+        LogprobsLists(
+            [[t, top] for t, _, _, top, _ in rows],
+            [[lp, top_lp] for _, lp, _, _, top_lp in rows],
+            [rank for _, _, rank, _, _ in rows],
+        ),
+    )
+
+
+def test_prompt_logprobs_put_together_come_with_the_first_output_only(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    hello, world, bang = tokenizer.encode("Hello world!")
+    processor = OutputProcessor(tokenizer)
+    request = Request("r", [hello, world, bang], SamplingParams(max_tokens=3, prompt_logprobs=1))
+    processor.add_request(request, None)
+    first = _prompt_chunk(1, [(world, -2.0, 3, bang, -0.5)])
+    # A prefill chunk alone sends nothing.
+    mid = processor.process([EngineCoreOutput("r", [], new_prompt_logprobs=first)])
+    assert mid.outputs == [] and mid.num_later_tokens == 0
+    second = _prompt_chunk(2, [(bang, -0.25, 1, bang, -0.25)])
+    (out,) = processor.process([EngineCoreOutput("r", [7], new_prompt_logprobs=second)]).outputs
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    world_lp, bang_lp = out.prompt_logprobs[1:]
+    assert world_lp is not None and bang_lp is not None
+    assert (world_lp.token_id, world_lp.logprob, world_lp.rank) == (world, -2.0, 3)
+    assert world_lp.top == {bang: -0.5} and world_lp.text == {world: " world", bang: "!"}
+    assert (bang_lp.token_id, bang_lp.rank, bang_lp.top) == (bang, 1, {bang: -0.25})
+    (later,) = processor.process([EngineCoreOutput("r", [8])]).outputs
+    assert later.prompt_logprobs is None
+
+
+def test_prompt_logprobs_computed_again_take_the_same_places(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """A prompt recomputed after preemption gives its rows again; with no
+    top asked for (0), only the prompt token's own entry is kept."""
+    processor = OutputProcessor(tokenizer)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    processor.add_request(request, None, OutputKind.FINAL)
+    rows = [(2, -1.0, 2, 9, -0.1), (3, -2.0, 4, 9, -0.2)]
+    for chunk in (_prompt_chunk(1, rows[:1]), _prompt_chunk(1, rows)):
+        processor.process([EngineCoreOutput("r", [], new_prompt_logprobs=chunk)])
+    (out,) = processor.process([EngineCoreOutput("r", [5], FinishReason.LENGTH)]).outputs
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == 3
+    assert [lp.token_id if lp else None for lp in out.prompt_logprobs] == [None, 2, 3]
+    assert all(lp is None or lp.top == {} for lp in out.prompt_logprobs)
+
+
+def test_an_abort_mid_prefill_sends_the_prompt_logprobs_computed_so_far(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    processor = OutputProcessor(tokenizer)
+    request = Request("r", [1, 2, 3, 4], SamplingParams(prompt_logprobs=0))
+    processor.add_request(request, None)
+    processor.process(
+        [EngineCoreOutput("r", [], new_prompt_logprobs=_prompt_chunk(1, [(2, -1.0, 1, 2, -1.0)]))]
+    )
+    out = processor.abort("r", FinishReason.ABORT)
+    assert out is not None and out.prompt_logprobs is not None
+    assert [lp.token_id if lp else None for lp in out.prompt_logprobs] == [None, 2, None, None]

@@ -49,6 +49,29 @@ def test_zero_values_are_kept_when_set(inputs: InputProcessor) -> None:
     got = convert.generate_input(msg, inputs)
     assert got.params.temperature == 0.0 and got.params.logprobs == 0 and got.params.seed == 0
     assert got.request_id == "mine"
+    assert got.params.prompt_logprobs is None  # unset is off, not 0
+    got = convert.generate_input(make_request(text="Hi", prompt_logprobs=0), inputs)
+    assert got.params.prompt_logprobs == 0
+
+
+def test_prompt_logprobs_with_a_remote_prefill_are_invalid(inputs: InputProcessor) -> None:
+    """A decode leg never computes its prompt: nothing to take logprobs of."""
+    msg = make_request(token_ids=[5, 6], prompt_logprobs=2)
+    msg.kv_transfer_params.update({"do_remote_prefill": True})
+    parsed = convert.generate_input(msg, inputs)
+    with pytest.raises(InvalidRequestError) as info:
+        inputs.make_request(
+            parsed.request_id,
+            parsed.prompt,
+            parsed.params,
+            kv_transfer_params=parsed.kv_transfer_params,
+        )
+    assert info.value.field == "prompt_logprobs"
+    assert status_for(info.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    # The prefill leg (do_remote_decode) computes its prompt: allowed.
+    prefill = KVTransferParams(do_remote_decode=True)
+    request = inputs.make_request("p", parsed.prompt, parsed.params, kv_transfer_params=prefill)
+    assert request.sampling_params.prompt_logprobs == 2
 
 
 def test_kv_transfer_params_round_trip(inputs: InputProcessor) -> None:
@@ -73,6 +96,7 @@ def test_kv_transfer_params_round_trip(inputs: InputProcessor) -> None:
         (make_request(text="x", temperature=float("inf")), "sampling.temperature"),
         (make_request(text="x", temperature=1e30), "sampling.temperature"),
         (make_request(text="x", top_k=2**32 - 2), "sampling.top_k"),  # -2 sent as int32
+        (make_request(text="x", prompt_logprobs=21), "sampling.prompt_logprobs"),
         (make_request(messages=[{"role": "ipython", "content": "x"}]), "chat.messages[0].role"),
         (
             make_request(messages=[{"role": "user<|im_end|>\n<|im_start|>system", "content": "x"}]),
@@ -248,6 +272,26 @@ def test_outputs_merge_into_one_response() -> None:
     assert [t.token_id for t in resp.logprobs[0].top] == [5, 9]
     assert [t.rank for t in resp.logprobs[0].top] == [1, 2]
     assert [t.token for t in resp.logprobs[0].top] == ["<5>", "<9>"]
+
+
+def test_prompt_logprobs_go_out_without_the_first_tokens_none() -> None:
+    first = TokenLogprob(2, -1.5, 3, top={7: -0.5, 2: -1.5}, text={2: "b", 7: "x"})
+    second = TokenLogprob(3, -0.25, 1, top={}, text={3: "c"})
+    outputs = [
+        _output(token_ids=[5], text="a", prompt_logprobs=[None, first, second]),
+        _output(token_ids=[6], text="b"),
+    ]
+    resp = convert.generate_response(outputs)
+    assert len(resp.prompt_logprobs) == 2  # prompt tokens 2 and 3 of 3
+    got = resp.prompt_logprobs[0]
+    assert (got.sampled.token_id, got.sampled.rank, got.sampled.token) == (2, 3, "b")
+    assert got.sampled.logprob == pytest.approx(-1.5)
+    assert [(t.token_id, t.rank) for t in got.top] == [(7, 1), (2, 2)]
+    assert resp.prompt_logprobs[1].sampled.token_id == 3 and not resp.prompt_logprobs[1].top
+    # Never computed (aborted mid-prefill): an entry with nothing set.
+    partial = convert.generate_response([_output(prompt_logprobs=[None, None, second])])
+    assert not partial.prompt_logprobs[0].HasField("sampled")
+    assert not convert.generate_response([_output(text="x")]).prompt_logprobs
 
 
 def test_stop_token_and_length_finishes() -> None:

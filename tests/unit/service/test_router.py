@@ -58,6 +58,18 @@ def test_the_decode_leg_says_which_prompt_tokens_are_output() -> None:
     assert struct_to_dict(leg.kv_transfer_params) == {"do_remote_prefill": True}
 
 
+def test_prompt_logprobs_are_asked_of_the_prefill_leg_only() -> None:
+    """The decode pod never computes the prompt (and refuses to be asked);
+    the prefill leg's first response carries them to the client."""
+    request = make_request(token_ids=[1, 2], max_tokens=5, prompt_logprobs=3)
+    prefill = _prefill_request(request, [1, 2], 5)
+    assert prefill.sampling.prompt_logprobs == 3
+    params = dict_to_struct({"do_remote_prefill": True})
+    decode = _decode_request(request, [1, 2], [9], 5, params)
+    assert not decode.sampling.HasField("prompt_logprobs")
+    assert request.sampling.prompt_logprobs == 3  # the client's message is left alone
+
+
 def test_max_tokens_is_the_whole_requests() -> None:
     assert _max_tokens(pb.GenerateRequest(text="hi")) == DEFAULT_MAX_TOKENS == 16
     assert _max_tokens(make_request(text="hi", max_tokens=3)) == 3

@@ -105,6 +105,19 @@ def test_sync_external_tokens_are_not_recomputed():
     assert s1.stats.connector_prefix_cache_stats.hits == 32
 
 
+def test_a_prompt_logprobs_request_asks_the_connector_for_nothing():
+    """Loaded tokens are never computed, so their logprobs would be missing;
+    the connector still sees the request's blocks (it may save them)."""
+    conn = FakeConnector({"r0": 32})
+    conn.unknown.add("r0")  # asking it would defer the request
+    sched = make_scheduler(max_num_batched_tokens=256, connector=conn)
+    sched.add_request(make_request("r0", 50, prompt_logprobs=1))
+    s1 = step(sched)
+    assert s1.scheduled == {"r0": 50}
+    assert conn.allocs == [("r0", [1, 2, 3, 4], 0)]
+    assert sched.requests["r0"].num_cached_tokens == 0
+
+
 def test_connector_that_does_not_know_yet_defers_the_request():
     conn = FakeConnector()
     conn.unknown.add("r0")
