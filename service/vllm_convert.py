@@ -193,13 +193,16 @@ class ChoiceOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     last: RequestOutput
+    # On a choice's first output only (when asked for): None first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def merge(cls, index: int, outputs: list[RequestOutput]) -> ChoiceOutput:
         tokens = [t for out in outputs for t in out.token_ids]
         lps = [lp for out in outputs for lp in (out.logprobs or ())]
         asked = any(out.logprobs is not None for out in outputs)
-        return cls(index, tokens, lps if asked else None, outputs[-1])
+        prompt = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+        return cls(index, tokens, lps if asked else None, outputs[-1], prompt)
 
 
 def chunk(choice: ChoiceOutput, num_logprobs: int | None) -> vpb.GenerateResponse:
@@ -213,6 +216,7 @@ def chunk(choice: ChoiceOutput, num_logprobs: int | None) -> vpb.GenerateRespons
             completion_tokens=len(choice.token_ids),
             cached_tokens=last.num_cached_tokens,
             output_logprobs=_output_logprobs(choice, num_logprobs),
+            input_logprobs=_input_logprobs(choice),
             index=choice.index,
         )
     )
@@ -235,6 +239,7 @@ def complete(choice: ChoiceOutput, num_logprobs: int | None) -> vpb.GenerateResp
         completion_tokens=len(choice.token_ids),
         cached_tokens=last.num_cached_tokens,
         output_logprobs=_output_logprobs(choice, num_logprobs),
+        input_logprobs=_input_logprobs(choice),
         index=choice.index,
     )
     if isinstance(last.stop_reason, str):
@@ -258,6 +263,25 @@ def _output_logprobs(choice: ChoiceOutput, num_logprobs: int | None) -> vpb.Outp
             out.top_logprobs.append(
                 vpb.TopLogProbs(token_ids=[t for t, _ in top], values=[v for _, v in top])
             )
+    return out
+
+
+def _input_logprobs(choice: ChoiceOutput) -> vpb.InputLogProbs | None:
+    """The prompt's logprobs, one entry per prompt token (the first, which
+    has no context, without a value), as vLLM's servicer sends them."""
+    if choice.prompt_logprobs is None:
+        return None
+    out = vpb.InputLogProbs()
+    for token_id, lp in zip(choice.last.prompt_token_ids, choice.prompt_logprobs, strict=False):
+        out.token_ids.append(token_id)
+        entry = vpb.InputTokenLogProb()
+        top = vpb.TopLogProbs()
+        if lp is not None:
+            entry.value = lp.logprob
+            ranked = sorted(lp.top.items(), key=lambda kv: kv[1], reverse=True)
+            top = vpb.TopLogProbs(token_ids=[t for t, _ in ranked], values=[v for _, v in ranked])
+        out.token_logprobs.append(entry)
+        out.top_logprobs.append(top)
     return out
 
 

@@ -4,11 +4,23 @@ events in the protocol's shape."""
 from __future__ import annotations
 
 import hashlib
+import json
+from typing import Any
 
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from engine import AllBlocksCleared, BlockRemoved, BlockStored, InvalidRequestError, SamplingParams
+from connectors.kv_transfer_params import KVTransferParams
+from engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    FinishReason,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from engine.kv_events import KvEventBatch
 from service import vllm_convert as convert
 
@@ -84,3 +96,52 @@ def test_a_sequence_start_has_no_parent() -> None:
     batch = KvEventBatch(1, 0.0, [BlockStored([b"\x01" * 32], None, [0] * 16, 16)])
     (event,) = convert.kv_event_batch(batch, 1).events
     assert not event.stored.HasField("parent_block_hash")
+
+
+def _output(**kwargs: Any) -> RequestOutput:
+    values: dict[str, Any] = {
+        "request_id": "r",
+        "prompt": None,
+        "prompt_token_ids": [5, 6, 7],
+        "text": "",
+        "token_ids": [9],
+        "logprobs": None,
+        "finish_reason": FinishReason.LENGTH,
+        "stop_reason": None,
+        "num_generated_tokens": 1,
+        "num_cached_tokens": 0,
+    }
+    return RequestOutput(**{**values, **kwargs})
+
+
+def test_prompt_logprobs_go_out_as_input_logprobs_with_no_value_first() -> None:
+    prompt = [
+        None,
+        TokenLogprob(6, -1.5, 2, {8: -0.5, 6: -1.5}),
+        TokenLogprob(7, -0.25, 1, {7: -0.25, 3: -2.0}),
+    ]
+    choice = convert.ChoiceOutput.merge(0, [_output(prompt_logprobs=prompt)])
+    (streamed,) = [convert.chunk(choice, None).chunk.input_logprobs]
+    done = convert.complete(choice, None).complete.input_logprobs
+    for got in (streamed, done):
+        assert list(got.token_ids) == [5, 6, 7]
+        assert [e.HasField("value") for e in got.token_logprobs] == [False, True, True]
+        assert [e.value for e in got.token_logprobs[1:]] == [-1.5, -0.25]
+        assert list(got.top_logprobs[1].token_ids) == [8, 6]
+        assert list(got.top_logprobs[2].values) == [-0.25, -2.0]
+
+
+def test_no_input_logprobs_unless_asked() -> None:
+    choice = convert.ChoiceOutput.merge(0, [_output()])
+    assert not convert.chunk(choice, None).chunk.HasField("input_logprobs")
+
+
+def test_a_finished_output_carries_the_matched_stop_and_kv_params_as_json() -> None:
+    params = KVTransferParams(do_remote_prefill=True, num_blocks=3)
+    out = _output(finish_reason=FinishReason.STOP, stop_reason="END", kv_transfer_params=params)
+    done = convert.complete(convert.ChoiceOutput.merge(0, [out]), None).complete
+    assert done.finish_reason == "stop" and done.matched_stop_str == "END"
+    assert json.loads(done.kv_transfer_params_json) == {"do_remote_prefill": True, "num_blocks": 3}
+    token_stop = _output(finish_reason=FinishReason.STOP, stop_reason=2)
+    by_token = convert.complete(convert.ChoiceOutput.merge(0, [token_stop]), None).complete
+    assert by_token.matched_token_id == 2
