@@ -590,3 +590,47 @@ def test_a_second_server_on_a_taken_port_refuses_to_start(server: ServerProcess)
     assert "Traceback" not in metrics_log, metrics_log
     assert server.health() == health_pb2.HealthCheckResponse.SERVING
     assert "tandem_requests_running" in _scrape(server)
+
+
+def test_n_choices_stream_interleaved_each_with_its_own_end(server: ServerProcess) -> None:
+    """n seeded choices: choice i is seeded seed + i (so the first equals a
+    single request with the same seed), each ends with its own last
+    response, and the prompt's full blocks are computed once."""
+    prompt = "Once upon a time, in a land far away, there lived " * 3
+
+    async def go() -> tuple[list[pb.GenerateResponse], list[pb.GenerateResponse]]:
+        async with TandemClient(server.target) as client:
+            sampling = {"max_tokens": 10, "temperature": 1.0, "seed": 21, "ignore_eos": True}
+            many = await _collect(client, text=prompt, n=3, request_id="three", **sampling)
+            one = await _collect(client, text=prompt, **sampling)
+            return many, one
+
+    many, one = asyncio.run(go())
+    by_choice: dict[int, list[pb.GenerateResponse]] = {}
+    for chunk in many:
+        assert chunk.request_id == "three"
+        by_choice.setdefault(chunk.index, []).append(chunk)
+    assert sorted(by_choice) == [0, 1, 2]
+    for chunks in by_choice.values():
+        assert [bool(c.finish_reason) for c in chunks][-1]
+        assert sum(bool(c.finish_reason) for c in chunks) == 1
+        assert chunks[-1].usage.completion_tokens == 10
+    assert _ids(by_choice[0]) == _ids(one)
+    assert len({tuple(_ids(c)) for c in by_choice.values()}) == 3
+    cached = [c[-1].usage.cached_tokens for c in by_choice.values()]
+    assert max(cached) >= 16 * (by_choice[0][-1].usage.prompt_tokens // 16 - 1)
+
+
+def test_the_model_name_is_checked(server: ServerProcess) -> None:
+    async def go(model: str) -> list[pb.GenerateResponse]:
+        async with TandemClient(server.target) as client:
+            request = make_request(text="Hello", max_tokens=2)
+            request.model = model
+            return [c async for c in client.stub.Generate(request)]
+
+    assert asyncio.run(go("SmolLM2-135M-Instruct"))[-1].finish_reason
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(go("gpt-4"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert details.startswith("model: this server serves 'SmolLM2-135M-Instruct'"), details
