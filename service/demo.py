@@ -1,15 +1,17 @@
-"""`make demo`: serve the default model and talk to it with the CLI.
+"""`make demo`: serve the default model and talk to it as users of the field do.
 
-Starts `tandem serve` on a free loopback port, waits for health SERVING,
-streams a few chat answers through `tandem generate` (text appears as it is
-generated), prints a summary (time to first token, tokens/s, prefix-cache
-hits: the prompts share a system prompt), shows `tandem status`, and stops
-the server with SIGTERM (a drain).
+Starts `tandem serve` on a free loopback port and the smg gateway in front
+of it (`tandem gateway`), and streams a few chat answers with the `openai`
+client through smg's OpenAI endpoint (text appears as it is generated),
+then a summary (time to first token, tokens/s, prefix-cache hits: the
+prompts share a system prompt). One more answer through Tandem's own gRPC
+API (`tandem generate`), `tandem status`, and the pod stops with SIGTERM (a
+drain).
 
 Then the same on a disaggregated stack: a prefill pod and a decode pod
-sharing KV through the shared-memory connector, and `tandem router` in
-front. The answer streams through the router; the prefill pod's token
-arrives first, and the decode pod's prompt comes from the connector.
+sharing KV through the shared-memory connector, and smg in P/D mode in
+front. The decode pod's prompt comes from the connector (its status says
+how many tokens it loaded instead of computing).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from service.bench import free_port
 from service.client import wait_serving
+from service.demo_openai import Gateway, print_summary
 
 # Long enough to fill a few KV blocks: every question after the first
 # reuses them from the prefix cache.
@@ -75,8 +78,8 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> int:
 
 
 def _disaggregated() -> int:
-    ports = [str(free_port()) for _ in range(3)]
-    prefill, decode, router = (f"127.0.0.1:{p}" for p in ports)
+    ports = [str(free_port()) for _ in range(2)]
+    prefill, decode = (f"127.0.0.1:{p}" for p in ports)
     pool = f"demo-{ports[0]}"
 
     def kv(role: str) -> str:
@@ -86,15 +89,16 @@ def _disaggregated() -> int:
         )
 
     small = ("--kv-cache-memory", "512M", "--max-model-len", "4096")
-    print("\n=== prefill/decode disaggregation: two pods and a router on this machine ===")
+    print("\n=== prefill/decode disaggregation: two pods and smg on this machine ===")
     print(
         f"$ tandem serve --role prefill --port {ports[0]} "
         f"--kv-transfer-config '{kv('kv_producer')}'"
     )
     print(
-        f"$ tandem serve --role decode --port {ports[1]} --kv-transfer-config '{kv('kv_consumer')}'"
+        f"$ tandem serve --role decode --port {ports[1]} "
+        f"--kv-transfer-config '{kv('kv_consumer')}'",
+        flush=True,
     )
-    print(f"$ tandem router --prefill {prefill} --decode {decode} --port {ports[2]}", flush=True)
     procs = []
     try:
         for name, args in (
@@ -106,23 +110,19 @@ def _disaggregated() -> int:
             procs.append(_start(name, *args)[0])
         for target, proc in zip((prefill, decode), procs, strict=True):
             asyncio.run(wait_serving(target, alive=partial(_alive, proc)))
-        procs.append(_start("router", "router", "--prefill", prefill, "--decode", decode,
-                            "--port", ports[2])[0])  # fmt: skip
-        asyncio.run(wait_serving(router, alive=partial(_alive, procs[-1])))
-        print("all three SERVING\n", flush=True)
-        _, stats = _ask(router, "Explain in one sentence what a KV cache is.")
-        if stats is not None:
-            tokens, ttft, _, prompt, cached = stats.groups()
-            print(
-                f"handover: the first token ({ttft} ms) came from the prefill pod; the decode "
-                f"pod took {cached} of the {prompt} prompt tokens from shared memory instead "
-                f"of recomputing them, and generated the other {int(tokens) - 1} tokens."
-            )
+        print("both SERVING\n", flush=True)
+        with Gateway("--prefill", prefill, "--decode", decode) as gateway:
+            answer = gateway.stream_chat(SYSTEM, "Explain in one sentence what a KV cache is.")
+        print(
+            f"handover: smg ran the prompt's {answer.prompt_tokens} tokens on the prefill pod, "
+            "which left their KV in shared memory; the decode pod loaded it instead of "
+            f"recomputing and generated the {answer.tokens} tokens."
+        )
         print(f"\n$ tandem status --server {decode}", flush=True)
         subprocess.run(_tandem("status", "--server", decode), check=True)
     finally:
         code = _stop(procs)
-        print(f"\nrouter and pods stopped (exit code {code})")
+        print(f"\npods stopped (exit code {code})")
     return 0 if code == 0 else 1
 
 
@@ -140,9 +140,13 @@ def _colocated() -> int:
         start = time.monotonic()
         asyncio.run(wait_serving(server, alive=lambda: proc.poll() is None))
         print(f"health: SERVING after {time.monotonic() - start:.1f} s\n", flush=True)
-        rows = [_ask(server, q) for q in QUESTIONS]
-        _summary(rows)
-        print(f"\n$ tandem status --server {server}", flush=True)
+        with Gateway("--worker", server) as gateway:
+            print("the openai client, streaming through smg:\n", flush=True)
+            answers = [gateway.stream_chat(SYSTEM, q) for q in QUESTIONS]
+            print_summary(answers)
+        print("\nthe same pod through Tandem's own gRPC API (tandem.v1):", flush=True)
+        _ask(server, "What is a paged KV cache?")
+        print(f"$ tandem status --server {server}", flush=True)
         subprocess.run(_tandem("status", "--server", server), check=True)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -164,17 +168,6 @@ def _ask(server: str, question: str) -> tuple[str, re.Match[str] | None]:
     )  # fmt: skip
     print(result.stderr.strip() + "\n", flush=True)
     return question, STATS.search(result.stderr)
-
-
-def _summary(rows: list[tuple[str, re.Match[str] | None]]) -> None:
-    print("summary")
-    print(f"  {'question':<44} {'tokens':>6} {'TTFT ms':>8} {'tok/s':>7} {'cached/prompt':>14}")
-    for question, m in rows:
-        if m is None:
-            print(f"  {question:<44} (no stats)")
-            continue
-        tokens, ttft, rate, prompt, cached = m.groups()
-        print(f"  {question:<44} {tokens:>6} {ttft:>8} {rate:>7} {cached + '/' + prompt:>14}")
 
 
 if __name__ == "__main__":
