@@ -1,0 +1,289 @@
+"""Serving through smg (OpenAI HTTP) against tandem.v1 direct (gRPC), same load.
+
+One `tandem serve` pod and `tandem gateway` (smg) in front of it. Each
+round sends the same closed-loop load (`--concurrency` streams at a time,
+`--requests` in all) of random prompts, vllm bench serve's "random"
+dataset style: `--input-len` random words each (smg takes text as a
+completion prompt, not ids; both paths send the same text), `--output-len`
+tokens out, EOS ignored, greedy; every run gets fresh prompts. The two paths alternate (direct, smg,
+direct, smg, ...) with the same client structure (one asyncio loop, a
+semaphore): direct is tandem.v1 Generate over grpc.aio;
+smg is `/v1/completions`, streamed, with the same text as the prompt,
+through the `openai` client's AsyncOpenAI. Per round: output tokens/s over
+the round, median and p99 time to first token (TTFT) and inter-token
+latency (ITL, each gap between streamed chunks divided by the tokens it
+carried; an OpenAI chunk is counted as one token and the usage's remainder
+goes to the last, since smg's chunks carry text, not token counts).
+Reports medians (min-max) over rounds, smg/direct ratios, and
+the 1-minute load average before and after (a foreign process on one of
+the 2 cores spoils every figure: run it on a quiet machine).
+
+    .venv/bin/python benchmarks/gateway_bench.py --concurrency 1,64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import openai  # noqa: E402
+
+from service.bench import free_port  # noqa: E402
+from service.client import TandemClient, make_request, wait_serving  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Timing:
+    """One request: when it started, when each chunk came, tokens per chunk."""
+
+    start: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0][0] - self.start
+
+    def itls(self) -> list[float]:
+        gaps = []
+        for (t0, _), (t1, n) in zip(self.chunks, self.chunks[1:], strict=False):
+            gaps += [(t1 - t0) / n] * n
+        return gaps
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+@dataclass
+class Round:
+    path: str
+    concurrency: int
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+async def _run(
+    one: Callable[[str], Awaitable[Timing]], prompts: list[str], concurrency: int
+) -> tuple[list[Timing], float]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def guarded(prompt: str) -> Timing:
+        async with gate:
+            return await one(prompt)
+
+    start = time.perf_counter()
+    timings = await asyncio.gather(*(guarded(p) for p in prompts))
+    return list(timings), time.perf_counter() - start
+
+
+def _round(path: str, concurrency: int, timings: list[Timing], seconds: float) -> Round:
+    ttfts = [t.ttft * 1000 for t in timings]
+    itls = [g * 1000 for t in timings for g in t.itls()]
+    return Round(
+        path,
+        concurrency,
+        sum(t.tokens for t in timings) / seconds,
+        _pct(ttfts, 0.5),
+        _pct(ttfts, 0.99),
+        _pct(itls, 0.5),
+        _pct(itls, 0.99),
+    )
+
+
+async def direct_round(target: str, prompts: list[str], output_len: int, concurrency: int) -> Round:
+    async with TandemClient(target) as client:
+
+        async def one(prompt: str) -> Timing:
+            timing = Timing(time.perf_counter())
+            request = make_request(
+                text=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True
+            )
+            async for chunk in client.stub.Generate(request):
+                if chunk.token_ids:
+                    timing.chunks.append((time.perf_counter(), len(chunk.token_ids)))
+            return timing
+
+        timings, seconds = await _run(one, prompts, concurrency)
+    return _round("direct", concurrency, timings, seconds)
+
+
+async def smg_round(url: str, prompts: list[str], output_len: int, concurrency: int) -> Round:
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+
+    async def one(prompt: str) -> Timing:
+        timing = Timing(time.perf_counter())
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=output_len,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        seen = 0
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:  # the last chunk: attribute the rest
+                extra = chunk.usage.completion_tokens - seen
+                if extra > 0 and timing.chunks:
+                    t, n = timing.chunks[-1]
+                    timing.chunks[-1] = (t, n + extra)
+                continue
+            if chunk.choices and chunk.choices[0].text:
+                timing.chunks.append((now, 1))
+                seen += 1
+        return timing
+
+    try:
+        timings, seconds = await _run(one, prompts, concurrency)
+    finally:
+        await client.close()
+    return _round("smg", concurrency, timings, seconds)
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[str]:
+    """`length` random whole-word tokens each (" house", " green": one token
+    each, so the text is about `length` tokens). Words, not arbitrary ids:
+    a continuation of byte soup is byte soup, whose incomplete UTF-8 smg
+    holds back, which would make its chunks fewer than its tokens."""
+    from engine.models.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    words = sorted(t.lstrip("Ġ") for t in tokenizer.get_vocab() if re.fullmatch(r"Ġ[a-z]{3,}", t))
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(length)) for _ in range(n)]
+
+
+@contextmanager
+def _proc(cmd: list[str], name: str) -> Iterator[None]:
+    log = Path(tempfile.gettempdir()) / f"gateway-bench-{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out)
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
+def stack(max_num_seqs: int) -> Iterator[tuple[str, str]]:
+    port, http = free_port(), free_port()
+    tandem = [sys.executable, "-m", "service.cli", "--log-level", "warning"]
+    serve = [*tandem, "serve", "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
+    gateway = [*tandem, "gateway", "--worker", f"127.0.0.1:{port}", "--port", str(http)]
+    gateway += ["--prometheus-port", str(free_port()), "--", "--log-level", "warn"]
+    target, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http}/v1"
+    with _proc(serve, "serve"):
+        asyncio.run(wait_serving(target))
+        with _proc(gateway, "smg"):
+            _wait_gateway(url)
+            yield target, url
+
+
+def _wait_gateway(url: str, timeout: float = 120.0) -> None:
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=1)
+            return
+        except openai.OpenAIError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _summary(rounds: list[Round]) -> None:
+    metrics = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    for c in sorted({r.concurrency for r in rounds}):
+        runs = sum(r.concurrency == c and r.path == "smg" for r in rounds)
+        print(f"\nconcurrency {c}: median (min-max) over {runs} rounds per path")
+        print(f"  {'metric':<14} {'direct':>22} {'smg':>22} {'smg/direct':>11} {'smg-direct':>11}")
+        for m in metrics:
+            a = [getattr(r, m) for r in rounds if r.concurrency == c and r.path == "direct"]
+            b = [getattr(r, m) for r in rounds if r.concurrency == c and r.path == "smg"]
+            ma, mb = statistics.median(a), statistics.median(b)
+            print(
+                f"  {m:<14} {ma:>9.1f} ({min(a):.1f}-{max(a):.1f}) "
+                f"{mb:>9.1f} ({min(b):.1f}-{max(b):.1f}) {mb / ma if ma else 0:>11.3f} "
+                f"{mb - ma:>+11.1f}"
+            )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--concurrency", default="1,64", help="comma-separated (default: 1,64)")
+    p.add_argument("--rounds", type=int, default=3, help="per path and concurrency (default: 3)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens (default: 64)")
+    p.add_argument(
+        "--requests", type=int, default=0, help="per round (default: 4 x concurrency, >= 8)"
+    )
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rounds: list[Round] = []
+    print(f"load average before: {_load():.2f}")
+    with stack(max(levels)) as (target, url):
+        for c in levels:
+            n = args.requests or max(8, 4 * c)
+            # Warm both paths (allocator, smg's connection) on other prompts.
+            warm = random_prompts(min(n, 8), args.input_len, seed=-c)
+            asyncio.run(direct_round(target, warm, 4, c))
+            asyncio.run(smg_round(url, warm, 4, c))
+            for i in range(args.rounds):
+                for j, path in enumerate(("direct", "smg")):
+                    # Fresh prompts for each run: none may hit the prefix
+                    # cache the other path's run just filled.
+                    prompts = random_prompts(n, args.input_len, seed=1000 * c + 2 * i + j)
+                    if path == "direct":
+                        r = asyncio.run(direct_round(target, prompts, args.output_len, c))
+                    else:
+                        r = asyncio.run(smg_round(url, prompts, args.output_len, c))
+                    rounds.append(r)
+                    print(
+                        f"c={c} round {i} {path:<6} {r.tokens_per_s:8.1f} tok/s  "
+                        f"TTFT p50 {r.ttft_p50_ms:7.1f} ms  ITL p50 {r.itl_p50_ms:6.1f} ms  "
+                        f"(load {_load():.2f})",
+                        flush=True,
+                    )
+    _summary(rounds)
+    print(f"\nload average after: {_load():.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
