@@ -33,6 +33,7 @@ from service import gateway
 
 if TYPE_CHECKING:
     from service.gen.tandem.v1 import generation_pb2 as pb
+    from service.kv_events_config import KvEventsConfig
     from service.router import RouterConfig
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -168,6 +169,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         action="store_true",
         help="do not record KV cache events (SubscribeKvEvents then streams none)",
     )
+    _add_kv_events_flags(p)
     k = p.add_argument_group("KV transfer (connectors, offloading, P/D)")
     k.add_argument(
         "--kv-transfer-config",
@@ -240,6 +242,60 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=float,
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM (default: 30)",
+    )
+
+
+def _add_kv_events_flags(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group(
+        "KV events over ZMQ (vLLM's format: read by consumers of vLLM's --kv-events-config)"
+    )
+    e.add_argument(
+        "--kv-events-endpoint",
+        help="publish KV cache events on a ZMQ PUB socket here: bound when the address has "
+        "* or :: (tcp://*:5557) or is ipc:// or inproc://, else connected to a subscriber "
+        "that listens (tcp://indexer:5557) (default: off)",
+    )
+    e.add_argument(
+        "--kv-events-replay-endpoint",
+        help="bind a ZMQ ROUTER socket here that resends buffered batches from a given "
+        "sequence number, e.g. tcp://*:5558 (default: no replay)",
+    )
+    e.add_argument(
+        "--kv-events-topic",
+        help='the topic frame of every message, e.g. kv@POD@MODEL for llm-d (default: "")',
+    )
+    e.add_argument(
+        "--kv-events-buffer-steps",
+        type=int,
+        help="how many of the last batches replay can resend (default: 10000)",
+    )
+
+
+def kv_events_from_args(args: argparse.Namespace) -> KvEventsConfig | None:
+    """The publisher's settings, or None without --kv-events-endpoint (then
+    its other flags are refused rather than silently ignored)."""
+    from service.kv_events_config import DEFAULT_BUFFER_STEPS, ENDPOINT_FLAG, KvEventsConfig
+
+    if args.kv_events_endpoint is None:
+        given = [
+            "--kv-events-" + name
+            for name in ("replay-endpoint", "topic", "buffer-steps")
+            if getattr(args, "kv_events_" + name.replace("-", "_")) is not None
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} needs {ENDPOINT_FLAG}")
+        return None
+    if args.no_kv_events:
+        raise ConfigError(
+            f"{ENDPOINT_FLAG} publishes the KV cache events that --no-kv-events turns off: "
+            "give one, not both"
+        )
+    buffer_steps = args.kv_events_buffer_steps
+    return KvEventsConfig(
+        endpoint=args.kv_events_endpoint,
+        replay_endpoint=args.kv_events_replay_endpoint,
+        topic=args.kv_events_topic or "",
+        buffer_steps=DEFAULT_BUFFER_STEPS if buffer_steps is None else buffer_steps,
     )
 
 
@@ -350,6 +406,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         drain_grace_seconds=args.drain_grace,
         max_waiting_requests=args.max_waiting_requests,
         served_model_name=args.served_model_name,
+        kv_events=kv_events_from_args(args),
     )
     asyncio.run(serve(engine_config_from_args(args), config))
     return 0

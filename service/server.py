@@ -28,6 +28,8 @@ from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from service.gen.tandem.v1 import kv_transfer_pb2_grpc
 from service.grpc_server import ListenError, listen, new_server
+from service.kv_event_publisher import ZmqKvEventPublisher
+from service.kv_events_config import KvEventsConfig, recording_events
 from service.metrics import ServiceMetrics
 from service.servicer import GenerationServicer, new_input_pool
 from service.side_channel import KVTransferServicer, with_side_channel
@@ -57,6 +59,7 @@ class ServerConfig:
     # The model name clients and gateways see (GetModelInfo); None: the
     # model directory's name.
     served_model_name: str | None = None
+    kv_events: KvEventsConfig | None = None  # set: publish KV events over ZMQ (vLLM format)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
@@ -75,6 +78,8 @@ class ServerConfig:
 
 class TandemServer:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
+        if config.kv_events is not None:
+            engine_config = recording_events(engine_config)
         self.engine_config = engine_config
         self.config = config
         self.metrics = ServiceMetrics()
@@ -96,6 +101,7 @@ class TandemServer:
             served_model_name=config.served_model_name,
         )
         self.side_channel = KVTransferServicer()
+        self.kv_publisher: ZmqKvEventPublisher | None = None
         self.engine: AsyncEngine | None = None
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -119,11 +125,13 @@ class TandemServer:
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         )
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
-        # Both ports are taken before the model loads: a taken one ends
+        # Every port is taken before the model loads: a taken one ends
         # the start at once (ListenError).
         self.port = listen(server, f"{cfg.host}:{cfg.port}", _server_credentials(cfg))
         if cfg.metrics_port is not None:
             self._serve_metrics(cfg.metrics_host, cfg.metrics_port)
+        if cfg.kv_events is not None:
+            self.kv_publisher = ZmqKvEventPublisher(cfg.kv_events)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
@@ -137,6 +145,9 @@ class TandemServer:
         self.vllm_servicer.attach(self.engine)
         self.side_channel.engine = self.engine
         self.engine.add_failure_listener(self._on_engine_failure)
+        if self.kv_publisher is not None:
+            # Subscribed before SERVING: no request's blocks go unpublished.
+            self.kv_publisher.start(self.engine.subscribe_kv_events())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.engine_config.kv_transfer is not None:
             self._connector_watch = asyncio.get_running_loop().create_task(self._watch_connector())
@@ -196,6 +207,10 @@ class TandemServer:
             self._connector_watch.cancel()
         if self.engine is not None:
             await self.engine.shutdown()
+        if self.kv_publisher is not None:
+            # After the engine: the evictions of its last step still go out.
+            publisher, self.kv_publisher = self.kv_publisher, None
+            await publisher.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
         self._stopped.set()

@@ -157,7 +157,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- /* Values are float64 in templates: integers are printed through int64. */}}
 {{- $intFlags := dict "maxModelLen" "--max-model-len" "blockSize" "--block-size" "maxNumSeqs" "--max-num-seqs" "maxNumBatchedTokens" "--max-num-batched-tokens" "maxWaitingRequests" "--max-waiting-requests" }}
-{{- $flags := dict "dtype" "--dtype" "device" "--device" "kvCacheMemory" "--kv-cache-memory" "gpuMemoryUtilization" "--gpu-memory-utilization" "attentionBackend" "--attention-backend" }}
+{{- $flags := dict "dtype" "--dtype" "device" "--device" "kvCacheMemory" "--kv-cache-memory" "gpuMemoryUtilization" "--gpu-memory-utilization" "attentionBackend" "--attention-backend" "kvEventsEndpoint" "--kv-events-endpoint" "kvEventsReplayEndpoint" "--kv-events-replay-endpoint" "kvEventsTopic" "--kv-events-topic" }}
 {{- range $key := keys $intFlags | sortAlpha }}
 {{- if hasKey $e $key }}
 {{- $args = concat $args (list (get $intFlags $key) (toString (int64 (get $e $key)))) }}

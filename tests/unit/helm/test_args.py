@@ -127,6 +127,28 @@ def test_engine_values_reach_the_flags() -> None:
     assert pools["decode"][2].log_level == "debug"
 
 
+def test_kv_events_values_reach_the_flags() -> None:
+    values = {
+        "engine": {"kvEventsEndpoint": "tcp://kv-indexer:5557", "kvEventsTopic": "kv@pool@m"},
+        "decode": {"engine": {"kvEventsReplayEndpoint": "tcp://*:5558"}},
+    }
+    objects = render(values)
+    pools = {
+        d["metadata"]["name"].removeprefix(f"{FULLNAME}-"): parse(expanded_args(objects, c))
+        for d, c in tandem_workloads(objects)
+    }
+    prefill = cli.kv_events_from_args(pools["prefill"])
+    decode = cli.kv_events_from_args(pools["decode"])
+    assert prefill is not None and decode is not None
+    assert (prefill.endpoint, prefill.topic, prefill.replay_endpoint) == (
+        "tcp://kv-indexer:5557",
+        "kv@pool@m",
+        None,
+    )
+    assert decode.replay_endpoint == "tcp://*:5558"
+    assert cli.kv_events_from_args(_pools("default")["decode"][2]) is None
+
+
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_probes_and_ports_are_where_the_servers_listen(variant: str) -> None:
     for name, (_, c, args) in _pools(variant).items():

@@ -38,6 +38,10 @@ from tests.unit.helm.chart import CHART_DIR, VARIANTS, render, render_error
         ),
         ({"prefil": {"replicas": 2}}, "additional properties 'prefil' not allowed"),
         (
+            {"engine": {"kvEventsEndpoint": "kv-indexer:5557"}},
+            "at '/engine/kvEventsEndpoint': 'kv-indexer:5557' does not match pattern",
+        ),
+        (
             {"decode": {"engine": {"maxNumSeqs": 0}}},
             "at '/decode/engine/maxNumSeqs': minimum: got 0, want 1",
         ),

@@ -183,3 +183,43 @@ def test_status_shows_degradations_only_when_there_are_some() -> None:
         "kv holds   0 held for a peer; 3 freed unread (lease lapsed)",
         "metrics    1 updates raised (see the server log)",
     ]
+
+
+def test_kv_events_flags_reach_the_server_config() -> None:
+    args = _serve_args(
+        "--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558",
+        "--kv-events-topic", "kv@pod@model", "--kv-events-buffer-steps", "50",
+    )  # fmt: skip
+    config = cli.kv_events_from_args(args)
+    assert config is not None
+    assert (config.endpoint, config.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
+    assert (config.topic, config.buffer_steps) == ("kv@pod@model", 50)
+    defaults = cli.kv_events_from_args(_serve_args("--kv-events-endpoint", "tcp://*:5557"))
+    assert defaults is not None and (defaults.topic, defaults.buffer_steps) == ("", 10_000)
+    assert cli.kv_events_from_args(_serve_args()) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--kv-events-topic", "t"], "--kv-events-topic needs --kv-events-endpoint"),
+        (
+            ["--kv-events-replay-endpoint", "tcp://*:5558", "--kv-events-buffer-steps", "5"],
+            "--kv-events-replay-endpoint, --kv-events-buffer-steps needs --kv-events-endpoint",
+        ),
+        (
+            ["--kv-events-endpoint", "tcp://*:5557", "--no-kv-events"],
+            "--kv-events-endpoint publishes the KV cache events that --no-kv-events turns off",
+        ),
+    ],
+)
+def test_kv_events_flag_conflicts(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        cli.kv_events_from_args(_serve_args(*argv))
+
+
+def test_bad_kv_events_endpoint_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--kv-events-endpoint", "localhost:5557"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("tandem serve: --kv-events-endpoint: 'localhost:5557' is not a ZMQ")
