@@ -4,7 +4,8 @@ The consumers here are written the way a consumer of vLLM's publisher is
 (pyzmq + msgpack, nothing of Tandem's): a SUB socket for the live stream and
 the replay ROUTER for what it missed. The pod's cache is small, so the
 workload also evicts. What they rebuild must be exactly what the gRPC
-SubscribeKvEvents stream of the same pod rebuilds.
+SubscribeKvEvents stream of the same pod rebuilds, and what smg's protocol
+stream (VllmEngine.SubscribeKvEvents, int64 hashes) rebuilds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine.kv_cache.hashing import hash_chain
 from service.client import TandemClient
@@ -192,6 +195,27 @@ def grpc_events(batch: pb.KvEventBatch) -> list[Event]:
     return out
 
 
+def vllm_engine_events(batch: common_pb2.KvEventBatch) -> list[Event]:
+    """A VllmEngine (smg protocol) batch in the decoded vLLM form: its
+    signed int64 hashes read back as the unsigned ints vLLM publishes."""
+    out: list[Event] = []
+    for e in batch.events:
+        kind = e.WhichOneof("data")
+        if kind == "stored":
+            s = e.stored
+            parent = s.parent_block_hash % (1 << 64) if s.HasField("parent_block_hash") else None
+            hashes = [b.block_hash % (1 << 64) for b in s.blocks]
+            tokens = [t for b in s.blocks for t in b.token_ids]
+            size = s.blocks[0].block_size if s.blocks else BLOCK_SIZE
+            out.append(["BlockStored", hashes, parent, tokens, size, None, s.medium])
+        elif kind == "removed":
+            hashes = [h % (1 << 64) for h in e.removed.block_hashes]
+            out.append(["BlockRemoved", hashes, e.removed.medium])
+        else:
+            out.append(["AllBlocksCleared"])
+    return out
+
+
 def rebuild(batches: list[list[Event]]) -> Counter[int]:
     """The pod's cached blocks: hash -> how many blocks hold it (two requests
     computing one prefix at once each cache a copy)."""
@@ -227,17 +251,28 @@ async def subscribe_grpc(client: TandemClient, pod: Pod) -> tuple[list[pb.KvEven
 
 
 def test_zmq_rebuilds_exactly_the_cache_grpc_rebuilds(pod: Pod) -> None:
-    async def go() -> tuple[list[pb.KvEventBatch], list[int], int]:
+    async def go() -> tuple[list[pb.KvEventBatch], list[common_pb2.KvEventBatch], list[int], int]:
         async with TandemClient(pod.server.target) as client:
             num_blocks = (await client.model_info()).num_kv_blocks
+            smg_call = vpb_grpc.VllmEngineStub(client.channel).SubscribeKvEvents(
+                common_pb2.SubscribeKvEventsRequest()
+            )
+            smg_batches: list[common_pb2.KvEventBatch] = []
+
+            async def read_smg() -> None:
+                async for batch in smg_call:
+                    smg_batches.append(batch)
+
+            smg_task = asyncio.get_running_loop().create_task(read_smg())
             received, (call, task) = await subscribe_grpc(client, pod)
             last_prompt = await run_workload(client, pod)
             await asyncio.to_thread(pod.wait_quiet)
             call.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return received, last_prompt, num_blocks
+            smg_call.cancel()
+            await asyncio.gather(task, smg_task, return_exceptions=True)
+            return received, smg_batches, last_prompt, num_blocks
 
-    grpc_batches, last_prompt, num_blocks = asyncio.run(go())
+    grpc_batches, smg_batches, last_prompt, num_blocks = asyncio.run(go())
     zmq_batches = [decode(p) for p in pod.history(pod.watcher.snapshot())]
     grpc_decoded = [grpc_events(b) for b in grpc_batches]
     # The gRPC stream starts where its subscription did: at the same batch
@@ -247,6 +282,11 @@ def test_zmq_rebuilds_exactly_the_cache_grpc_rebuilds(pod: Pod) -> None:
     zmq_cache = rebuild(zmq_batches[start:])
     assert zmq_cache == rebuild(grpc_decoded)
     assert set(zmq_cache) == set(rebuild(grpc_decoded))
+    # smg's protocol stream, subscribed first, carries the same batches.
+    smg_decoded = [vllm_engine_events(b) for b in smg_batches]
+    smg_start = zmq_batches.index(smg_decoded[0])
+    assert smg_start <= start and zmq_batches[smg_start:] == smg_decoded
+    assert rebuild(smg_decoded[start - smg_start :]) == zmq_cache
     assert any(e[0] == "BlockRemoved" for events in zmq_batches for e in events)  # evictions
     # From sequence 0 every removal is of a block stored before: nothing missed.
     full: Counter[int] = Counter()
