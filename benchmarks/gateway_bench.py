@@ -251,7 +251,7 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens (default: 64)")
     p.add_argument(
-        "--requests", type=int, default=0, help="per round (default: 4 x concurrency, >= 8)"
+        "--requests", type=int, default=0, help="per round (default: 2 x concurrency, >= 8)"
     )
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -259,7 +259,7 @@ def main() -> int:
     print(f"load average before: {_load():.2f}")
     with stack(max(levels)) as (target, url):
         for c in levels:
-            n = args.requests or max(8, 4 * c)
+            n = args.requests or max(8, 2 * c)
             # Warm both paths (allocator, smg's connection) on other prompts.
             warm = random_prompts(min(n, 8), args.input_len, seed=-c)
             asyncio.run(direct_round(target, warm, 4, c))
