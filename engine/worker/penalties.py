@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -127,39 +128,42 @@ class PenaltyTensors:
         picked = [i for i, p in enumerate(params) if p.uses_penalties]
         if not picked:
             return None
-        chosen = [params[i] for i in picked]
-        repetition = _column([p.repetition_penalty for p in chosen], 1.0, device)
-        frequency = _column([p.frequency_penalty for p in chosen], 0.0, device)
-        presence = _column([p.presence_penalty for p in chosen], 0.0, device)
+        # Three host-to-device copies in all (each small copy costs a sync
+        # on a GPU): the penalties, the per-row ints, the token ids.
+        values = np.array(
+            [
+                (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                for p in (params[i] for i in picked)
+            ],
+            np.float32,
+        )
+        used = (values != np.array([1.0, 0.0, 0.0], np.float32)).any(axis=0)
         batch_rows = history.rows[picked]
         num_tokens = history.num_tokens[batch_rows]
         output_start = history.output_start[batch_rows]
         # Without a repetition penalty no prompt token matters: skip them.
-        first = 0 if repetition is not None else int(output_start.min())
+        first = 0 if used[0] else int(output_start.min())
         last = int(num_tokens.max())
-        # Only the token ids cross to the device; the masks are made there.
-        token_ids = torch.from_numpy(history.token_ids[batch_rows, first:last]).to(
-            device, non_blocking=True
-        )
+        ints = _to_device(np.stack([np.array(picked), num_tokens, output_start], axis=1), device)
+        columns = _to_device(values, device)
+        token_ids = _to_device(history.token_ids[batch_rows, first:last], device)
         positions = torch.arange(first, last, device=device)
-        end = _to_column(num_tokens, device)
+        end = ints[:, 1:2]
+        repetition = columns[:, 0:1] if used[0] else None
         seen_ids = output_ids = frequency_add = presence_add = None
         if repetition is not None:
             # first == 0 here, and every row has a token (a prompt is never empty).
             seen_ids = torch.where(positions < end, token_ids, token_ids[:, :1])
-        if frequency is not None or presence is not None:
-            start = _to_column(output_start, device)
-            in_output = (positions >= start) & (positions < end)
+        if used[1] or used[2]:
+            in_output = (positions >= ints[:, 2:3]) & (positions < end)
             output_ids, last_of_run, counts = _runs(token_ids, in_output)
             zero = torch.zeros((), dtype=torch.float32, device=device)
-            if frequency is not None:
-                frequency_add = torch.where(last_of_run, -(frequency * counts), zero)
-            if presence is not None:
-                presence_add = torch.where(last_of_run, -presence, zero)
+            if used[1]:
+                frequency_add = torch.where(last_of_run, -(columns[:, 1:2] * counts), zero)
+            if used[2]:
+                presence_add = torch.where(last_of_run, -columns[:, 2:3], zero)
         return cls(
-            rows=None
-            if len(picked) == len(params)
-            else torch.tensor(picked, dtype=torch.int64, device=device),
+            rows=None if len(picked) == len(params) else ints[:, 0],
             repetition=repetition,
             seen_ids=seen_ids,
             output_ids=output_ids,
@@ -206,12 +210,5 @@ def _runs(
     return ids.masked_fill(~real, 0), last_of_run, counts
 
 
-def _column(values: list[float], off: float, device: torch.device | str) -> torch.Tensor | None:
-    """[P, 1] float32 of ``values``, or None when every one is ``off``."""
-    if all(v == off for v in values):
-        return None
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-
-def _to_column(values: npt.NDArray[np.int64], device: torch.device | str) -> torch.Tensor:
-    return torch.from_numpy(values).to(device, non_blocking=True).unsqueeze(1)
+def _to_device(array: npt.NDArray[Any], device: torch.device | str) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
