@@ -166,6 +166,12 @@ class InputProcessor:
             raise InvalidRequestError(
                 "stop_token_ids", f"{bad_stop} are outside the vocabulary [0, {self.vocab_size})"
             )
+        bad_bias = sorted(t for t in params.logit_bias if not 0 <= t < self.vocab_size)
+        if bad_bias:
+            raise InvalidRequestError(
+                "logit_bias",
+                f"token ids {bad_bias} are outside the vocabulary [0, {self.vocab_size})",
+            )
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,

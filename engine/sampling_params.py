@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 # of uniform, so nothing useful lies above it; what does (inf, 1e30) is a
 # client's mistake that would sample noise.
 MAX_TEMPERATURE = 100.0
+# OpenAI's (and vLLM's) bounds on the additive penalties and on a bias.
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -29,6 +32,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_real(value: object) -> bool:
+    """A finite int or float (not a bool): NaN would pass every range check."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass
 class SamplingParams:
     """Validated on construction; a bad value raises SamplingParamsError.
@@ -42,6 +50,21 @@ class SamplingParams:
     before it, with this many top alternatives (0: the prompt token's own
     only; None: off); the first prompt token has none. Such a request never
     reads the prefix cache (a cached token's logits are never computed).
+
+    Logit adjustments, applied to greedy rows too, in vLLM's order:
+    ``logit_bias`` (token id -> bias in [-100, 100]; ids are checked against
+    the vocabulary by the front end) is added first; then
+    ``repetition_penalty`` (> 0; 1 is off) divides the positive logits and
+    multiplies the others of every token in the prompt or the output; then
+    ``frequency_penalty`` times a token's count in the output and
+    ``presence_penalty`` once per token present in the output (each in
+    [-2, 2]; 0 is off) are subtracted. ``min_p`` (in [0, 1]; 0 is off)
+    drops tokens less likely than ``min_p`` times the most likely one,
+    after temperature; greedy requests ignore it.
+
+    Treat an instance as immutable: it is validated once, and the sampler
+    reads the derived ``uses_penalties`` / ``adjusts_logits`` every step.
+    ``dataclasses.replace`` makes a re-validated copy.
     """
 
     max_tokens: int = 16
@@ -55,6 +78,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Derived once here, since the sampler checks every row every step
+    # whether it needs the (costly) penalty or logit-adjusting paths.
+    uses_penalties: bool = field(init=False, repr=False, compare=False)
+    adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.top_k == -1 and _is_int(self.top_k):
@@ -64,6 +96,15 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self._validate()
+        _check(isinstance(self.logit_bias, dict), "logit_bias", "must be a dict of id -> bias")
+        self.logit_bias = dict(self.logit_bias)
+        self._validate_adjustments()
+        self.uses_penalties = (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+        self.adjusts_logits = self.uses_penalties or bool(self.logit_bias)
 
     def _validate(self) -> None:
         _check(_is_int(self.max_tokens), "max_tokens", f"must be an int, got {self.max_tokens!r}")
@@ -116,6 +157,37 @@ class SamplingParams:
             "prompt_logprobs",
             f"must be None or an int in [0, 20], got {self.prompt_logprobs!r}",
         )
+
+    def _validate_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_real(value) and abs(value) <= MAX_ABS_PENALTY,
+                name,
+                f"must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}] (0 is off), got {value!r}",
+            )
+        _check(
+            _is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be a finite number > 0 (1 is off), got {self.repetition_penalty!r}",
+        )
+        _check(
+            _is_real(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            f"must be in [0, 1] (0 is off), got {self.min_p!r}",
+        )
+        for token_id, bias in self.logit_bias.items():
+            _check(
+                _is_int(token_id) and token_id >= 0,
+                "logit_bias",
+                f"keys must be token ids (ints >= 0), got {token_id!r}",
+            )
+            _check(
+                _is_real(bias) and abs(bias) <= MAX_ABS_LOGIT_BIAS,
+                "logit_bias",
+                f"the bias of token {token_id} must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                f"{MAX_ABS_LOGIT_BIAS:g}], got {bias!r}",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -590,6 +590,26 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--top-p", type=float, help="nucleus sampling mass (default: off)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely (default: off)")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        help="subtracted once from tokens already in the output, in [-2, 2] (default: 0)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        help="subtracted per occurrence in the output, in [-2, 2] (default: 0)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="> 1 discourages tokens of the prompt and output, e.g. 1.2 (default: 1, off)",
+    )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        help="drop tokens below this fraction of the top probability (default: 0, off)",
+    )
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument(
         "--stats",
@@ -622,6 +642,10 @@ async def _generate(args: argparse.Namespace) -> int:
                 top_p=args.top_p,
                 top_k=args.top_k,
                 seed=args.seed,
+                presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty,
+                repetition_penalty=args.repetition_penalty,
+                min_p=args.min_p,
                 stop=args.stop,
             ):
                 if first is None and chunk.token_ids:

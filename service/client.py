@@ -137,6 +137,8 @@ def make_request(
         field = getattr(request.sampling, key)
         if isinstance(value, list | tuple):
             field.extend(value)
+        elif isinstance(value, dict):  # a map field (logit_bias)
+            field.update(value)
         else:
             setattr(request.sampling, key, value)
     return request

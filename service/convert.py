@@ -103,8 +103,20 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         "stop": list(msg.stop),
         "stop_token_ids": list(msg.stop_token_ids),
         "ignore_eos": msg.ignore_eos,
+        "presence_penalty": msg.presence_penalty,
+        "frequency_penalty": msg.frequency_penalty,
+        "min_p": msg.min_p,
+        "logit_bias": dict(msg.logit_bias),
     }
-    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs"):
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "logprobs",
+        "prompt_logprobs",
+        "repetition_penalty",
+    ):
         if msg.HasField(name):
             values[name] = getattr(msg, name)
     try:

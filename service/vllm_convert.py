@@ -7,7 +7,7 @@ answers leave as token ids. Sampling fields follow the vLLM servicer's
 reading, where proto3's zero means "unset" for the fields without presence:
 ``top_p`` 0 is 1.0, ``repetition_penalty`` 0 is 1.0, ``n`` 0 is 1. What
 Tandem cannot do yet (structured output, logprobs of the whole vocabulary,
-prompt truncation) is refused with the field's name, never ignored.
+prompt truncation, images) is refused with the field's name, never ignored.
 
 Pure functions, no gRPC context; ``service.vllm_servicer`` owns the calls.
 """
@@ -143,27 +143,17 @@ def sampling_params(msg: vpb.SamplingParams) -> SamplingParams:
 
 
 def _extras(msg: vpb.SamplingParams) -> dict[str, Any]:
-    """The vLLM extras, passed on when the engine's SamplingParams has them
-    (min_p, penalties, logit_bias, prompt_logprobs); a value set for one it
-    lacks is refused rather than dropped."""
-    wanted: dict[str, Any] = {}
-    if msg.min_p:
-        wanted["min_p"] = msg.min_p
-    if msg.frequency_penalty:
-        wanted["frequency_penalty"] = msg.frequency_penalty
-    if msg.presence_penalty:
-        wanted["presence_penalty"] = msg.presence_penalty
-    if msg.repetition_penalty and msg.repetition_penalty != 1.0:
-        wanted["repetition_penalty"] = msg.repetition_penalty
-    if msg.logit_bias:
-        wanted["logit_bias"] = dict(msg.logit_bias)
+    """vLLM's extras, set only when sent (their zero is "off")."""
+    extras: dict[str, Any] = {
+        "min_p": msg.min_p,
+        "frequency_penalty": msg.frequency_penalty,
+        "presence_penalty": msg.presence_penalty,
+        "repetition_penalty": msg.repetition_penalty or 1.0,
+        "logit_bias": dict(msg.logit_bias),
+    }
     if msg.HasField("prompt_logprobs"):
-        wanted["prompt_logprobs"] = msg.prompt_logprobs
-    known = SamplingParams.__dataclass_fields__
-    for name in wanted:
-        if name not in known:
-            raise InvalidRequestError(f"sampling_params.{name}", "is not supported yet")
-    return wanted
+        extras["prompt_logprobs"] = msg.prompt_logprobs
+    return extras
 
 
 def _kv_transfer_params(msg: vpb.GenerateRequest) -> KVTransferParams | None:

@@ -25,6 +25,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # P/D: the prompt's last this-many tokens are earlier legs' output.
+    num_output_tokens_in_prompt: int = 0
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -34,6 +36,7 @@ class NewRequestData:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            num_output_tokens_in_prompt=request.num_output_tokens_in_prompt,
         )
 
 

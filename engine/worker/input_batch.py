@@ -29,6 +29,14 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    # P/D: the prompt's last this-many tokens are output of an earlier leg
+    # (Request.num_output_tokens_in_prompt); penalties count them as output.
+    num_output_tokens_in_prompt: int = 0
+
+    @property
+    def output_start(self) -> int:
+        """Position of the first token that is this request's output."""
+        return self.num_prompt_tokens - self.num_output_tokens_in_prompt
 
 
 @dataclass
@@ -53,6 +61,8 @@ class InputBatch:
         self.num_computed_tokens: npt.NDArray[np.int64] = np.zeros(n, np.int64)
         self.block_table: npt.NDArray[np.int32] = np.zeros((n, self.max_blocks_per_req), np.int32)
         self.num_blocks: npt.NDArray[np.int64] = np.zeros(n, np.int64)
+        # Per row, the position where output starts (see TokenHistory).
+        self.output_start: npt.NDArray[np.int64] = np.zeros(n, np.int64)
 
     @property
     def num_reqs(self) -> int:
@@ -69,6 +79,7 @@ class InputBatch:
         self.set_tokens(row, state.token_ids)
         self.set_blocks(row, state.block_ids)
         self.num_computed_tokens[row] = state.num_computed_tokens
+        self.output_start[row] = state.output_start
 
     def remove(self, req_id: str) -> None:
         row = self.req_id_to_index.pop(req_id, None)
@@ -89,6 +100,7 @@ class InputBatch:
         self.token_ids[dst, :n_tok] = self.token_ids[src, :n_tok]
         self.num_tokens[dst] = n_tok
         self.num_computed_tokens[dst] = self.num_computed_tokens[src]
+        self.output_start[dst] = self.output_start[src]
         n_blk = int(self.num_blocks[src])
         self.block_table[dst, :n_blk] = self.block_table[src, :n_blk]
         self.num_blocks[dst] = n_blk

@@ -27,6 +27,7 @@ from engine.outputs import (
 )
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.penalties import TokenHistory
 from engine.worker.prompt_logprobs import PromptLogprobsTracker
 from engine.worker.sampler import Sampler, SamplingTensors
 from kernels.metadata import AttentionMetadata
@@ -119,6 +120,7 @@ class ModelRunner:
             generator=generator,
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            num_output_tokens_in_prompt=new.num_output_tokens_in_prompt,
         )
         self.requests[new.req_id] = state
         self.prompt_logprobs.add(new.req_id, params.prompt_logprobs, state.num_prompt_tokens)
@@ -281,8 +283,10 @@ class ModelRunner:
         batch = self.batch
         rows = sample_rows.tolist()
         states = [batch.states[r] for r in rows]
+        # Views of the batch (no copy): read only when a row has a penalty.
+        history = TokenHistory(batch.token_ids, batch.num_tokens, batch.output_start, sample_rows)
         tensors = SamplingTensors.from_params(
-            [s.sampling_params for s in states], [s.generator for s in states], self.device
+            [s.sampling_params for s in states], [s.generator for s in states], self.device, history
         )
         result = self.sampler(logits, tensors)
         token_ids = result.sampled.tolist()

@@ -1,7 +1,10 @@
 """Batched sampler: one call per step over the logits of the rows that sample.
 
-Greedy rows take the argmax. Random rows are scaled by temperature,
-optionally filtered by top-k and top-p, and sampled with the exponential
+First the logit adjustments that greedy rows get too (``logit_bias``, then
+the repetition, frequency and presence penalties: engine/worker/penalties.py).
+Greedy rows then take the argmax. Random rows are scaled by temperature,
+optionally filtered by min-p, top-k and top-p (in that order, as vLLM v1
+does), and sampled with the exponential
 race: ``argmax(probs / q)`` with ``q ~ Exponential(1)`` picks token ``i``
 with probability ``probs[i]``. Drawing ``q`` row by row lets a seeded request
 draw from its own generator while every row is still sampled by one argmax,
@@ -18,6 +21,7 @@ import torch
 
 from engine.outputs import LogprobsLists
 from engine.sampling_params import SamplingParams
+from engine.worker.penalties import LogitBiasTensors, PenaltyTensors, TokenHistory
 from kernels import cpu_kernels
 
 # Temperatures below this are treated as greedy: dividing by them would
@@ -34,7 +38,8 @@ class SamplingTensors:
     """One step's sampling parameters, one row per sampling request.
 
     Built by ``from_params``; the tensors that a step does not need (all
-    greedy, no top-k, no top-p) are None so the sampler can skip that work.
+    greedy, no top-k, no top-p, no min-p, no logit bias, no penalty) are
+    None so the sampler can skip that work.
     Tensors are column vectors ``[N, 1]`` so they broadcast over the vocab.
     """
 
@@ -52,6 +57,13 @@ class SamplingTensors:
     # [N, 1] float32; rows without top-p hold inf so float error in the
     # cumulative sum can never cut their tail. None when no row uses it.
     top_p: torch.Tensor | None
+    # [N, 1] float32 log(min_p): a token is dropped when its (scaled) logit
+    # is below the row's largest plus this; rows without min-p (and greedy
+    # rows) hold -inf. None when no random row uses it.
+    log_min_p: torch.Tensor | None
+    # Applied before anything else, to greedy rows too; None when unused.
+    logit_bias: LogitBiasTensors | None
+    penalties: PenaltyTensors | None
     # Row index -> that request's own generator, for seeded random rows.
     generators: dict[int, torch.Generator]
     # Most top logprobs any row asked for; None when no row asked at all.
@@ -71,12 +83,15 @@ class SamplingTensors:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
+        history: TokenHistory | None = None,
     ) -> SamplingTensors:
         """Build from the sampling rows' params and generators (same order).
 
         ``generators[i]`` is the request's own generator (created once by the
         runner from its seed and kept across steps), or None to draw from
         the default generator. Generators of greedy rows are not touched.
+        ``history`` holds the rows' tokens so far; it is read only for rows
+        with a penalty, and required when there is one.
         """
         if len(params) != len(generators):
             raise ValueError(
@@ -85,6 +100,10 @@ class SamplingTensors:
         greedy = [_is_greedy(p) for p in params]
         requested = [p.logprobs for p in params if p.logprobs is not None]
         max_num_logprobs = max(requested) if requested else None
+        logit_bias = penalties = None
+        if any(p.adjusts_logits for p in params):
+            logit_bias = LogitBiasTensors.build(params, device)
+            penalties = _build_penalties(params, history, device)
         if all(greedy):
             return cls(
                 num_rows=len(params),
@@ -95,10 +114,16 @@ class SamplingTensors:
                 top_k=None,
                 max_top_k=0,
                 top_p=None,
+                log_min_p=None,
+                logit_bias=logit_bias,
+                penalties=penalties,
                 generators={},
                 max_num_logprobs=max_num_logprobs,
             )
-        return cls._build_random(params, generators, greedy, device, max_num_logprobs)
+        tensors = cls._build_random(params, generators, greedy, device, max_num_logprobs)
+        tensors.logit_bias = logit_bias
+        tensors.penalties = penalties
+        return tensors
 
     @classmethod
     def _build_random(
@@ -127,6 +152,11 @@ class SamplingTensors:
         top_p = None
         if any(p < 1.0 for p in ps):
             top_p = torch.tensor(ps, dtype=torch.float32, device=device).unsqueeze(1)
+        min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
+        log_min_p = None
+        if any(m > 0 for m in min_ps):
+            logs = [math.log(m) if m > 0 else -math.inf for m in min_ps]
+            log_min_p = torch.tensor(logs, dtype=torch.float32, device=device).unsqueeze(1)
         gens = {
             i: gen
             for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
@@ -141,9 +171,24 @@ class SamplingTensors:
             top_k=top_k,
             max_top_k=max_top_k,
             top_p=top_p,
+            log_min_p=log_min_p,
+            logit_bias=None,  # set by from_params: greedy rows get them too
+            penalties=None,
             generators=gens,
             max_num_logprobs=max_num_logprobs,
         )
+
+
+def _build_penalties(
+    params: Sequence[SamplingParams],
+    history: TokenHistory | None,
+    device: torch.device | str,
+) -> PenaltyTensors | None:
+    if history is None:
+        if any(p.uses_penalties for p in params):
+            raise ValueError("history: rows with a penalty need their tokens, got None")
+        return None
+    return PenaltyTensors.build(params, history, device)
 
 
 @dataclass
@@ -203,15 +248,15 @@ class Sampler:
         """Sample one token per row of ``logits`` ([N, vocab], float32).
 
         Logprobs, when any row asks, are the log-softmax of the *raw* logits
-        (before temperature, top-k and top-p): they describe the model's
-        distribution, not the sampling transform, and ranks are unaffected
-        by the transform anyway.
+        (before logit bias, penalties, temperature, min-p, top-k and top-p):
+        they describe the model's distribution, not the sampling transform.
+        ``logits`` is never modified.
         """
         if logits.dim() != 2 or logits.shape[0] != tensors.num_rows:
             raise ValueError(
                 f"logits: expected shape [{tensors.num_rows}, vocab], got {list(logits.shape)}"
             )
-        sampled = self._sample(logits, tensors)
+        sampled = self._sample(_adjust(logits, tensors), tensors)
         logprobs = None
         if tensors.max_num_logprobs is not None:
             logprobs = compute_logprobs(logits, sampled, tensors.max_num_logprobs)
@@ -222,6 +267,8 @@ class Sampler:
             return greedy(logits)
         assert t.temperature is not None  # set whenever a row is random
         scaled = logits / t.temperature
+        if t.log_min_p is not None:
+            scaled = apply_min_p(scaled, t.log_min_p)
         if t.top_p is not None:
             scaled = _apply_top_k_top_p(scaled, t.top_k, t.top_p)
         elif t.top_k is not None:
@@ -231,6 +278,15 @@ class Sampler:
         if t.greedy_mask is None:
             return random
         return torch.where(t.greedy_mask, greedy(logits), random)
+
+
+def _adjust(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The logits every row (greedy too) chooses from: biased, then penalized."""
+    if t.logit_bias is not None:
+        logits = t.logit_bias.apply(logits)
+    if t.penalties is not None:
+        logits = t.penalties.apply(logits)
+    return logits
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -243,6 +299,17 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = module.argmax_rows(logits)
             return out
     return logits.argmax(dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens with probability below min_p times the row's largest.
+
+    In log space, ``p_i < min_p * p_max`` is ``logit_i < logit_max +
+    log(min_p)``: no softmax needed. Rows holding -inf keep everything, and
+    the most likely token always survives.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + log_min_p
+    return logits.masked_fill(logits < threshold, -math.inf)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.errors import InvalidRequestError
@@ -92,3 +94,56 @@ def test_bad_input_names_the_field_and_leaves_the_engine_usable(llm, prompt, fie
     assert info.value.field == field
     out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+
+
+def _repeats(ids: list[int]) -> int:
+    return len(ids) - len(set(ids))
+
+
+def test_repetition_penalty_repeats_less_and_companions_are_unchanged(llm):
+    prompt = "Repeat after me: one two one two one two"
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    penalized = SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.8
+    )
+    base, other_alone = llm.generate([prompt, PROMPT], plain)
+    assert _repeats(base.token_ids) > 10  # the small model loops without it
+    # Batched together: the penalty changes its row only.
+    pen, other = llm.generate([prompt, PROMPT], [penalized, plain])
+    assert pen.token_ids != base.token_ids
+    assert _repeats(pen.token_ids) < _repeats(base.token_ids)
+    assert other.token_ids == other_alone.token_ids
+
+
+def test_frequency_and_presence_penalties_discourage_the_outputs_own_tokens(llm):
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = llm.generate(PROMPT, plain)[0].token_ids
+    for params in (
+        dataclasses.replace(plain, frequency_penalty=2.0),
+        dataclasses.replace(plain, presence_penalty=2.0),
+    ):
+        ids = llm.generate(PROMPT, params)[0].token_ids
+        assert ids != base and _repeats(ids) < _repeats(base), params
+
+
+def test_logit_bias_forces_a_token_and_bans_another(llm):
+    _, ids = _greedy(llm, PROMPT)
+    forced = 12345
+    params = SamplingParams(
+        temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, logit_bias={forced: 100.0}
+    )
+    assert llm.generate(PROMPT, params)[0].token_ids == [forced] * 6
+    banned = ids[0]
+    out = llm.generate(
+        PROMPT, SamplingParams(temperature=0.0, max_tokens=8, logit_bias={banned: -100.0})
+    )[0]
+    assert banned not in out.token_ids and out.token_ids[0] != ids[0]
+
+
+def test_min_p_sampling_is_seeded_and_a_bad_bias_id_is_refused(llm):
+    params = SamplingParams(temperature=1.0, min_p=0.1, seed=7, max_tokens=16, ignore_eos=True)
+    first = llm.generate(PROMPT, params)[0].token_ids
+    assert llm.generate([*OTHERS, PROMPT], [params] * 4)[3].token_ids == first
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(PROMPT, SamplingParams(logit_bias={49152: 1.0}))
+    assert info.value.field == "logit_bias"

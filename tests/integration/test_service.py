@@ -165,6 +165,30 @@ def test_model_info_status_tokenize_and_abort(server: ServerProcess) -> None:
     asyncio.run(go())
 
 
+def test_logit_adjustments_reach_the_engine(server: ServerProcess) -> None:
+    forced = 12345
+
+    async def go() -> tuple[list[pb.GenerateResponse], ...]:
+        async with TandemClient(server.target) as client:
+            greedy: dict[str, Any] = {"text": PROMPT, "temperature": 0.0, "ignore_eos": True}
+            return (
+                await _collect(client, **greedy, max_tokens=4, logit_bias={forced: 100.0}),
+                await _collect(client, **greedy, max_tokens=24),
+                await _collect(client, **greedy, max_tokens=24, repetition_penalty=1.8),
+                await _collect(
+                    client, **greedy, max_tokens=24, frequency_penalty=2.0, presence_penalty=1.0
+                ),
+                await _collect(
+                    client, text=PROMPT, max_tokens=8, seed=5, min_p=0.2, ignore_eos=True
+                ),
+            )
+
+    biased, plain, repetition, frequency, min_p = asyncio.run(go())
+    assert _ids(biased) == [forced] * 4
+    assert _ids(repetition) != _ids(plain) and _ids(frequency) != _ids(plain)
+    assert len(_ids(min_p)) == 8 and min_p[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def _with_kv_params(request: pb.GenerateRequest, params: dict[str, Any]) -> pb.GenerateRequest:
     request.kv_transfer_params.CopyFrom(dict_to_struct(params))
     return request
@@ -185,6 +209,12 @@ BAD_REQUESTS = [
     (make_request(messages=[{"role": "", "content": "x"}]), "chat.messages[0].role"),
     (make_request(text="hi", temperature=float("inf")), "sampling.temperature"),
     (make_request(text="hi", top_k=2**32 - 5), "sampling.top_k"),  # -5 from an int32 client
+    (make_request(text="hi", presence_penalty=-2.5), "sampling.presence_penalty"),
+    (make_request(text="hi", frequency_penalty=9.0), "sampling.frequency_penalty"),
+    (make_request(text="hi", repetition_penalty=-1.0), "sampling.repetition_penalty"),
+    (make_request(text="hi", min_p=1.01), "sampling.min_p"),
+    (make_request(text="hi", logit_bias={3: 101.0}), "sampling.logit_bias"),
+    (make_request(text="hi", logit_bias={49152: 1.0}), "logit_bias: token ids [49152]"),
     (
         _with_kv_params(make_request(text="hi"), {"do_remote_decode": "yes"}),
         "kv_transfer_params.do_remote_decode: expected a bool, got 'yes'",

@@ -123,3 +123,12 @@ def test_a_processed_prompt_makes_a_request(inputs: InputProcessor) -> None:
     assert request.eos_token_id == 2
     with pytest.raises(InvalidRequestError, match=r"^stop_token_ids: \[49152\] are outside"):
         inputs.make_request("r", prompt, SamplingParams(stop_token_ids=[49152]))
+
+
+def test_logit_bias_ids_must_be_in_the_vocabulary(inputs: InputProcessor) -> None:
+    prompt = inputs.process_text("Hello there")
+    edge = SamplingParams(logit_bias={0: 1.0, 49151: -1.0})
+    assert inputs.make_request("r", prompt, edge).sampling_params.logit_bias == edge.logit_bias
+    bad = SamplingParams(logit_bias={10**6: 1.0, 5: 1.0, 49152: 2.0})
+    with pytest.raises(InvalidRequestError, match=r"^logit_bias: token ids \[49152, 1000000\] are"):
+        inputs.make_request("r", prompt, bad)

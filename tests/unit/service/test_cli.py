@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from engine.config import ConfigError
 from service import cli
+from service.client import make_request
+from service.gen.tandem.v1 import generation_pb2 as pb
 from service.server import ServerConfig
 
 
@@ -223,3 +227,40 @@ def test_bad_kv_events_endpoint_exits_2_with_one_line(capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("tandem serve: --kv-events-endpoint: 'localhost:5557' is not a ZMQ")
+
+
+class _RecordingClient:
+    """Stands in for TandemClient: keeps the request `generate` would send."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+
+    async def __aenter__(self) -> _RecordingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def generate(self, **kwargs: Any) -> AsyncIterator[pb.GenerateResponse]:
+        self.requests.append(make_request(**kwargs))
+        yield pb.GenerateResponse(token_ids=[1], text="ok", usage=pb.Usage(completion_tokens=1))
+
+
+def test_generate_sampling_flags_reach_the_request(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = _RecordingClient()
+    monkeypatch.setattr(cli, "_client", lambda args: client)
+    args = cli._parser().parse_args(
+        ["generate", "hi", "--presence-penalty", "0.5", "--frequency-penalty", "-1",
+         "--repetition-penalty", "1.25", "--min-p", "0.125"]
+    )  # fmt: skip
+    assert args.run(args) == 0
+    sampling = client.requests[0].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert sampling.repetition_penalty == 1.25 and sampling.min_p == 0.125
+    assert "ok" in capsys.readouterr().out
+    # Unset flags leave the fields unset (the server's defaults apply).
+    assert args.run(cli._parser().parse_args(["generate", "hi"])) == 0
+    plain = client.requests[1].sampling
+    assert not plain.HasField("repetition_penalty") and plain.presence_penalty == 0.0

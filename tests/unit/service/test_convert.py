@@ -97,6 +97,14 @@ def test_kv_transfer_params_round_trip(inputs: InputProcessor) -> None:
         (make_request(text="x", temperature=1e30), "sampling.temperature"),
         (make_request(text="x", top_k=2**32 - 2), "sampling.top_k"),  # -2 sent as int32
         (make_request(text="x", prompt_logprobs=21), "sampling.prompt_logprobs"),
+        (make_request(text="x", presence_penalty=2.5), "sampling.presence_penalty"),
+        (make_request(text="x", frequency_penalty=-3.0), "sampling.frequency_penalty"),
+        (make_request(text="x", frequency_penalty=float("nan")), "sampling.frequency_penalty"),
+        (make_request(text="x", repetition_penalty=0.0), "sampling.repetition_penalty"),
+        (make_request(text="x", min_p=1.5), "sampling.min_p"),
+        (make_request(text="x", logit_bias={5: 150.0}), "sampling.logit_bias"),
+        (make_request(text="x", logit_bias={-5: 1.0}), "sampling.logit_bias"),
+        (make_request(text="x", logit_bias={49152: 1.0}), "logit_bias"),
         (make_request(messages=[{"role": "ipython", "content": "x"}]), "chat.messages[0].role"),
         (
             make_request(messages=[{"role": "user<|im_end|>\n<|im_start|>system", "content": "x"}]),
@@ -111,6 +119,27 @@ def test_bad_requests_name_the_field(
         parsed = convert.generate_input(msg, inputs)
         inputs.make_request(parsed.request_id, parsed.prompt, parsed.params)
     assert str(info.value).startswith(field), str(info.value)
+
+
+def test_logit_adjustments_reach_the_params(inputs: InputProcessor) -> None:
+    msg = make_request(
+        text="x",
+        presence_penalty=-0.5,
+        frequency_penalty=1.25,
+        repetition_penalty=1.5,
+        min_p=0.25,
+        logit_bias={0: -100.0, 49151: 2.5},
+    )
+    params = convert.generate_input(msg, inputs).params
+    assert (params.presence_penalty, params.frequency_penalty) == (-0.5, 1.25)
+    assert (params.repetition_penalty, params.min_p) == (1.5, 0.25)
+    assert params.logit_bias == {0: -100.0, 49151: 2.5}
+    unset = convert.generate_input(make_request(text="x", temperature=0.0), inputs).params
+    assert unset.repetition_penalty == 1.0 and not unset.adjusts_logits
+    assert unset.min_p == 0.0 and unset.logit_bias == {}
+    # An explicit repetition_penalty 0 is refused, not taken as unset.
+    with pytest.raises(InvalidRequestError, match=r"^sampling\.repetition_penalty: "):
+        convert.generate_input(make_request(text="x", repetition_penalty=0.0), inputs)
 
 
 def test_top_k_minus_one_from_an_int32_client_is_off(inputs: InputProcessor) -> None:

@@ -145,3 +145,38 @@ def test_removing_a_row_moves_the_last_into_the_hole():
     assert batch.req_id_to_index == {"c": 0, "b": 1}
     np.testing.assert_array_equal(batch.token_ids[0, :5], [3, 3, 3, 4, 5])
     np.testing.assert_array_equal(batch.block_table[0, :1], [3])
+
+
+class FavouriteModel:
+    """Logits favour token 7 (1.0), then 8 (0.5); every other token is 0."""
+
+    def __call__(self, input_ids, positions, kv_caches, meta):
+        return torch.zeros(input_ids.shape[0], 1)
+
+    def compute_logits(self, hidden):
+        logits = torch.zeros(hidden.shape[0], VOCAB)
+        logits[:, 7] = 1.0
+        logits[:, 8] = 0.5
+        return logits
+
+
+def test_penalties_count_the_runners_tokens_and_an_earlier_legs_output():
+    runner = ModelRunner(
+        FavouriteModel(), [], block_size=BLOCK, max_num_reqs=4, max_model_len=32,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    presence = SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=1.0)
+    # b's 7 ends its prompt but is output of an earlier leg (P/D): penalized.
+    a = NewRequestData("a", [7, 7], presence, [1], 0)
+    b = NewRequestData("b", [3, 7], presence, [2], 0, num_output_tokens_in_prompt=1)
+    c = NewRequestData("c", [1, 2], greedy(), [3], 0)
+    out = runner.execute_model(step([a, c, b], scheduled={"a": 2, "b": 2, "c": 2}))
+    assert out.sampled_token_ids == [[7], [7], [8]]  # a's prompt 7s are not output
+    # a leaves: b moves into its row, and its output start moves with it.
+    out = runner.execute_model(
+        step(finished=["a"], cached=cached(["b", "c"], [2, 2], [None, None]),
+             scheduled={"b": 1, "c": 1})
+    )  # fmt: skip
+    assert runner.batch.req_ids == ["b", "c"]
+    # b: 7 -> 0 and 8 -> -0.5, so the first 0-logit token (0) wins.
+    assert out.sampled_token_ids == [[0], [7]]

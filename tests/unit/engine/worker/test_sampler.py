@@ -1,14 +1,21 @@
-"""Sampler: greedy, temperature, top-k/top-p, seeds and logprobs."""
+"""Sampler: greedy, temperature, top-k/top-p, min-p, logit adjustments,
+seeds and logprobs."""
 
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import pytest
 import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 from engine.sampling_params import SamplingParams
-from engine.worker.sampler import Sampler, SamplingTensors
+from engine.worker.penalties import TokenHistory
+from engine.worker.sampler import Sampler, SamplingTensors, apply_min_p
 
 VOCAB = 64
 
@@ -17,9 +24,10 @@ def _sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None] | None = None,
+    history: TokenHistory | None = None,
 ) -> torch.Tensor:
     gens = generators if generators is not None else [None] * len(params)
-    tensors = SamplingTensors.from_params(params, gens, "cpu")
+    tensors = SamplingTensors.from_params(params, gens, "cpu", history)
     return Sampler()(logits, tensors).sampled
 
 
@@ -274,3 +282,148 @@ def test_top_k_keeps_ties_with_the_kth_value_on_both_paths(companion_top_p: floa
     torch.manual_seed(0)
     sampled = Sampler()(logits, tensors).sampled[:draws]
     assert set(sampled.tolist()) == {0, 1, 2, 3}
+
+
+# --- min-p and the logit adjustments ----------------------------------------------
+
+
+@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 0.9, 1.0])
+def test_min_p_drops_what_transformers_drops(min_p: float):
+    scaled = _logits(16, seed=20) / 0.7
+    log_min_p = torch.full((16, 1), math.log(min_p))
+    got = apply_min_p(scaled, log_min_p)
+    no_ids = cast(torch.LongTensor, torch.zeros(16, 1, dtype=torch.long))  # min-p reads none
+    want = MinPLogitsWarper(min_p)(no_ids, scaled.clone())
+    assert torch.equal(got, want)
+    assert got.isinf().any()  # it filters...
+    assert int((~got.isinf()).sum(dim=-1).min()) >= 1  # ...but never a whole row
+
+
+def test_min_p_applies_after_temperature_and_renormalises():
+    draws = 40_000
+    row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5])
+    logits = row.expand(draws, 6).contiguous()
+    # At T=1, min_p=0.3 keeps logits >= 2 + ln 0.3 = 0.80: the first three.
+    torch.manual_seed(5)
+    sampled = _sample(logits, [SamplingParams(temperature=1.0, min_p=0.3)] * draws)
+    counts = torch.bincount(sampled, minlength=6).float()
+    assert counts[3:].sum() == 0
+    assert _chi_square(counts[:3], row[:3].softmax(dim=-1)) < _CHI2_999[2], counts
+    # At T=2 the distribution is flatter: all but the last survive.
+    hot = _sample(logits, [SamplingParams(temperature=2.0, min_p=0.3)] * draws)
+    assert set(hot.tolist()) == {0, 1, 2, 3, 4}
+
+
+def test_greedy_rows_ignore_min_p_and_plain_rows_keep_the_whole_vocab():
+    logits = torch.zeros(3001, 8)
+    logits[:, 0] = 1.0
+    params = [SamplingParams(temperature=0.0, min_p=1.0)] + [
+        SamplingParams(min_p=0.9 if i % 2 else 0.0) for i in range(3000)
+    ]
+    tensors = SamplingTensors.from_params(params, [None] * 3001, "cpu")
+    assert tensors.log_min_p is not None and tensors.log_min_p[0, 0] == -math.inf
+    torch.manual_seed(0)
+    sampled = Sampler()(logits, tensors).sampled
+    assert sampled[0] == 0
+    assert set(sampled[1::2].tolist()) == set(range(8))  # min_p 0
+    assert set(sampled[2::2].tolist()) == {0}  # e^-1 < 0.9
+    only_greedy = [SamplingParams(temperature=0.0, min_p=0.5), SamplingParams()]
+    assert SamplingTensors.from_params(only_greedy, [None] * 2, "cpu").log_min_p is None
+
+
+def test_a_plain_batch_builds_no_adjustment_and_needs_no_history():
+    params = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=3)]
+    tensors = SamplingTensors.from_params(params, [None] * 3, "cpu")
+    assert tensors.logit_bias is None and tensors.penalties is None
+    assert tensors.log_min_p is None
+    with pytest.raises(ValueError, match=r"^history: "):
+        SamplingTensors.from_params(
+            [*params, SamplingParams(repetition_penalty=1.1)], [None] * 4, "cpu"
+        )
+    # A logit bias needs no history.
+    biased = SamplingTensors.from_params([SamplingParams(logit_bias={1: 1.0})], [None], "cpu")
+    assert biased.logit_bias is not None and biased.penalties is None
+
+
+def test_greedy_choice_on_repetition_penalized_logits_matches_transformers():
+    rows = 32
+    logits = _logits(rows, seed=21)
+    # Each row's history holds its own top tokens, so the penalty changes
+    # the choice of many rows.
+    top3 = logits.topk(3).indices.tolist()
+    prompts = [[t[0]] for t in top3]
+    outputs = [[t[1], t[1]] for t in top3]
+    history = TokenHistory.from_lists(prompts, outputs)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=3.0)] * rows
+    got = _sample(logits, params, history=history)
+    hf = RepetitionPenaltyLogitsProcessor(3.0)
+    ids = torch.tensor([p + o for p, o in zip(prompts, outputs, strict=True)])
+    assert torch.equal(got, hf(ids, logits.clone()).argmax(dim=-1))
+    assert not torch.equal(got, logits.argmax(dim=-1))
+
+
+def test_adjustments_run_in_vllm_order():
+    """bias, then repetition, then frequency/presence: each order below would
+    pick the other token."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.2], [-9.0, -9.0, -0.2, 1.0, -9.0]])
+    history = TokenHistory.from_lists([[3], [1]], [[], [3]])
+    params = [
+        # (1 + 1) / 2 = 1.0 < 1.2 (the other order: 1 / 2 + 1 = 1.5).
+        SamplingParams(temperature=0.0, logit_bias={3: 1.0}, repetition_penalty=2.0),
+        # 1 / 2 - 1 = -0.5 < -0.2 (the other order: (1 - 1) * 2 = 0).
+        SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.0),
+    ]
+    assert _sample(logits, params, history=history).tolist() == [4, 2]
+
+
+def test_logit_bias_forces_a_token_yet_logprobs_stay_raw():
+    logits = _logits(2, seed=22)
+    forced = int(logits[0].argmin())
+    params = [
+        SamplingParams(temperature=0.0, logprobs=1, logit_bias={forced: 100.0}),
+        SamplingParams(temperature=1.0, logprobs=1, logit_bias={forced: 100.0}),
+    ]
+    tensors = SamplingTensors.from_params(params, [None] * 2, "cpu")
+    out = Sampler()(logits, tensors)
+    assert out.sampled.tolist() == [forced, forced]
+    assert out.logprobs is not None
+    raw = logits.log_softmax(dim=-1)
+    lists = out.logprobs.to_lists()
+    assert lists.logprobs[0][0] == pytest.approx(float(raw[0, forced]), abs=1e-6)
+    assert lists.sampled_token_ranks[0] == VOCAB  # the least likely, raw
+    assert lists.logprob_token_ids[0][1] == int(logits[0].argmax())
+
+
+def test_plain_rows_sample_the_same_beside_rows_with_every_extra():
+    """Rows asking for none of the extras, seeded or greedy, give the same
+    tokens whether or not companions use them; seeded rows with extras are
+    reproducible too."""
+    target = _logits(3, seed=23)
+    plain = [
+        SamplingParams(temperature=0.9, seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.1, top_p=0.8, seed=2),
+    ]
+    extra = [
+        SamplingParams(temperature=0.8, min_p=0.2, presence_penalty=1.0, seed=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, logit_bias={2: 3.0}),
+        SamplingParams(temperature=1.2, frequency_penalty=0.7, logit_bias={5: -4.0}, seed=4),
+    ]
+
+    def run(params: list[SamplingParams], seeds: list[int | None]) -> list[list[int]]:
+        gens = [None if s is None else _seeded(s) for s in seeds]
+        outputs: list[list[int]] = [[] for _ in params]
+        for step in range(6):
+            logits = torch.cat([target, _logits(len(params) - 3, seed=50 + step)])
+            history = TokenHistory.from_lists([[1, 2, 3]] * len(params), outputs)
+            for row, tok in enumerate(_sample(logits, params, gens, history).tolist()):
+                outputs[row].append(tok)
+        return outputs
+
+    torch.manual_seed(0)
+    alone = run(plain, [1, None, 2])
+    torch.manual_seed(1)
+    mixed = run(plain + extra, [1, None, 2, 3, None, 4])
+    assert mixed[:3] == alone
+    torch.manual_seed(2)
+    assert run(plain + extra, [1, None, 2, 3, None, 4]) == mixed
