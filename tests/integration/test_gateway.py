@@ -169,3 +169,25 @@ def test_a_client_disconnect_aborts_the_request(
     while _status(server) != (0, 0, 0.0) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _status(server) == (0, 0, 0.0)  # aborted, and its blocks are back
+
+
+def test_logit_bias_and_penalties_reach_the_engine(client: openai.OpenAI) -> None:
+    prompt = "Count: 1, 1, 1, 1, 1, 1,"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    forced = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logit_bias={"314": 100}
+    )
+    penalized = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        frequency_penalty=2.0,
+        extra_body={"repetition_penalty": 1.5, "min_p": 0.05},
+    )
+    assert forced.usage is not None and forced.usage.completion_tokens == 4
+    assert len(set(forced.choices[0].text.split())) <= 1  # one token, four times
+    assert forced.choices[0].text != plain.choices[0].text
+    assert penalized.choices[0].text != plain.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, frequency_penalty=3)

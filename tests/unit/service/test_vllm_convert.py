@@ -145,3 +145,26 @@ def test_a_finished_output_carries_the_matched_stop_and_kv_params_as_json() -> N
     token_stop = _output(finish_reason=FinishReason.STOP, stop_reason=2)
     by_token = convert.complete(convert.ChoiceOutput.merge(0, [token_stop]), None).complete
     assert by_token.matched_token_id == 2
+
+
+def test_vllms_extras_carry_over() -> None:
+    params = convert.sampling_params(
+        vpb.SamplingParams(
+            min_p=0.1,
+            frequency_penalty=0.5,
+            presence_penalty=-0.25,
+            repetition_penalty=1.2,
+            logit_bias={5: 2.0},
+            prompt_logprobs=3,
+        )
+    )
+    assert (params.min_p, params.frequency_penalty, params.presence_penalty) == pytest.approx(
+        (0.1, 0.5, -0.25)
+    )
+    assert params.repetition_penalty == pytest.approx(1.2)
+    assert params.logit_bias == {5: 2.0} and params.prompt_logprobs == 3
+
+
+def test_a_bad_extra_names_its_proto_field() -> None:
+    with pytest.raises(InvalidRequestError, match=r"^sampling_params\.presence_penalty: "):
+        convert.sampling_params(vpb.SamplingParams(presence_penalty=3.0))
