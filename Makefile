@@ -94,6 +94,7 @@ bench: model redis
 	$(PY) benchmarks/kv_transfer_bench.py
 	$(PY) benchmarks/pd_bench.py
 	$(PY) benchmarks/startup_bench.py
+	$(PY) benchmarks/gateway_bench.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache service/gen $(NODE_DIR)/node_modules

@@ -80,6 +80,10 @@ class Round:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    # The pod's own median step time over its last 128 steps, read right
+    # after the round: a path that slows the engine (CPU taken from it on
+    # a small host) shows here, one that only adds latency does not.
+    step_ms_p50: float = 0.0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -223,12 +227,24 @@ def _wait_gateway(url: str, timeout: float = 120.0) -> None:
             time.sleep(0.3)
 
 
+async def _step_ms(target: str) -> float:
+    async with TandemClient(target) as client:
+        return (await client.status()).recent_step_ms_p50
+
+
 def _load() -> float:
     return os.getloadavg()[0]
 
 
 def _summary(rounds: list[Round]) -> None:
-    metrics = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    metrics = (
+        "tokens_per_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "step_ms_p50",
+    )
     for c in sorted({r.concurrency for r in rounds}):
         runs = sum(r.concurrency == c and r.path == "smg" for r in rounds)
         print(f"\nconcurrency {c}: median (min-max) over {runs} rounds per path")
@@ -273,10 +289,12 @@ def main() -> int:
                         r = asyncio.run(direct_round(target, prompts, args.output_len, c))
                     else:
                         r = asyncio.run(smg_round(url, prompts, args.output_len, c))
+                    r.step_ms_p50 = asyncio.run(_step_ms(target))
                     rounds.append(r)
                     print(
                         f"c={c} round {i} {path:<6} {r.tokens_per_s:8.1f} tok/s  "
                         f"TTFT p50 {r.ttft_p50_ms:7.1f} ms  ITL p50 {r.itl_p50_ms:6.1f} ms  "
+                        f"pod step p50 {r.step_ms_p50:6.1f} ms  "
                         f"(load {_load():.2f})",
                         flush=True,
                     )
