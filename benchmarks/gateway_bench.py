@@ -14,6 +14,8 @@ the round, median and p99 time to first token (TTFT) and inter-token
 latency (ITL, each gap between streamed chunks divided by the tokens it
 carried; an OpenAI chunk is counted as one token and the usage's remainder
 goes to the last, since smg's chunks carry text, not token counts).
+Also per round: the pod's median step time, and the CPU seconds per 1000
+output tokens of the pod, smg and this client (they share the 2 cores).
 Reports medians (min-max) over rounds, smg/direct ratios, and
 the 1-minute load average before and after (a foreign process on one of
 the 2 cores spoils every figure: run it on a quiet machine).
@@ -84,6 +86,12 @@ class Round:
     # after the round: a path that slows the engine (CPU taken from it on
     # a small host) shows here, one that only adds latency does not.
     step_ms_p50: float = 0.0
+    # CPU seconds per 1000 output tokens over the round, by process: the
+    # pod, smg, and this client. On 2 cores they all share the CPU the
+    # engine's steps need.
+    pod_cpu: float = 0.0
+    smg_cpu: float = 0.0
+    client_cpu: float = 0.0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -185,12 +193,12 @@ def random_prompts(n: int, length: int, seed: int) -> list[str]:
 
 
 @contextmanager
-def _proc(cmd: list[str], name: str) -> Iterator[None]:
+def _proc(cmd: list[str], name: str) -> Iterator[int]:
     log = Path(tempfile.gettempdir()) / f"gateway-bench-{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out)
     try:
-        yield
+        yield proc.pid
     finally:
         proc.terminate()
         try:
@@ -200,18 +208,20 @@ def _proc(cmd: list[str], name: str) -> Iterator[None]:
 
 
 @contextmanager
-def stack(max_num_seqs: int) -> Iterator[tuple[str, str]]:
+def stack(max_num_seqs: int) -> Iterator[tuple[str, str, int, int]]:
+    """(pod address, smg's OpenAI URL, pod pid, smg pid): `tandem gateway`
+    becomes smg (exec), so its pid is smg's."""
     port, http = free_port(), free_port()
     tandem = [sys.executable, "-m", "service.cli", "--log-level", "warning"]
     serve = [*tandem, "serve", "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
     gateway = [*tandem, "gateway", "--worker", f"127.0.0.1:{port}", "--port", str(http)]
     gateway += ["--prometheus-port", str(free_port()), "--", "--log-level", "warn"]
     target, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http}/v1"
-    with _proc(serve, "serve"):
+    with _proc(serve, "serve") as pod:
         asyncio.run(wait_serving(target))
-        with _proc(gateway, "smg"):
+        with _proc(gateway, "smg") as smg:
             _wait_gateway(url)
-            yield target, url
+            yield target, url, pod, smg
 
 
 def _wait_gateway(url: str, timeout: float = 120.0) -> None:
@@ -225,6 +235,17 @@ def _wait_gateway(url: str, timeout: float = 120.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.3)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 async def _step_ms(target: str) -> float:
@@ -244,6 +265,9 @@ def _summary(rounds: list[Round]) -> None:
         "itl_p50_ms",
         "itl_p99_ms",
         "step_ms_p50",
+        "pod_cpu",
+        "smg_cpu",
+        "client_cpu",
     )
     for c in sorted({r.concurrency for r in rounds}):
         runs = sum(r.concurrency == c and r.path == "smg" for r in rounds)
@@ -273,7 +297,7 @@ def main() -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     rounds: list[Round] = []
     print(f"load average before: {_load():.2f}")
-    with stack(max(levels)) as (target, url):
+    with stack(max(levels)) as (target, url, pod, smg):
         for c in levels:
             n = args.requests or max(8, 2 * c)
             # Warm both paths (allocator, smg's connection) on other prompts.
@@ -285,10 +309,16 @@ def main() -> int:
                     # Fresh prompts for each run: none may hit the prefix
                     # cache the other path's run just filled.
                     prompts = random_prompts(n, args.input_len, seed=1000 * c + 2 * i + j)
+                    cpu = (_cpu_seconds(pod), _cpu_seconds(smg), _own_cpu())
                     if path == "direct":
                         r = asyncio.run(direct_round(target, prompts, args.output_len, c))
                     else:
                         r = asyncio.run(smg_round(url, prompts, args.output_len, c))
+                    used = (_cpu_seconds(pod), _cpu_seconds(smg), _own_cpu())
+                    per_k = 1000 / (n * args.output_len)
+                    r.pod_cpu, r.smg_cpu, r.client_cpu = (
+                        (b - a) * per_k for a, b in zip(cpu, used, strict=True)
+                    )
                     r.step_ms_p50 = asyncio.run(_step_ms(target))
                     rounds.append(r)
                     print(
