@@ -9,6 +9,7 @@ import asyncio
 import re
 import time
 import urllib.request
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -437,6 +438,7 @@ def test_pd_over_nixl_behind_smg(
         decode,
         [PROMPTS[i] for i in short],
         [reference[i] for i in short],
+        f"Run {uuid.uuid4().hex[:8]}. Tell me about the number seven.",
         "Count from one to fifty.",
         partial_blocks=True,
     )

@@ -387,34 +387,37 @@ def check_pd_behind_smg(
     decode: str,
     prompts: list[str],
     reference: list[pb.GenerateResponse],
+    fresh_prompt: str,
     cancel_prompt: str,
     *,
     partial_blocks: bool = False,
+    cancels: tuple[int, ...] = (0, 1, 3),
     within: float = 10.0,
 ) -> None:
     """smg in P/D mode in front of the pods: its prefill leg (max_tokens 1,
     no kv_transfer_params) makes the prefill pod hand the KV over, and the
     params it relays to the decode leg load it. Greedy text is the
-    colocated server's; cancels after 0, 1 and 3 chunks leave both pods
-    idle within `within` seconds."""
+    colocated server's; cancels after each of `cancels` chunks leave both
+    pods idle within `within` seconds."""
     with SmgGateway(prefill=[prefill], decode=[decode]) as gateway:
         client = gateway.openai(timeout=120.0)
-        # One prompt alone first: the decode pod cannot have its prefix
-        # cached yet, so the KV it did not compute came through the connector:
-        # every prompt token but the last (the decode pod computes it for its
-        # first token), in whole blocks unless the connector moves partial ones.
+        # A prompt no pod has seen: the KV the decode pod did not compute
+        # came through the connector: every prompt token but the last (the
+        # decode pod computes it for its first token), in whole blocks
+        # unless the connector moves partial ones.
         before = asyncio.run(_status(decode)).kv_connector_hits
-        got = greedy_completions(client, prompts[:1])
+        (fresh,) = greedy_completions(client, [fresh_prompt])
         loaded = asyncio.run(_status(decode)).kv_connector_hits - before
-        computed_before = reference[0].usage.prompt_tokens - 1
+        assert fresh.usage is not None
+        computed_before = fresh.usage.prompt_tokens - 1
         assert loaded == (computed_before if partial_blocks else 16 * (computed_before // 16))
-        got += greedy_completions(client, prompts[1:])
+        got = greedy_completions(client, prompts)
         for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g.choices[0].text == want.text, f"prompt {i}"
             assert g.usage is not None
             assert g.usage.completion_tokens == want.usage.completion_tokens
             assert g.usage.prompt_tokens == want.usage.prompt_tokens
-        for chunks in (0, 1, 3):
+        for chunks in cancels:
             cancel_after(client, f"Case {chunks}. {cancel_prompt}", chunks)
             for target in (prefill, decode):
                 status = asyncio.run(_wait_idle(target, timeout=within))
@@ -426,7 +429,16 @@ def test_pd_over_shared_memory_behind_smg(
     shm_pd: tuple[str, str, str], reference: list[pb.GenerateResponse]
 ) -> None:
     _, prefill, decode = shm_pd
-    check_pd_behind_smg(prefill, decode, PROMPTS, reference, SYSTEM + "Count to one hundred.")
+    # The router's cancel test covers every phase on these pods; one here.
+    check_pd_behind_smg(
+        prefill,
+        decode,
+        PROMPTS[::2],
+        reference[::2],
+        f"Run {uuid.uuid4().hex[:8]}. {SYSTEM}Name a colour.",
+        SYSTEM + "Count to one hundred.",
+        cancels=(1,),
+    )
 
 
 def test_router_passes_pod_errors_through(shm_pd: tuple[str, str, str]) -> None:
