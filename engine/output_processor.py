@@ -51,6 +51,10 @@ class TokenLogprob:
     top: dict[int, float]
     text: dict[int, str] = field(default_factory=dict)
 
+    def ranked(self) -> list[tuple[int, float]]:
+        """The top alternatives as (token id, logprob), most likely first."""
+        return sorted(self.top.items(), key=lambda kv: kv[1], reverse=True)
+
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:

@@ -16,7 +16,8 @@ Both servicers (tandem.v1 and VllmEngine) run calls through here;
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -128,12 +129,19 @@ class ChoiceRegistry:
 
     _ids: dict[str, list[str]] = field(default_factory=dict)
 
-    def add(self, request_id: str, n: int) -> None:
-        if n > 1:
-            self._ids[request_id] = choice_ids(request_id, n)
-
-    def remove(self, request_id: str) -> None:
-        self._ids.pop(request_id, None)
+    @contextmanager
+    def running(self, call: Call, streams: list[RequestStream]) -> Iterator[None]:
+        """While a call's streams are read: Abort finds its choices by the
+        call's id. On leaving, however the call ends, every stream is
+        closed (which aborts what still runs) and the call forgotten."""
+        if call.n > 1:
+            self._ids[call.request_id] = choice_ids(call.request_id, call.n)
+        try:
+            yield
+        finally:
+            for stream in streams:
+                stream.close()
+            self._ids.pop(call.request_id, None)
 
     def expand(self, request_ids: list[str]) -> list[str]:
         """The engine ids to abort for ``request_ids``."""

@@ -203,7 +203,7 @@ def _finish(resp: pb.GenerateResponse, last: RequestOutput, reason: FinishReason
 
 
 def _logprobs(lp: TokenLogprob) -> pb.Logprobs:
-    top = sorted(lp.top.items(), key=lambda kv: kv[1], reverse=True)
+    top = lp.ranked()
     return pb.Logprobs(
         sampled=pb.TokenLogprob(
             token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, token=lp.text[lp.token_id]

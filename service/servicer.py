@@ -26,7 +26,8 @@ import grpc
 
 from engine import AsyncEngine
 from service import choices, convert
-from service.errors import EngineLoadingError, abort_with
+from service.engine_holder import EngineHolder
+from service.errors import abort_with
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -44,7 +45,7 @@ def new_input_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="tandem-input")
 
 
-class GenerationServicer(pb_grpc.GenerationServicer):
+class GenerationServicer(EngineHolder, pb_grpc.GenerationServicer):
     """Registered before the model loads (so health answers meanwhile); RPCs
     get UNAVAILABLE until `attach` hands it the engine."""
 
@@ -56,21 +57,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         input_pool: ThreadPoolExecutor | None = None,
         served_model_name: str | None = None,
     ) -> None:
-        self._engine: AsyncEngine | None = None
+        super().__init__()
         self.role = role
         self.kv_connector = kv_connector
         self.served_model_name = served_model_name
         self._choices = choices.ChoiceRegistry()
         self._input_pool = input_pool or new_input_pool()
-
-    def attach(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-
-    @property
-    def engine(self) -> AsyncEngine:
-        if self._engine is None:
-            raise EngineLoadingError("the model is still loading; retry shortly")
-        return self._engine
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -82,20 +74,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except Exception as exc:
             await abort_with(context, exc, refused=True)
             return
-        self._choices.add(call.request_id, call.n)
         call_id = call.request_id if call.n > 1 else None
-        try:
-            async for index, outputs in choices.outputs(streams):
-                # A slow reader gets what piled up meanwhile as one message.
-                yield convert.generate_response(outputs, call_id=call_id, index=index)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            await abort_with(context, exc)
-        finally:
-            for stream in streams:
-                stream.close()
-            self._choices.remove(call.request_id)
+        with self._choices.running(call, streams):
+            try:
+                async for index, outputs in choices.outputs(streams):
+                    # A slow reader gets what piled up meanwhile as one message.
+                    yield convert.generate_response(outputs, call_id=call_id, index=index)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
 
     def _prepare(self, msg: pb.GenerateRequest, engine: AsyncEngine) -> choices.Call:
         """A GenerateRequest checked and tokenized (on an input thread)."""
@@ -109,14 +97,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the input threads."""
         return await asyncio.get_running_loop().run_in_executor(self._input_pool, fn, *args)
-
-    async def _engine_for(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
-        """The engine, or the call ends UNAVAILABLE while the model loads."""
-        try:
-            return self.engine
-        except EngineLoadingError as exc:
-            await abort_with(context, exc)
-            raise
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

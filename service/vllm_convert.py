@@ -249,7 +249,7 @@ def _output_logprobs(choice: ChoiceOutput, num_logprobs: int | None) -> vpb.Outp
         out.token_ids.append(lp.token_id)
         out.token_logprobs.append(lp.logprob)
         if num_logprobs:
-            top = sorted(lp.top.items(), key=lambda kv: kv[1], reverse=True)[:num_logprobs]
+            top = lp.ranked()[:num_logprobs]
             out.top_logprobs.append(
                 vpb.TopLogProbs(token_ids=[t for t, _ in top], values=[v for _, v in top])
             )
@@ -268,7 +268,7 @@ def _input_logprobs(choice: ChoiceOutput) -> vpb.InputLogProbs | None:
         top = vpb.TopLogProbs()
         if lp is not None:
             entry.value = lp.logprob
-            ranked = sorted(lp.top.items(), key=lambda kv: kv[1], reverse=True)
+            ranked = lp.ranked()
             top = vpb.TopLogProbs(token_ids=[t for t, _ in ranked], values=[v for _, v in ranked])
         out.token_logprobs.append(entry)
         out.top_logprobs.append(top)

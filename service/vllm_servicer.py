@@ -38,7 +38,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from engine import AsyncEngine, RequestOutput
 from service import choices
 from service import vllm_convert as convert
-from service.errors import EngineLoadingError, abort_with
+from service.engine_holder import EngineHolder
+from service.errors import abort_with
 from service.tokenizer_bundle import TokenizerBundle
 from service.vllm_convert import ChoiceOutput
 
@@ -52,7 +53,7 @@ T = TypeVar("T")
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 
 
-class VllmEngineServicer(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
+class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
     def __init__(
         self,
         input_pool: ThreadPoolExecutor,
@@ -65,26 +66,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
         self.kv_connector = kv_connector
         self.served_model_name = served_model_name
         self._input_pool = input_pool
-        self._engine: AsyncEngine | None = None
+        super().__init__()
         self._tokenizer: TokenizerBundle | None = None
         self._choices = choices.ChoiceRegistry()
 
     def attach(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+        super().attach(engine)
         self._tokenizer = TokenizerBundle(engine.info.model_path)
-
-    @property
-    def engine(self) -> AsyncEngine:
-        if self._engine is None:
-            raise EngineLoadingError("the model is still loading; retry shortly")
-        return self._engine
-
-    async def _engine_for(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
-        try:
-            return self.engine
-        except EngineLoadingError as exc:
-            await abort_with(context, exc)
-            raise
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -105,29 +93,25 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
         except Exception as exc:
             await abort_with(context, exc, refused=True)
             return
-        self._choices.add(call.request_id, call.n)
         num_logprobs = call.params.logprobs
         finished: dict[int, list[RequestOutput]] = {}
-        try:
-            async for index, outputs in choices.outputs(streams):
-                if parsed.stream:
-                    choice = ChoiceOutput.merge(index, outputs)
-                    yield convert.chunk(choice, num_logprobs)
-                    if choice.last.finished:
-                        yield convert.complete(choice, num_logprobs)
-                    continue
-                so_far = finished.setdefault(index, [])
-                so_far.extend(outputs)
-                if outputs[-1].finished:
-                    yield convert.complete(ChoiceOutput.merge(index, so_far), num_logprobs)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            await abort_with(context, exc)
-        finally:
-            for stream in streams:
-                stream.close()
-            self._choices.remove(call.request_id)
+        with self._choices.running(call, streams):
+            try:
+                async for index, outputs in choices.outputs(streams):
+                    if parsed.stream:
+                        choice = ChoiceOutput.merge(index, outputs)
+                        yield convert.chunk(choice, num_logprobs)
+                        if choice.last.finished:
+                            yield convert.complete(choice, num_logprobs)
+                        continue
+                    so_far = finished.setdefault(index, [])
+                    so_far.extend(outputs)
+                    if outputs[-1].finished:
+                        yield convert.complete(ChoiceOutput.merge(index, so_far), num_logprobs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
 
     # --- control ---------------------------------------------------------------------
 
