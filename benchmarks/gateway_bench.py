@@ -14,7 +14,10 @@ the round, median and p99 time to first token (TTFT) and inter-token
 latency (ITL, each gap between streamed chunks divided by the tokens it
 carried; an OpenAI chunk is counted as one token and the usage's remainder
 goes to the last, since smg's chunks carry text, not token counts).
-Also per round: the pod's median step time, and the CPU seconds per 1000
+First, `--ttft-pairs` single requests per path, alternating, on connections
+opened once, give the TTFT the path adds (the rounds' medians vary more
+with their fresh prompts than with the path). Also per round: the pod's
+median step time, and the CPU seconds per 1000
 output tokens of the pod, smg and this client (they share the 2 cores).
 Reports medians (min-max) over rounds, smg/direct ratios, and
 the 1-minute load average before and after (a foreign process on one of
@@ -179,6 +182,37 @@ async def smg_round(url: str, prompts: list[str], output_len: int, concurrency: 
     return _round("smg", concurrency, timings, seconds)
 
 
+async def ttft_pairs(target: str, url: str, prompts: list[str]) -> tuple[list[float], list[float]]:
+    """Time to first token, one request at a time, alternating direct and
+    smg over `prompts` (equal length, none repeated: no prefix-cache hit),
+    on connections opened once. Returns (direct ms, smg ms)."""
+    direct: list[float] = []
+    smg: list[float] = []
+    oa = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    async with TandemClient(target) as client:
+        for i, prompt in enumerate(prompts):
+            start = time.perf_counter()
+            if i % 2 == 0:
+                request = make_request(text=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+                async for chunk in client.stub.Generate(request):
+                    if chunk.token_ids and len(direct) == i // 2:
+                        direct.append((time.perf_counter() - start) * 1000)
+            else:
+                stream = await oa.completions.create(
+                    model=MODEL,
+                    prompt=prompt,
+                    max_tokens=4,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                async for part in stream:
+                    if part.choices and part.choices[0].text and len(smg) == i // 2:
+                        smg.append((time.perf_counter() - start) * 1000)
+    await oa.close()
+    return direct, smg
+
+
 def random_prompts(n: int, length: int, seed: int) -> list[str]:
     """`length` random whole-word tokens each (" house", " green": one token
     each, so the text is about `length` tokens). Words, not arbitrary ids:
@@ -293,11 +327,29 @@ def main() -> int:
     p.add_argument(
         "--requests", type=int, default=0, help="per round (default: 2 x concurrency, >= 8)"
     )
+    p.add_argument(
+        "--ttft-pairs",
+        type=int,
+        default=15,
+        help="then this many single requests per path, alternating, for the added TTFT "
+        "(default: 15; 0 skips)",
+    )
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     rounds: list[Round] = []
     print(f"load average before: {_load():.2f}")
     with stack(max(levels)) as (target, url, pod, smg):
+        if args.ttft_pairs:
+            prompts = random_prompts(2 * args.ttft_pairs, args.input_len, seed=7)
+            asyncio.run(ttft_pairs(target, url, random_prompts(4, args.input_len, seed=8)))
+            direct, via_smg = asyncio.run(ttft_pairs(target, url, prompts))
+            a, b = statistics.median(direct), statistics.median(via_smg)
+            print(
+                f"TTFT, one request at a time, {args.ttft_pairs} pairs: direct {a:.1f} ms "
+                f"({min(direct):.1f}-{max(direct):.1f}), smg {b:.1f} ms "
+                f"({min(via_smg):.1f}-{max(via_smg):.1f}), added {b - a:+.1f} ms",
+                flush=True,
+            )
         for c in levels:
             n = args.requests or max(8, 2 * c)
             # Warm both paths (allocator, smg's connection) on other prompts.
