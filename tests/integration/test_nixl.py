@@ -39,6 +39,7 @@ from tests.integration.test_pd import (
     _wait_idle,
     cancel_at_every_phase,
     check_pd_behind_smg,
+    wait_router_sees_pods,
 )
 
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
@@ -73,6 +74,7 @@ def _nixl_stack(prefill_args: list[str], decode_args: list[str]) -> Iterator[Sta
         command="router",
     )
     with serving(prefill, decode, router):
+        wait_router_sees_pods(router.target)
         yield router, prefill, decode
 
 

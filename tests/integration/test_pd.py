@@ -104,6 +104,22 @@ def redis_server() -> Iterator[RedisServer]:
         yield srv
 
 
+def wait_router_sees_pods(router: str, timeout: float = 60.0) -> None:
+    """Until the router's own poll finds every pod healthy: pods and router
+    start together, and a router that dialled a pod before it listened
+    redials after gRPC's backoff, so it can serve (through the pods it has
+    found) while still counting one down, and a first request would take
+    the prefill fallback."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = asyncio.run(_status(router))
+        if status.num_pods and status.num_pods_healthy == status.num_pods:
+            return
+        seen = f"{status.num_pods_healthy} of {status.num_pods}"
+        assert time.monotonic() < deadline, f"the router sees {seen} pods healthy"
+        time.sleep(0.2)
+
+
 def _pd_stack(producer: list[str], consumer: list[str]) -> Iterator[tuple[str, str, str]]:
     prefill = ServerProcess(["--role", "prefill", *SMALL, *producer])
     decode = ServerProcess(["--role", "decode", *SMALL, *consumer])
@@ -112,6 +128,7 @@ def _pd_stack(producer: list[str], consumer: list[str]) -> Iterator[tuple[str, s
         command="router",
     )
     with serving(prefill, decode, router):
+        wait_router_sees_pods(router.target)
         yield router.target, prefill.target, decode.target
 
 
