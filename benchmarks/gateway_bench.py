@@ -1,27 +1,31 @@
 """Serving through smg (OpenAI HTTP) against tandem.v1 direct (gRPC), same load.
 
-One `tandem serve` pod and `tandem gateway` (smg) in front of it. Each
-round sends the same closed-loop load (`--concurrency` streams at a time,
-`--requests` in all) of random prompts, vllm bench serve's "random"
-dataset style: `--input-len` random words each (smg takes text as a
-completion prompt, not ids; both paths send the same text), `--output-len`
-tokens out, EOS ignored, greedy; every run gets fresh prompts. The two paths alternate (direct, smg,
-direct, smg, ...) with the same client structure (one asyncio loop, a
-semaphore): direct is tandem.v1 Generate over grpc.aio;
-smg is `/v1/completions`, streamed, with the same text as the prompt,
-through the `openai` client's AsyncOpenAI. Per round: output tokens/s over
-the round, median and p99 time to first token (TTFT) and inter-token
-latency (ITL, each gap between streamed chunks divided by the tokens it
-carried; an OpenAI chunk is counted as one token and the usage's remainder
-goes to the last, since smg's chunks carry text, not token counts).
-First, `--ttft-pairs` single requests per path, alternating, on connections
-opened once, give the TTFT the path adds (the rounds' medians vary more
-with their fresh prompts than with the path). Also per round: the pod's
-median step time, and the CPU seconds per 1000
-output tokens of the pod, smg and this client (they share the 2 cores).
-Reports medians (min-max) over rounds, smg/direct ratios, and
-the 1-minute load average before and after (a foreign process on one of
-the 2 cores spoils every figure: run it on a quiet machine).
+One `tandem serve` pod and `tandem gateway` (smg) in front of it.
+
+First, `--ttft-pairs` pairs of single requests (one per path, ABBA order,
+connections opened once, fresh prompts: no prefix-cache hit) for each of
+`--ttft-input-len`: the TTFT smg adds at concurrency 1, as the median and
+mean of the per-pair differences (single requests vary by far more than
+the path adds, so rounds' medians cannot show it).
+
+Then rounds: each sends the same closed-loop load (`--concurrency` streams
+at a time, `--requests` in all) of random prompts in vllm bench serve's
+"random" dataset style: `--input-len` random whole words (smg takes text as
+a completion prompt, not ids; both paths send the same text),
+`--output-len` tokens out, EOS ignored, greedy, fresh prompts each run.
+The paths alternate (direct, smg, direct, smg, ...) with the same client
+structure (one asyncio loop, a semaphore): direct is tandem.v1 Generate
+over grpc.aio; smg is streamed `/v1/completions` read as `vllm bench
+serve` reads it (raw SSE lines, json.loads). Per round: output tokens/s,
+median and p99 time to first token (TTFT) and inter-token latency (ITL,
+each gap between streamed chunks divided by the tokens it carried; an
+OpenAI chunk counts as one token and the usage's remainder goes to the
+last, since smg's chunks carry text, not token counts), the pod's median
+step time, and the CPU seconds per 1000 output tokens of the pod, smg and
+this client (they share the 2 cores). Reports medians (min-max) over
+rounds, smg/direct ratios, and the 1-minute load average before and after
+(a foreign process on one of the 2 cores spoils every figure: run it on a
+quiet machine).
 
     .venv/bin/python benchmarks/gateway_bench.py --concurrency 1,64 --rounds 3
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import re
@@ -38,14 +43,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import httpx2  # noqa: E402
 import openai  # noqa: E402
 
 from service.bench import free_port  # noqa: E402
@@ -147,70 +154,101 @@ async def direct_round(target: str, prompts: list[str], output_len: int, concurr
     return _round("direct", concurrency, timings, seconds)
 
 
-async def smg_round(url: str, prompts: list[str], output_len: int, concurrency: int) -> Round:
-    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+def _completion_body(prompt: str, output_len: int) -> dict[str, object]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
 
-    async def one(prompt: str) -> Timing:
-        timing = Timing(time.perf_counter())
-        stream = await client.completions.create(
-            model=MODEL,
-            prompt=prompt,
-            max_tokens=output_len,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        seen = 0
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:  # the last chunk: attribute the rest
-                extra = chunk.usage.completion_tokens - seen
-                if extra > 0 and timing.chunks:
-                    t, n = timing.chunks[-1]
-                    timing.chunks[-1] = (t, n + extra)
+
+async def _sse_events(
+    http: httpx2.AsyncClient, url: str, body: dict[str, object]
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of one streamed completion, parsed as `vllm bench
+    serve` parses them (raw SSE lines, json.loads): the client's own CPU is
+    taken from the 2 cores the pod computes on, and the openai package's
+    typed objects cost about 4x the protobuf client's CPU per token."""
+    async with http.stream("POST", f"{url}/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"smg answered {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if chunk.choices and chunk.choices[0].text:
-                timing.chunks.append((now, 1))
-                seen += 1
-        return timing
+            yield json.loads(line[6:])
 
-    try:
+
+def _lean_http() -> httpx2.AsyncClient:
+    # httpx2 is the transport the openai package itself uses.
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx2.AsyncClient(timeout=600, limits=limits)
+
+
+async def smg_round(url: str, prompts: list[str], output_len: int, concurrency: int) -> Round:
+    async with _lean_http() as http:
+
+        async def one(prompt: str) -> Timing:
+            timing = Timing(time.perf_counter())
+            seen = 0
+            async for event in _sse_events(http, url, _completion_body(prompt, output_len)):
+                now = time.perf_counter()
+                usage = event.get("usage")
+                if usage:  # the last event: attribute the rest
+                    extra = usage["completion_tokens"] - seen
+                    if extra > 0 and timing.chunks:
+                        t, n = timing.chunks[-1]
+                        timing.chunks[-1] = (t, n + extra)
+                    continue
+                choices = event.get("choices")
+                if choices and choices[0].get("text"):
+                    timing.chunks.append((now, 1))
+                    seen += 1
+            return timing
+
         timings, seconds = await _run(one, prompts, concurrency)
-    finally:
-        await client.close()
     return _round("smg", concurrency, timings, seconds)
 
 
-async def ttft_pairs(target: str, url: str, prompts: list[str]) -> tuple[list[float], list[float]]:
-    """Time to first token, one request at a time, alternating direct and
-    smg over `prompts` (equal length, none repeated: no prefix-cache hit),
-    on connections opened once. Returns (direct ms, smg ms)."""
-    direct: list[float] = []
-    smg: list[float] = []
-    oa = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
-    async with TandemClient(target) as client:
-        for i, prompt in enumerate(prompts):
+async def ttft_pairs(target: str, url: str, prompts: list[str]) -> list[tuple[float, float]]:
+    """Time to first token, one request at a time, over `prompts` (none
+    repeated: no prefix-cache hit), on connections opened once. Pairs run
+    in ABBA order (direct first, then smg first, ...) so a drift in the
+    host's speed cancels. Returns (direct ms, smg ms) per pair."""
+    async with TandemClient(target) as client, _lean_http() as http:
+
+        async def direct(prompt: str) -> float:
             start = time.perf_counter()
+            request = make_request(text=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+            first = 0.0
+            async for chunk in client.stub.Generate(request):
+                if chunk.token_ids and not first:
+                    first = time.perf_counter() - start
+            return first * 1000
+
+        async def via_smg(prompt: str) -> float:
+            start = time.perf_counter()
+            first = 0.0
+            async for event in _sse_events(http, url, _completion_body(prompt, 4)):
+                choices = event.get("choices")
+                if choices and choices[0].get("text") and not first:
+                    first = time.perf_counter() - start
+            return first * 1000
+
+        pairs = []
+        for i in range(len(prompts) // 2):
+            a, b = prompts[2 * i], prompts[2 * i + 1]
             if i % 2 == 0:
-                request = make_request(text=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
-                async for chunk in client.stub.Generate(request):
-                    if chunk.token_ids and len(direct) == i // 2:
-                        direct.append((time.perf_counter() - start) * 1000)
+                d = await direct(a)
+                s = await via_smg(b)
             else:
-                stream = await oa.completions.create(
-                    model=MODEL,
-                    prompt=prompt,
-                    max_tokens=4,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                async for part in stream:
-                    if part.choices and part.choices[0].text and len(smg) == i // 2:
-                        smg.append((time.perf_counter() - start) * 1000)
-    await oa.close()
-    return direct, smg
+                s = await via_smg(a)
+                d = await direct(b)
+            pairs.append((d, s))
+    return pairs
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[str]:
@@ -318,6 +356,24 @@ def _summary(rounds: list[Round]) -> None:
             )
 
 
+def _report_ttft(target: str, url: str, pairs: int, length: int) -> None:
+    """Added TTFT at concurrency 1: the median and mean of the per-pair
+    differences (smg - direct), the mean with twice its standard error."""
+    asyncio.run(ttft_pairs(target, url, random_prompts(4, length, seed=8)))  # warm
+    timed = asyncio.run(ttft_pairs(target, url, random_prompts(2 * pairs, length, seed=7)))
+    direct, via_smg = [d for d, _ in timed], [s for _, s in timed]
+    diffs = [s - d for d, s in timed]
+    mean, se = statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
+    print(
+        f"TTFT at c=1, {length}-word prompts, {pairs} pairs: direct "
+        f"{statistics.median(direct):.1f} ms ({min(direct):.1f}-{max(direct):.1f}), smg "
+        f"{statistics.median(via_smg):.1f} ms ({min(via_smg):.1f}-{max(via_smg):.1f}); "
+        f"added: median {statistics.median(diffs):+.1f} ms, mean {mean:+.1f} +- {2 * se:.1f} ms "
+        f"(load {_load():.2f})",
+        flush=True,
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--concurrency", default="1,64", help="comma-separated (default: 1,64)")
@@ -330,26 +386,22 @@ def main() -> int:
     p.add_argument(
         "--ttft-pairs",
         type=int,
-        default=15,
-        help="then this many single requests per path, alternating, for the added TTFT "
-        "(default: 15; 0 skips)",
+        default=40,
+        help="first, this many single requests per path, alternating, for the added TTFT "
+        "(default: 40; 0 skips)",
+    )
+    p.add_argument(
+        "--ttft-input-len",
+        default="16,128",
+        help="prompt lengths for --ttft-pairs, comma-separated (default: 16,128)",
     )
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     rounds: list[Round] = []
     print(f"load average before: {_load():.2f}")
     with stack(max(levels)) as (target, url, pod, smg):
-        if args.ttft_pairs:
-            prompts = random_prompts(2 * args.ttft_pairs, args.input_len, seed=7)
-            asyncio.run(ttft_pairs(target, url, random_prompts(4, args.input_len, seed=8)))
-            direct, via_smg = asyncio.run(ttft_pairs(target, url, prompts))
-            a, b = statistics.median(direct), statistics.median(via_smg)
-            print(
-                f"TTFT, one request at a time, {args.ttft_pairs} pairs: direct {a:.1f} ms "
-                f"({min(direct):.1f}-{max(direct):.1f}), smg {b:.1f} ms "
-                f"({min(via_smg):.1f}-{max(via_smg):.1f}), added {b - a:+.1f} ms",
-                flush=True,
-            )
+        for length in (int(x) for x in args.ttft_input_len.split(",") if args.ttft_pairs):
+            _report_ttft(target, url, args.ttft_pairs, length)
         for c in levels:
             n = args.requests or max(8, 2 * c)
             # Warm both paths (allocator, smg's connection) on other prompts.

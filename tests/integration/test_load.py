@@ -19,7 +19,7 @@ from service.client import TandemClient, make_request
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.servers import ServerProcess
 
-NUM_CALLS = 200
+NUM_CALLS = 128
 SEED = 20240607
 CALL_TIMEOUT_S = 300.0
 IDLE_POLL_S = 10.0
@@ -151,7 +151,7 @@ def test_concurrent_streams_with_random_cancels(server: ServerProcess) -> None:
     print(report)
 
     # Sanity of the plan itself: roughly a third cancelled, some before any chunk.
-    assert 40 <= len(cancelled) <= 90, report
+    assert 25 <= len(cancelled) <= 60, report
     assert any(o.plan.cancel_after == 0 for o in cancelled), report
 
     errors = [(o.plan.index, o.error) for o in outcomes if o.error]

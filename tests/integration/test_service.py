@@ -7,7 +7,6 @@ import re
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -46,26 +45,20 @@ def _ids(chunks: list[pb.GenerateResponse]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-@dataclass(frozen=True)
-class OwnServers:
-    """Servers with flags of their own, one per test (see `own`)."""
-
-    queue_bound: ServerProcess
-    api_key: ServerProcess
-    drain: ServerProcess
+KEY = "s3cret"
 
 
 @pytest.fixture(scope="module")
-def own() -> Iterator[OwnServers]:
-    """Launched together at the first test that needs one, so their
-    start-ups overlap; each test enters (waits for) and drains its own."""
-    servers = OwnServers(
-        queue_bound=ServerProcess(["--max-num-seqs", "1", "--max-waiting-requests", "1"]),
-        api_key=ServerProcess(["--api-key", "s3cret"]),
-        drain=ServerProcess(["--drain-grace", "60"]),
-    )
-    with launched(servers.queue_bound, servers.api_key, servers.drain):
-        yield servers
+def own() -> Iterator[ServerProcess]:
+    """One server with flags of its own for three tests, in file order: the
+    queue bound (one seat, one waiting place), the API key, then a drain
+    that ends it. Launched at the first of them; its start-up overlaps
+    that test's wait only (one start instead of three on 2 cores)."""
+    flags = ["--max-num-seqs", "1", "--max-waiting-requests", "1", "--api-key", KEY]
+    server = ServerProcess([*flags, "--drain-grace", "60"])
+    with launched(server):
+        server.wait_started()
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -350,73 +343,67 @@ def test_metrics_endpoint_serves_the_families(server: ServerProcess) -> None:
     assert generated >= 4
 
 
-def test_queue_bound_gives_resource_exhausted(own: OwnServers) -> None:
-    with own.queue_bound as srv:
+def test_queue_bound_gives_resource_exhausted(own: ServerProcess) -> None:
+    async def go() -> None:
+        async with TandemClient(own.target, api_key=KEY) as client:
+            long_request = make_request(text="Tell a story.", max_tokens=200, ignore_eos=True)
+            running = client.generate_call(long_request)
+            await running.read()  # running: the one seat is taken
+            waiting = client.generate_call(make_request(text="Wait.", max_tokens=4))
+            await asyncio.sleep(0.5)  # now it waits (the queue bound is 1)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in client.generate_call(make_request(text="No room.")):
+                    pass
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            running.cancel()
+            chunks = [c async for c in waiting]
+            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
-        async def go() -> None:
-            async with TandemClient(srv.target) as client:
-                long_request = make_request(text="Tell a story.", max_tokens=200, ignore_eos=True)
-                running = client.generate_call(long_request)
-                await running.read()  # running: the one seat is taken
-                waiting = client.generate_call(make_request(text="Wait.", max_tokens=4))
-                await asyncio.sleep(0.5)  # now it waits (the queue bound is 1)
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    async for _ in client.generate_call(make_request(text="No room.")):
-                        pass
-                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                running.cancel()
-                chunks = [c async for c in waiting]
-                assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
-
-        asyncio.run(go())
+    asyncio.run(go())
 
 
-def test_api_key_required_except_for_health(own: OwnServers) -> None:
-    with own.api_key as srv:
+def test_api_key_required_except_for_health(own: ServerProcess) -> None:
+    async def go() -> None:
+        async with TandemClient(own.target) as anonymous:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await anonymous.model_info()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _collect(anonymous, text="hi", max_tokens=2)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        async with TandemClient(own.target, api_key="wrong") as wrong:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await wrong.model_info()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        async with TandemClient(own.target, api_key=KEY) as client:
+            chunks = await _collect(client, text="hi", max_tokens=2)
+            assert chunks[-1].usage.completion_tokens == 2
 
-        async def go() -> None:
-            async with TandemClient(srv.target) as anonymous:
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await anonymous.model_info()
-                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await _collect(anonymous, text="hi", max_tokens=2)
-                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            async with TandemClient(srv.target, api_key="wrong") as wrong:
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await wrong.model_info()
-                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            async with TandemClient(srv.target, api_key="s3cret") as client:
-                chunks = await _collect(client, text="hi", max_tokens=2)
-                assert chunks[-1].usage.completion_tokens == 2
-
-        asyncio.run(go())
-        # ServerProcess checked health without a key: health stays open.
+    asyncio.run(go())
+    # Health, asked without a key, stays open.
+    assert own.health() == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_drain_finishes_in_flight_then_exits_zero(own: OwnServers) -> None:
-    srv = own.drain
-    with srv:
+def test_drain_finishes_in_flight_then_exits_zero(own: ServerProcess) -> None:
+    async def go() -> list[pb.GenerateResponse]:
+        async with TandemClient(own.target, api_key=KEY) as client:
+            call = client.generate_call(
+                make_request(text="Tell a story.", max_tokens=48, ignore_eos=True)
+            )
+            first = await call.read()
+            own.signal_drain()
+            await asyncio.sleep(0.5)
+            assert own.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _collect(client, text="late", max_tokens=2)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            return [first, *await _rest(call)]
 
-        async def go() -> list[pb.GenerateResponse]:
-            async with TandemClient(srv.target) as client:
-                call = client.generate_call(
-                    make_request(text="Tell a story.", max_tokens=48, ignore_eos=True)
-                )
-                first = await call.read()
-                srv.signal_drain()
-                await asyncio.sleep(0.5)
-                assert srv.health() == health_pb2.HealthCheckResponse.NOT_SERVING
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await _collect(client, text="late", max_tokens=2)
-                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-                return [first, *await _rest(call)]
-
-        chunks = asyncio.run(go())
-        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        assert sum(len(c.token_ids) for c in chunks) == 48
-        assert srv.proc is not None
-        assert srv.proc.wait(timeout=60) == 0
+    chunks = asyncio.run(go())
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(c.token_ids) for c in chunks) == 48
+    assert own.proc is not None
+    assert own.proc.wait(timeout=60) == 0
 
 
 def test_deadline_and_cancel_free_the_request(server: ServerProcess) -> None:
