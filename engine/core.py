@@ -14,6 +14,8 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import partial
+from pathlib import Path
 
 from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, KVLayout
 from connectors.factory import create_connector
@@ -21,6 +23,8 @@ from engine.config import EngineConfig
 from engine.outputs import EngineCoreOutputs
 from engine.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
+from engine.structured_output.backend import GrammarBackend
+from engine.structured_output.manager import StructuredOutputManager
 from engine.worker.worker import Worker, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -48,11 +52,15 @@ class EngineCore:
             self.worker_connector = create_connector(KVConnectorRole.WORKER, context)
             self.worker.runner.attach_connector(self.worker_connector)
         kv = config.kv_transfer
+        self.structured_output = StructuredOutputManager(
+            partial(_xgrammar_backend, info.model_path, info.vocab_size)
+        )
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
             connector=connector,
             kv_load_failure_policy=kv.kv_load_failure_policy if kv is not None else "recompute",
+            structured_output=self.structured_output,
         )
         self.worker.runner.warmup()
         # Everything allocated so far lives as long as the engine: keep it
@@ -126,5 +134,15 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        self.structured_output.shutdown()
         if self.worker_connector is not None:
             self.worker_connector.shutdown()
+
+
+def _xgrammar_backend(model_path: Path, vocab_size: int) -> GrammarBackend:
+    """Built in the grammar pool on the first constrained request: xgrammar
+    and the tokenizer info load only on a server that sees one."""
+    from engine.models.loader import load_tokenizer
+    from engine.structured_output.xgrammar_backend import XGrammarBackend
+
+    return XGrammarBackend(load_tokenizer(model_path), vocab_size)

@@ -40,6 +40,7 @@ from engine.frontend import FrontEnd
 from engine.input_processor import InputProcessor
 from engine.models.loader import load_tokenizer
 from engine.output_processor import OutputKind, RequestOutput
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.status import EngineStatus
 
@@ -122,10 +123,22 @@ class LLM:
                 step = self.core.step()
                 seconds = time.perf_counter() - start
                 for out in self.front.process_step(step, seconds).outputs:
+                    if out.error is not None:
+                        self._abort_rest(request_ids, finished)
+                        raise out.error
                     if out.request_id in request_ids:
                         finished[out.request_id] = out
                         bar.update(1)
         return finished
+
+    def _abort_rest(self, request_ids: set[str], finished: dict[str, RequestOutput]) -> None:
+        """A request the engine refused (its grammar did not compile) fails
+        the call, as invalid input does before anything is queued: the
+        call's other requests are ended, not left to a later call."""
+        rest = [rid for rid in request_ids if rid not in finished]
+        for rid in rest:
+            self.front.abort(rid, FinishReason.ABORT)
+        self.core.abort_requests(rest)
 
 
 def _apply_overrides(

@@ -20,6 +20,7 @@ replays them and streams the rest (engine/detokenizer.py).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from connectors.kv_transfer_params import KVTransferParams
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.outputs import EngineCoreOutput, LogprobsLists, PromptLogprobs
 from engine.request import FinishReason, Request
 
@@ -87,6 +89,9 @@ class RequestOutput:
     num_cached_tokens: int
     kv_transfer_params: KVTransferParams | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # The engine refused the request after admitting it (its grammar did
+    # not compile): a stream raises this instead of yielding the output.
+    error: InvalidRequestError | None = None
 
     @property
     def finished(self) -> bool:
@@ -200,6 +205,11 @@ class OutputProcessor:
             state = self._states.get(core_out.request_id)
             if state is None:
                 continue  # aborted here while the step ran
+            if core_out.error is not None:
+                refused = self.abort(core_out.request_id, FinishReason.ERROR)
+                assert refused is not None
+                processed.outputs.append(dataclasses.replace(refused, error=core_out.error))
+                continue
             # Tokens after the request's first: a first token ends a TTFT,
             # the later ones each end an inter-token gap.
             num_new = len(core_out.new_token_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from connectors.kv_transfer_params import KVTransferParams
+from engine.errors import InvalidRequestError
 from engine.kv_cache.events import KVCacheEvent
 from engine.request import FinishReason
 from engine.stats import KVConnectorStats, SchedulerStats
@@ -129,6 +130,9 @@ class EngineCoreOutput:
     kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0
     new_prompt_logprobs: PromptLogprobs | None = None
+    # Set when the engine refused the request after admitting it (its
+    # grammar did not compile): the caller gets this error, not an output.
+    error: InvalidRequestError | None = None
 
     @property
     def finished(self) -> bool:

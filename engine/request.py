@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from connectors.kv_transfer_params import KVTransferParams
 from engine.kv_cache.hashing import BlockHash, BlockHasher
 from engine.sampling_params import SamplingParams
+from engine.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle states. Every state after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
-    WAITING_FOR_FSM = enum.auto()  # kept for parity with vLLM; unused here
+    WAITING_FOR_FSM = enum.auto()  # its grammar is compiling
     WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -105,6 +106,9 @@ class Request:
     # prefix-cache hit (or KV a connector loads) skips computing them: such
     # a request computes its whole prompt (it still caches what it computes).
     skip_reading_prefix_cache: bool = field(init=False)
+    # Structured output: the grammar's compilation, then its matcher. Such
+    # a request starts in WAITING_FOR_FSM, as in vLLM.
+    structured_output_request: StructuredOutputRequest | None = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -116,6 +120,11 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.max_tokens = self.sampling_params.max_tokens
         self.skip_reading_prefix_cache = self.sampling_params.prompt_logprobs is not None
+        constraint = self.sampling_params.structured_outputs
+        self.structured_output_request = None
+        if constraint is not None:
+            self.structured_output_request = StructuredOutputRequest(constraint)
+            self.status = RequestStatus.WAITING_FOR_FSM
         if self.block_hasher is not None:
             self.block_hashes = self.block_hasher(self)
 
@@ -126,6 +135,10 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_output.params import StructuredOutputParams
+
 # The hottest temperature accepted. Over logits that span ~50 nats (as a
 # language model's do) 100 already leaves every token within a factor e^0.5
 # of uniform, so nothing useful lies above it; what does (inf, 1e30) is a
@@ -62,6 +64,11 @@ class SamplingParams:
     drops tokens less likely than ``min_p`` times the most likely one,
     after temperature; greedy requests ignore it.
 
+    ``structured_outputs`` constrains the output to a JSON schema, any JSON
+    object, a regex, a choice or an EBNF grammar (see
+    ``StructuredOutputParams``); the mask applies to greedy and sampled
+    rows alike, before every other adjustment.
+
     Treat an instance as immutable: it is validated once, and the sampler
     reads the derived ``uses_penalties`` / ``adjusts_logits`` every step.
     ``dataclasses.replace`` makes a re-validated copy.
@@ -83,6 +90,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: StructuredOutputParams | None = None
     # Derived once here, since the sampler checks every row every step
     # whether it needs the (costly) penalty or logit-adjusting paths.
     uses_penalties: bool = field(init=False, repr=False, compare=False)
@@ -99,6 +107,12 @@ class SamplingParams:
         _check(isinstance(self.logit_bias, dict), "logit_bias", "must be a dict of id -> bias")
         self.logit_bias = dict(self.logit_bias)
         self._validate_adjustments()
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputParams),
+            "structured_outputs",
+            f"must be a StructuredOutputParams, got {self.structured_outputs!r}",
+        )
         self.uses_penalties = (
             self.presence_penalty != 0
             or self.frequency_penalty != 0

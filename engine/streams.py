@@ -97,7 +97,7 @@ class RequestStreams:
             return
         if output.finished:
             self._remove(output.request_id)
-        stream.push(output)
+        stream.push(output if output.error is None else output.error)
         self._observer.on_output(stream.timing, output, now)
 
     def end(self, output: RequestOutput, error: BaseException | None = None) -> None:

@@ -611,12 +611,40 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="drop tokens below this fraction of the top probability (default: 0, off)",
     )
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _add_constraint_flags(p)
     p.add_argument(
         "--stats",
         action="store_true",
         help="print time to first token, tokens/s and cached tokens to stderr",
     )
     _add_client_flags(p)
+
+
+def _add_constraint_flags(p: argparse.ArgumentParser) -> None:
+    """Structured output: at most one constraint (GenerateRequest.constraint)."""
+    group = p.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", help="a JSON schema the answer obeys: JSON text or @FILE")
+    group.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    group.add_argument("--regex", help="a regular expression the whole answer matches")
+    group.add_argument("--choice", action="append", help="the answer is one of these (repeatable)")
+    group.add_argument("--grammar", help="an EBNF (GBNF) grammar with rule root: text or @FILE")
+
+
+def _constraint(args: argparse.Namespace) -> dict[str, object] | None:
+    def text(value: str) -> str:
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+
+    if args.json_schema is not None:
+        return {"json_schema": text(args.json_schema)}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    if args.grammar is not None:
+        return {"grammar": text(args.grammar)}
+    return None
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -647,6 +675,7 @@ async def _generate(args: argparse.Namespace) -> int:
                 repetition_penalty=args.repetition_penalty,
                 min_p=args.min_p,
                 stop=args.stop,
+                constraint=_constraint(args),
             ):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter()

@@ -10,6 +10,7 @@ Any other gRPC client works the same way: the protos are in `protos/`.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -121,10 +122,21 @@ def make_request(
     messages: list[dict[str, str]] | None = None,
     request_id: str = "",
     priority: int = 0,
+    constraint: dict[str, Any] | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from keyword arguments (sampling names as in the proto)."""
+    """A GenerateRequest from keyword arguments (sampling names as in the
+    proto). ``constraint``: one structured-output field and its value
+    (``{"regex": "[0-9]+"}``, ``{"choice": ["a", "b"]}``, ``{"json_schema":
+    {...}}`` as a dict or JSON text)."""
     request = pb.GenerateRequest(request_id=request_id, priority=priority)
+    for kind, value in (constraint or {}).items():
+        if kind == "choice":
+            request.choice.choices.extend(value)
+        elif kind == "json_schema" and not isinstance(value, str):
+            request.json_schema = json.dumps(value)
+        else:
+            setattr(request, kind, value)
     if text is not None:
         request.text = text
     elif token_ids is not None:

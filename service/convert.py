@@ -10,6 +10,7 @@ the wire's; an output that ended in error becomes ``RequestFailedError``.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from engine import (
     SamplingParams,
     SamplingParamsError,
 )
+from engine.structured_output.params import ConstraintError, StructuredOutputParams
 from service.choices import Call, check_n
 from service.errors import RequestFailedError
 from service.gen.tandem.v1 import generation_pb2 as pb
@@ -69,10 +71,13 @@ def generate_input(
     kv = kv_transfer_params(msg.kv_transfer_params) if msg.HasField("kv_transfer_params") else None
     n = msg.sampling.n or 1
     check_n(n, "sampling.n", disaggregated=kv is not None or role != "both")
+    params = sampling_params(msg.sampling) if msg.HasField("sampling") else SamplingParams()
+    if (so := constraint(msg)) is not None:
+        params = dataclasses.replace(params, structured_outputs=so)
     return Call(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt=_prompt(msg, inputs),
-        params=sampling_params(msg.sampling) if msg.HasField("sampling") else SamplingParams(),
+        params=params,
         n=n,
         priority=msg.priority,
         kv_transfer_params=kv,
@@ -89,6 +94,30 @@ def _prompt(msg: pb.GenerateRequest, inputs: InputProcessor) -> ProcessedPrompt:
     if kind == "token_ids":
         return inputs.process_token_ids(list(msg.token_ids.ids), "token_ids")
     return inputs.process_chat(chat_messages(msg.chat), "chat.messages")
+
+
+def constraint(msg: pb.GenerateRequest) -> StructuredOutputParams | None:
+    """The request's structured-output constraint (the `constraint` oneof)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object" and not msg.json_object:
+        raise InvalidRequestError("json_object", "must be true when set")
+    table: dict[str, dict[str, Any]] = {
+        "json_schema": {"json": msg.json_schema},
+        "json_object": {"json_object": True},
+        "regex": {"regex": msg.regex},
+        "choice": {"choice": list(msg.choice.choices)},
+        "grammar": {"grammar": msg.grammar},
+    }
+    values = table[kind]
+    try:
+        return StructuredOutputParams(**values)
+    except ConstraintError as exc:
+        # The engine names its own field (structured_outputs.json[...]);
+        # the wire's is `kind`.
+        where = kind + exc.field.removeprefix(f"structured_outputs.{next(iter(values))}")
+        raise InvalidRequestError(where, str(exc).split(": ", 1)[-1]) from exc
 
 
 def chat_messages(chat: pb.ChatInput) -> list[ChatMessage]:

@@ -14,6 +14,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from connectors.base import KVConnectorMetadata
     from engine.request import Request
+    from engine.structured_output.manager import GrammarBitmask
 
 
 @dataclass
@@ -80,6 +81,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Structured output: one mask row per constrained request that samples
+    # this step (None when none does).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

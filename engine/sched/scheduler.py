@@ -13,9 +13,17 @@ by ``KVTransfers`` (kv_transfers.py); the scheduler calls into it. Whether
 parked blocks must go back, where vLLM would stay stuck, is decided by
 ``DeadlockBreaker`` (deadlock.py).
 
+Structured output follows the seeds too: a constrained request waits in
+WAITING_FOR_FSM (skipped, not blocking the queue) until its grammar
+compiled in the manager's pool; each step's output carries one bitmask row
+per constrained request that samples; accepted tokens advance its matcher,
+and drafts are cut to what its grammar accepts. A grammar that completes
+ends the request ("stop"); one that fails to compile ends it with an error
+naming the field.
+
 Step by step the decisions equal vLLM 0.12.0's scheduler with the same
-config (asynchronous scheduling, pipeline parallelism, LoRA, multimodal
-encoders and structured output aside).
+config (asynchronous scheduling, pipeline parallelism, LoRA and multimodal
+encoders aside).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, ConfigError, SchedulerConfig
+from engine.errors import InvalidRequestError
 from engine.kv_cache.hashing import BlockHasher
 from engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine.outputs import (
@@ -44,10 +53,13 @@ from engine.sched.partial_prefill import Admission, PartialPrefillLimiter
 from engine.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from engine.sched.stop import check_stop, remove_all
 from engine.stats import SchedulerStats
+from engine.structured_output.backend import Grammar
+from engine.structured_output.request import GrammarState
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorBase
     from connectors.kv_transfer_params import KVTransferParams
+    from engine.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +93,12 @@ class Scheduler(SchedulerInterface):
         connector: KVConnectorBase | None = None,
         log_stats: bool = True,
         kv_load_failure_policy: str = "recompute",
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         """`kv_load_failure_policy`: what a failed KV load does to its
-        requests: "recompute" the lost tokens, or "fail" them (an error)."""
+        requests: "recompute" the lost tokens, or "fail" them (an error).
+        `structured_output`: compiles grammars (None: constrained requests
+        are refused)."""
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -123,6 +138,10 @@ class Scheduler(SchedulerInterface):
         self._prev_step_scheduled: dict[str, int] = {}
         self.num_preemptions = 0
         self.deadlock_breaker = DeadlockBreaker(self.kv_transfers)
+        self.structured_output = structured_output
+        # Requests whose grammar failed to compile, ended during schedule():
+        # their outputs go out with this step's.
+        self._refused: list[tuple[int, EngineCoreOutput]] = []
 
     def _check_cache_fits_one_request(self) -> None:
         # A request that cannot fit even alone would block the queue forever.
@@ -147,6 +166,10 @@ class Scheduler(SchedulerInterface):
                 f"prompt_token_ids: {request.num_prompt_tokens} tokens exceed "
                 f"max_model_len={self.max_model_len}"
             )
+        if request.structured_output_request is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs: this engine has no grammar backend")
+            self.structured_output.grammar_init(request)
         # Connectors key stored KV by block hash, so they need hashes even
         # without local prefix caching (as vLLM's engine decides).
         needs_hashes = self.cache_config.enable_prefix_caching or self.connector is not None
@@ -363,6 +386,10 @@ class Scheduler(SchedulerInterface):
                     skipped.prepend_request(waiting.pop_request())
                     continue
                 request.status = RequestStatus.WAITING
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(
+                request, skipped
+            ):
+                continue
             if limiter is not None:
                 verdict = limiter.admit(request)
                 if verdict is Admission.STOP:
@@ -382,6 +409,33 @@ class Scheduler(SchedulerInterface):
             plan.head_lacks_blocks = False  # blocks were released: try again
         if skipped:
             waiting.prepend_requests(skipped)
+
+    def _grammar_ready(self, request: Request, skipped: RequestQueue) -> bool:
+        """For the waiting head in WAITING_FOR_FSM: True once its grammar
+        compiled (it is WAITING now); else it leaves the head, skipped while
+        compiling, ended if the grammar failed."""
+        assert self.structured_output is not None
+        state = self.structured_output.activate(request)
+        if state is GrammarState.READY:
+            request.status = RequestStatus.WAITING
+            return True
+        self.waiting.pop_request()
+        if state is GrammarState.COMPILING:
+            skipped.prepend_request(request)
+        else:
+            self._refuse_grammar(request)
+        return False
+
+    def _refuse_grammar(self, request: Request) -> None:
+        so = request.structured_output_request
+        assert so is not None
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request)
+        error = InvalidRequestError(so.field, f"the constraint does not compile: {so.error}")
+        output = EngineCoreOutput(
+            request.request_id, [], FinishReason.ERROR, stop_reason=str(error), error=error
+        )
+        self._refused.append((request.client_index, output))
 
     def _try_admit(self, request: Request, plan: _StepPlan, skipped: RequestQueue) -> bool:
         """Try to start (or resume) the request at the head of the queue.
@@ -503,6 +557,8 @@ class Scheduler(SchedulerInterface):
             preempted_req_ids={r.request_id for r in plan.preempted_reqs},
         )
         self._prev_step_scheduled = num_scheduled
+        if self.structured_output is not None:
+            output.grammar_bitmask = self._grammar_bitmask(num_scheduled)
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         # Only now advance progress: the output (and the connector) saw where
@@ -512,6 +568,19 @@ class Scheduler(SchedulerInterface):
             requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         return output
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
+        """Masks for the constrained requests that sample this step (a
+        prompt chunk that does not reach the end samples nothing)."""
+        assert self.structured_output is not None
+        requests = self.requests
+        sampling = [
+            r
+            for rid, n in num_scheduled.items()
+            if (r := requests[rid]).structured_output_request is not None
+            and r.num_computed_tokens + n >= r.num_tokens
+        ]
+        return self.structured_output.grammar_bitmask(sampling) if sampling else None
 
     def _make_cached_request_data(self, plan: _StepPlan) -> CachedRequestData:
         """Deltas for the running (then resumed) requests scheduled."""
@@ -595,6 +664,9 @@ class Scheduler(SchedulerInterface):
                 stopped = check_stop(request, max_model_len)
             else:
                 new_token_ids, stopped = self._append_tokens(request, new_token_ids, max_model_len)
+            so_request = request.structured_output_request
+            if so_request is not None and so_request.grammar is not None:
+                stopped = self._advance_grammar(request, so_request.grammar, new_token_ids, stopped)
             finish_reason = kv_transfer_params = None
             if stopped:
                 finish_reason = request.get_finished_reason()
@@ -631,9 +703,32 @@ class Scheduler(SchedulerInterface):
         failed = self.kv_transfers.take_failed_loads(recovered)
         if failed:
             self._end_failed_loads(failed, outputs)
+        if self._refused:
+            for client, refused in self._refused:
+                outputs[client].append(refused)
+            self._refused = []
         if outputs:
             self.deadlock_breaker.step_had_output()
         return self._package_outputs(outputs)
+
+    @staticmethod
+    def _advance_grammar(
+        request: Request, grammar: Grammar, new_token_ids: list[int], stopped: bool
+    ) -> bool:
+        """Feed the step's tokens to the request's grammar; True if the
+        request ends: it already stopped, or its grammar is complete."""
+        accepted = grammar.accept_tokens(new_token_ids)
+        if stopped:
+            return True
+        if not accepted:  # the mask makes this unreachable; never emit it unchecked
+            logger.error("request %s: grammar refused %s", request.request_id, new_token_ids)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = f"the grammar refused the sampled tokens {new_token_ids}"
+            return True
+        if grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     @staticmethod
     def _rewind_rejected_drafts(request: Request, num_drafts: int, num_generated: int) -> None:
@@ -677,6 +772,11 @@ class Scheduler(SchedulerInterface):
         ):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
+                continue
+            so_request = request.structured_output_request
+            if drafts and so_request is not None and so_request.grammar is not None:
+                # Drafts past what the grammar accepts would be rejected anyway.
+                request.spec_token_ids = so_request.grammar.validate_tokens(list(drafts))
                 continue
             request.spec_token_ids = list(drafts)
 

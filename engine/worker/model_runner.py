@@ -26,6 +26,7 @@ from engine.outputs import (
     PromptLogprobs,
 )
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.structured_output.manager import GrammarBitmask
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.penalties import TokenHistory
 from engine.worker.prompt_logprobs import PromptLogprobsTracker
@@ -251,6 +252,8 @@ class ModelRunner:
         if inputs.sample_rows.size:
             logits_idx = torch.from_numpy(inputs.logits_indices).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_idx])
+            if so.grammar_bitmask is not None:
+                self._apply_grammar(logits, inputs.sample_rows, so.grammar_bitmask)
             sampled, logprobs = self._sample(logits, inputs.sample_rows, sampled)
         batch = self.batch
         return ModelRunnerOutput(
@@ -273,6 +276,19 @@ class ModelRunner:
             so.num_scheduled_tokens,
             self.model.compute_logits,
         )
+
+    def _apply_grammar(
+        self, logits: torch.Tensor, sample_rows: npt.NDArray[np.int64], grammar: GrammarBitmask
+    ) -> None:
+        """Structured output: forbidden tokens of the constrained rows to
+        -inf before the sampler sees them (so greedy, temperature, top-k/p
+        all choose among allowed tokens, and logprobs show the mask)."""
+        # Here, not at the top: xgrammar loads once a constrained request samples.
+        from engine.structured_output.apply import apply_grammar_bitmask
+
+        req_ids = self.batch.req_ids
+        row_of = {req_ids[r]: i for i, r in enumerate(sample_rows.tolist())}
+        apply_grammar_bitmask(logits, grammar, row_of)
 
     def _sample(
         self,

@@ -4,11 +4,13 @@ in front of the session's `tandem serve`, driven with the `openai` client."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
+import jsonschema
 import openai
 import pytest
 
@@ -141,10 +143,33 @@ def test_logprobs_come_back_per_token(client: openai.OpenAI) -> None:
     assert all(t.token == t.top_logprobs[0].token for t in content)
 
 
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
+    },
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_constrains_the_answer(client: openai.OpenAI) -> None:
+    """OpenAI's response_format reaches the engine as vLLM's constraint."""
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    got = _chat(client, max_tokens=64, response_format=schema).choices[0]
+    assert got.finish_reason == "stop", got.message.content
+    jsonschema.validate(json.loads(got.message.content or ""), CITY)
+    got = _chat(client, max_tokens=64, response_format={"type": "json_object"}).choices[0]
+    assert got.finish_reason == "stop", got.message.content
+    assert isinstance(json.loads(got.message.content or ""), dict)
+
+
 def test_invalid_argument_is_http_400_naming_the_field(client: openai.OpenAI) -> None:
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": 12}}}
     with pytest.raises(openai.BadRequestError) as err:
-        _chat(client, response_format={"type": "json_object"})
-    assert "structured output is not supported" in str(err.value)
+        _chat(client, response_format=bad)
+    assert "structured_outputs.json" in str(err.value)
     with pytest.raises(openai.BadRequestError):
         _chat(client, temperature=-1)
 

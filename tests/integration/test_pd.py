@@ -234,6 +234,49 @@ def _first_two_texts(server: ServerProcess) -> tuple[str, str]:
     return first, second
 
 
+PD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "shades": {"type": "integer", "minimum": 1, "maximum": 99},
+    },
+    "required": ["colour", "shades"],
+    "additionalProperties": False,
+}
+
+
+def test_constrained_requests_continue_their_grammar_after_the_handover(
+    shm_pd: tuple[str, str, str], server: ServerProcess
+) -> None:
+    """The prefill pod samples the first token under the constraint; the
+    decode pod's grammar starts after it: outputs equal the colocated ones,
+    and they obey the constraint."""
+    router = shm_pd[0]
+    prompt = f"Run {uuid.uuid4().hex[:8]}. {SYSTEM}Answer as JSON:"
+    cases: list[dict[str, Any]] = [
+        {"json_schema": PD_SCHEMA},
+        {"regex": r"(ab|cd)[0-9]{3,6}!"},
+        {"choice": ["a long answer about colours", "a short one"]},
+    ]
+
+    async def both(constraint: dict[str, Any]) -> tuple[pb.GenerateResponse, ...]:
+        kw: dict[str, Any] = {"max_tokens": 40, "ignore_eos": False, "constraint": constraint}
+        return tuple(
+            await asyncio.gather(
+                _generate(router, prompt, **kw), _generate(server.target, prompt, **kw)
+            )
+        )
+
+    for constraint in cases:
+        got, want = asyncio.run(both(constraint))
+        assert got.finish_reason == pb.FINISH_REASON_STOP, (constraint, got.text)
+        _check_parity([got], [want])
+    got, _ = asyncio.run(both(cases[0]))
+    parsed = json.loads(got.text)
+    assert parsed["colour"] in ("red", "green", "blue") and 1 <= parsed["shades"] <= 99
+    assert asyncio.run(both(cases[2]))[0].text in cases[2]["choice"]
+
+
 def test_stop_string_spanning_the_handover(
     server: ServerProcess, shm_pd: tuple[str, str, str]
 ) -> None:

@@ -23,6 +23,7 @@ from engine import (
     TokenLogprob,
 )
 from engine.models.loader import load_tokenizer, resolve_model
+from engine.structured_output.params import StructuredOutputParams
 from service import convert
 from service.client import make_request
 from service.errors import RequestFailedError, status_for
@@ -369,3 +370,39 @@ def test_status_and_events() -> None:
     assert kinds == ["stored", "removed", "cleared"]
     assert batch.events[0].stored.parent_block_hash == b""
     assert batch.sequence == 3
+
+
+@pytest.mark.parametrize(
+    ("constraint", "want"),
+    [
+        ({"json_schema": {"type": "object"}}, StructuredOutputParams(json={"type": "object"})),
+        ({"json_object": True}, StructuredOutputParams(json_object=True)),
+        ({"regex": "[a-z]+"}, StructuredOutputParams(regex="[a-z]+")),
+        ({"choice": ["x", "y"]}, StructuredOutputParams(choice=["x", "y"])),
+        ({"grammar": 'root ::= "a"'}, StructuredOutputParams(grammar='root ::= "a"')),
+    ],
+)
+def test_each_constraint_reaches_the_params(
+    inputs: InputProcessor, constraint: dict[str, Any], want: StructuredOutputParams
+) -> None:
+    msg = make_request(text="hi", temperature=0.0, constraint=constraint)
+    params = convert.generate_input(msg, inputs).params
+    assert params.structured_outputs == want
+    assert params.temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    ("constraint", "details"),
+    [
+        ({"json_schema": "[1]"}, "json_schema: a JSON schema must be an object, got list"),
+        ({"json_object": False}, "json_object: must be true when set"),
+        ({"choice": ["ok", ""]}, "choice[1]: must be a non-empty string, got ''"),
+        ({"regex": ""}, "regex: must be a non-empty string"),
+    ],
+)
+def test_bad_constraints_name_the_wire_field(
+    inputs: InputProcessor, constraint: dict[str, Any], details: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        convert.generate_input(make_request(text="hi", constraint=constraint), inputs)
+    assert str(err.value) == details

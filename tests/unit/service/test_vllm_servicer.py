@@ -19,6 +19,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from connectors.kv_transfer_params import KVTransferParams
 from engine.async_engine import AsyncEngine
+from engine.structured_output.params import StructuredOutputParams
 from service.grpc_server import new_server
 from service.servicer import new_input_pool
 from service.vllm_servicer import VllmEngineServicer
@@ -127,10 +128,14 @@ def test_each_choice_is_seeded_with_the_seed_plus_its_index() -> None:
         (lambda r: r.ClearField("request_id"), "request_id"),
         (lambda r: r.ClearField("input"), "input"),
         (
-            lambda r: r.sampling_params.__setattr__("json_schema", "{}"),
-            "sampling_params.json_schema",
+            lambda r: r.sampling_params.__setattr__("json_schema", "{nope"),
+            "sampling_params.json_schema: is not valid JSON",
         ),
-        (lambda r: r.sampling_params.choice.choices.append("a"), "sampling_params.choice"),
+        (lambda r: r.sampling_params.choice.choices.extend(["a", ""]), "sampling_params.choice[1]"),
+        (
+            lambda r: r.sampling_params.__setattr__("structural_tag", "{}"),
+            "sampling_params.structural_tag",
+        ),
         (lambda r: r.sampling_params.__setattr__("logprobs", -1), "sampling_params.logprobs"),
         (
             lambda r: r.sampling_params.__setattr__("truncate_prompt_tokens", 2),
@@ -166,6 +171,20 @@ def test_bad_or_unsupported_input_is_invalid_argument_naming_the_field(
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith(field), details
     assert live == 0
+
+
+def test_a_constraint_reaches_the_engine_as_structured_outputs() -> None:
+    request = generate("so", max_tokens=10_000)
+    request.sampling_params.regex = "[0-9]+"
+
+    async def body(stub, servicer, core, engine) -> object:
+        call = stub.Generate(request)
+        await call.read()
+        so = core.live["so"].sampling_params.structured_outputs
+        call.cancel()
+        return so
+
+    assert serve(body) == StructuredOutputParams(regex="[0-9]+")
 
 
 def test_a_prefill_pod_asks_its_connector_to_hand_over_requests_that_carry_no_params() -> None:

@@ -1,0 +1,120 @@
+"""StructuredOutputManager: compiles grammars off the engine thread and
+fills each step's bitmask.
+
+Compilation runs in a small thread pool (xgrammar releases the GIL while
+it compiles), one future per constraint key, kept in an LRU cache: a
+second request with the same schema is ready at once. The backend itself
+(its tokenizer info: a pass over the vocabulary) is built in the pool too,
+on the first constrained request, so a server that never sees one never
+pays for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.request import Request
+from engine.structured_output.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarCompileError,
+)
+from engine.structured_output.request import GrammarState, StructuredOutputRequest
+
+if TYPE_CHECKING:
+    from engine.structured_output.backend import Bitmask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's masks: row i of ``bitmask`` constrains ``req_ids[i]``'s
+    sampled token."""
+
+    req_ids: list[str]
+    bitmask: Bitmask
+
+
+class StructuredOutputManager:
+    CACHE_SIZE = 256
+
+    def __init__(self, make_backend: Callable[[], GrammarBackend], max_workers: int = 2) -> None:
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tandem-grammar")
+        self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
+
+    def backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._make_backend()
+            return self._backend
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling the request's constraint (or find it compiled)."""
+        so = request.structured_output_request
+        assert so is not None
+        key = so.params.key
+        future = self._cache.get(key)
+        if future is None:
+            params = so.params
+            future = self._pool.submit(lambda: self.backend().compile(params))
+            self._cache[key] = future
+            if len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        so.compiled = future
+
+    def activate(self, request: Request) -> GrammarState:
+        """For a request in WAITING_FOR_FSM: READY once its grammar compiled
+        (its matcher made, and advanced past any output an earlier leg
+        generated: a P/D decode leg's prompt ends with the prefill's
+        token); FAILED with ``error`` set if it cannot be."""
+        so = request.structured_output_request
+        assert so is not None and so.compiled is not None
+        if so.grammar is not None:
+            return GrammarState.READY
+        if not so.compiled.done():
+            return GrammarState.COMPILING
+        exc = so.compiled.exception()
+        if exc is not None:
+            so.error = str(exc) if isinstance(exc, GrammarCompileError) else repr(exc)
+            return GrammarState.FAILED
+        grammar = self.backend().matcher(so.compiled.result())
+        earlier = request.num_output_tokens_in_prompt
+        replay = (
+            request.prompt_token_ids[len(request.prompt_token_ids) - earlier :] if earlier else []
+        )
+        replay += request.output_token_ids
+        if replay and not grammar.accept_tokens(replay):
+            so.error = f"the tokens generated so far {replay} do not fit the grammar"
+            return GrammarState.FAILED
+        so.grammar = grammar
+        return GrammarState.READY
+
+    def grammar_bitmask(self, requests: Sequence[Request]) -> GrammarBitmask:
+        """One row per request (each READY), in order."""
+        backend = self.backend()
+        bitmask = backend.allocate_bitmask(len(requests))
+        grammars = []
+        for r in requests:
+            so = r.structured_output_request
+            assert so is not None and so.grammar is not None
+            grammars.append(so.grammar)
+        backend.fill_bitmasks(grammars, bitmask)
+        return GrammarBitmask([r.request_id for r in requests], bitmask)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["GrammarBitmask", "StructuredOutputManager", "StructuredOutputRequest"]

@@ -1,0 +1,193 @@
+"""Structured output on the default model through the LLM API: every kind
+of constraint, greedy and sampled, mixed with free requests, and under
+preemption and chunked prefill."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.errors import InvalidRequestError
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.structured_output.params import StructuredOutputParams
+
+SCHEMAS: dict[str, dict[str, object]] = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "enum": {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["color", "count"],
+        "additionalProperties": False,
+    },
+    "array": {
+        "type": "object",
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 10},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                    "email": {"type": "string", "maxLength": 30},
+                },
+                "required": ["id", "email"],
+                "additionalProperties": False,
+            },
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"],
+        "additionalProperties": False,
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {
+            "price": {"type": "number", "minimum": 0, "maximum": 1000},
+            "discount": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["price", "discount"],
+        "additionalProperties": False,
+    },
+}
+ARITHMETIC = r"""
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= num | "(" expr ")"
+num ::= [1-9] [0-9]?
+"""
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+CHOICES = ["positive", "negative", "neutral"]
+FREE = ["The history of bread begins", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=512)
+
+
+def _ask(llm: LLM, request: str) -> str:
+    return llm.chat_prompt([{"role": "user", "content": request}])
+
+
+def _params(so: StructuredOutputParams, **kw: object) -> SamplingParams:
+    values: dict[str, object] = {"temperature": 0.0, "max_tokens": 96, **kw}
+    return SamplingParams(structured_outputs=so, **values)  # type: ignore[arg-type]
+
+
+def _check_json(name: str, text: str) -> None:
+    jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+def test_json_schemas_greedy_and_sampled(llm: LLM) -> None:
+    names = list(SCHEMAS)
+    prompts = [_ask(llm, f"Describe a {name} example as JSON.") for name in names]
+    for seed in (None, 1, 2, 3):
+        sampled = {} if seed is None else {"temperature": 0.8, "seed": seed}
+        params = [_params(StructuredOutputParams(json=SCHEMAS[n]), **sampled) for n in names]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for name, out in zip(names, outs, strict=True):
+            assert out.finish_reason == "stop", (seed, name, out.text)
+            _check_json(name, out.text)
+
+
+def test_any_json_object(llm: LLM) -> None:
+    so = StructuredOutputParams(json_object=True)
+    ask = _ask(llm, 'Answer with a JSON object with one key, "answer": is water wet?')
+    out = llm.generate(ask, _params(so), use_tqdm=False)[0]
+    assert out.finish_reason == "stop", out.text
+    assert isinstance(json.loads(out.text), dict)
+
+
+def test_regex_choice_and_grammar(llm: LLM) -> None:
+    prompts = [
+        _ask(llm, "What is the phone number of the office?"),
+        _ask(llm, "Is 'I loved this film' positive, negative or neutral?"),
+        _ask(llm, "Write an arithmetic expression."),
+    ]
+    constraints = [
+        StructuredOutputParams(regex=PHONE),
+        StructuredOutputParams(choice=CHOICES),
+        StructuredOutputParams(grammar=ARITHMETIC),
+    ]
+    for seed in (None, 7, 8):
+        sampled = {} if seed is None else {"temperature": 0.8, "seed": seed}
+        params = [_params(so, **sampled) for so in constraints]
+        phone, choice, expr = llm.generate(prompts, params, use_tqdm=False)
+        assert re.fullmatch(PHONE, phone.text), phone.text
+        assert choice.text in CHOICES
+        if expr.finish_reason == "stop":  # a sampled expression may run to the limit
+            assert isinstance(ast.parse(expr.text, mode="eval").body, ast.BinOp | ast.Constant)
+        else:
+            assert seed is not None, expr.text
+        for out in (phone, choice):
+            assert out.finish_reason == "stop"
+
+
+def test_free_requests_are_untouched_by_constrained_neighbours(llm: LLM) -> None:
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = [o.token_ids for o in llm.generate(FREE, free, use_tqdm=False)]
+    constrained = [_params(StructuredOutputParams(json=SCHEMAS[n])) for n in ("person", "array")]
+    mixed = llm.generate(
+        [FREE[0], _ask(llm, "A person as JSON."), FREE[1], _ask(llm, "Tags as JSON.")],
+        [free, constrained[0], free, constrained[1]],
+        use_tqdm=False,
+    )
+    assert [mixed[0].token_ids, mixed[2].token_ids] == alone
+    _check_json("person", mixed[1].text)
+    _check_json("array", mixed[3].text)
+
+
+def test_preemption_and_chunked_prefill_keep_grammars_right(llm: LLM) -> None:
+    """Eight constrained requests with long prompts: in 12 blocks some are
+    preempted and recomputed; with a 24-token budget every prompt is
+    chunked. Greedy outputs equal the unpressured run's."""
+    names = list(SCHEMAS)[:4] * 2
+    prompts = [
+        _ask(llm, f"Request {i}. Think about {n} records in a database. Describe one as JSON.")
+        for i, n in enumerate(names)
+    ]
+    params = [_params(StructuredOutputParams(json=SCHEMAS[n]), max_tokens=64) for n in names]
+    want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    pressed = LLM(max_model_len=160, num_blocks_override=13, max_num_batched_tokens=24)
+    outs = pressed.generate(prompts, params, use_tqdm=False)
+    assert pressed.totals.num_preemptions > 0
+    assert [o.token_ids for o in outs] == want
+    for name, out in zip(names, outs, strict=True):
+        if out.finish_reason == "stop":
+            _check_json(name, out.text)
+
+
+def test_a_constraint_that_does_not_compile_is_an_invalid_request(llm: LLM) -> None:
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputParams(regex="(ab"))
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs\.regex: .*compile"):
+        llm.generate(["Hello", "World"], [SamplingParams(max_tokens=4), bad], use_tqdm=False)
+    # Nothing is left behind: the next call runs alone.
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert out[0].finish_reason == "length"

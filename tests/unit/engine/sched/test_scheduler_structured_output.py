@@ -1,0 +1,249 @@
+"""The scheduler's structured-output path (WAITING_FOR_FSM, bitmasks,
+grammar advance and end, drafts) with a grammar backend double: a grammar
+that allows exactly SEQUENCE then EOS, and a compile the test holds back."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+from engine.errors import InvalidRequestError
+from engine.outputs import DraftTokenIds
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sched.scheduler import Scheduler
+from engine.structured_output.backend import (
+    CompiledGrammar,
+    Grammar,
+    GrammarCompileError,
+)
+from engine.structured_output.manager import StructuredOutputManager
+from engine.structured_output.params import StructuredOutputParams
+from tests.unit.engine.sched.harness import EOS, free_blocks, make_request, make_scheduler, step
+
+if TYPE_CHECKING:
+    from engine.structured_output.backend import Bitmask
+
+VOCAB = 2048
+SEQUENCE = [1001, 1002, 1003]
+REGEX = StructuredOutputParams(regex="a+")
+
+
+class SequenceGrammar:
+    """Allows SEQUENCE, then EOS (which completes it)."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def _next(self, accepted: list[int]) -> int | None:
+        order = [*SEQUENCE, EOS]
+        return order[len(accepted)] if len(accepted) < len(order) else None
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for t in token_ids:
+            if t != self._next(self.accepted):
+                return False
+            self.accepted.append(t)
+        return True
+
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        trial = list(self.accepted)
+        for i, t in enumerate(token_ids):
+            if t != self._next(trial):
+                return token_ids[:i]
+            trial.append(t)
+        return token_ids
+
+    def fill_bitmask(self, bitmask: Bitmask, row: int) -> None:
+        bitmask[row] = 0
+        nxt = self._next(self.accepted)
+        if nxt is not None:
+            bitmask[row, nxt // 32] = np.int32(np.uint32(1 << (nxt % 32)).view(np.int32))
+
+    def is_terminated(self) -> bool:
+        return self._next(self.accepted) is None
+
+
+class Backend:
+    """Compiles to a token: at once, once `gate` is set, or fails."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, *, gate: threading.Event | None = None, error: str | None = None) -> None:
+        self.gate = gate
+        self.error = error
+        self.compiled: list[StructuredOutputParams] = []
+
+    def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        if self.error is not None:
+            raise GrammarCompileError(self.error)
+        self.compiled.append(params)
+        return object()
+
+    def matcher(self, compiled: CompiledGrammar) -> Grammar:
+        return SequenceGrammar()
+
+    def allocate_bitmask(self, rows: int) -> Bitmask:
+        return np.full((rows, (VOCAB + 31) // 32), -1, dtype=np.int32)
+
+    def fill_bitmasks(self, grammars: list[Grammar], bitmask: Bitmask) -> None:
+        for row, g in enumerate(grammars):
+            g.fill_bitmask(bitmask, row)
+
+
+def _scheduler(backend: Backend, **kwargs: Any) -> Scheduler:
+    sched = make_scheduler(**kwargs)
+    sched.structured_output = StructuredOutputManager(lambda: backend)
+    return sched
+
+
+def _constrained(rid: str, prompt: list[int] | int = 8, **kwargs: Any) -> Request:
+    return make_request(rid, prompt, structured_outputs=REGEX, **kwargs)
+
+
+def _grammar(request: Request) -> SequenceGrammar:
+    so = request.structured_output_request
+    assert so is not None and isinstance(so.grammar, SequenceGrammar)
+    return so.grammar
+
+
+def _follow(request: Request) -> int:
+    """A model that samples what the grammar allows (the runner's mask)."""
+    grammar = _grammar(request)
+    nxt = grammar._next(grammar.accepted)
+    assert nxt is not None
+    return nxt
+
+
+def _wait_compiled(request) -> None:
+    request.structured_output_request.compiled.exception(timeout=30)
+
+
+def test_a_compiling_grammar_waits_without_holding_up_the_queue() -> None:
+    gate = threading.Event()
+    sched = _scheduler(Backend(gate=gate))
+    slow, free = _constrained("r1"), make_request("r2", 8, max_tokens=8)
+    sched.add_request(slow)
+    sched.add_request(free)
+    assert slow.status is RequestStatus.WAITING_FOR_FSM
+    for _ in range(3):  # the compile is held: steps go on without it
+        res = step(sched)
+        assert list(res.scheduled) == ["r2"]
+        assert slow.status is RequestStatus.WAITING_FOR_FSM
+        assert res.sched_out.grammar_bitmask is None
+    gate.set()
+    _wait_compiled(slow)
+    res = step(sched, _follow_or_default)
+    assert res.scheduled == {"r2": 1, "r1": 8}
+    assert slow.status in (RequestStatus.RUNNING,)  # (mypy narrowed it above)
+
+
+def _follow_or_default(request) -> int:
+    return _follow(request) if request.structured_output_request else 1500
+
+
+def test_the_grammar_drives_the_output_to_its_end_even_with_ignore_eos() -> None:
+    for ignore_eos in (False, True):
+        sched = _scheduler(Backend())
+        req = _constrained("r1", max_tokens=10, ignore_eos=ignore_eos)
+        sched.add_request(req)
+        _wait_compiled(req)
+        tokens: list[int] = []
+        for _ in range(10):
+            res = step(sched, _follow)
+            tokens += res.tokens("r1")
+            if res.finished():
+                break
+        assert tokens == [*SEQUENCE, EOS]
+        assert res.finished() == {"r1": "stop"}
+        assert req.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_mask_rows_only_for_constrained_requests_that_sample() -> None:
+    """A prompt chunk short of the prompt's end samples nothing: no row."""
+    sched = _scheduler(Backend(), max_num_batched_tokens=32)
+    long = _constrained("r1", prompt=50)
+    sched.add_request(long)
+    sched.add_request(make_request("r2", 8))
+    _wait_compiled(long)
+    first = step(sched, _follow_or_default)
+    assert first.scheduled == {"r1": 32}
+    assert first.sched_out.grammar_bitmask is None
+    second = step(sched, _follow_or_default)
+    assert second.scheduled == {"r1": 18, "r2": 8}
+    mask = second.sched_out.grammar_bitmask
+    assert mask is not None and mask.req_ids == ["r1"]
+    allowed = np.unpackbits(mask.bitmask[0].view(np.uint8), bitorder="little").nonzero()[0]
+    assert allowed.tolist() == [SEQUENCE[0]]
+
+
+def test_a_grammar_that_fails_to_compile_ends_only_its_request() -> None:
+    sched = _scheduler(Backend(error="unbalanced parenthesis at 3"))
+    bad, good = _constrained("r1"), make_request("r2", 8, max_tokens=2)
+    sched.add_request(bad)
+    sched.add_request(good)
+    _wait_compiled(bad)
+    res = step(sched)
+    (refused,) = [o for o in res.outputs if o.request_id == "r1"]
+    assert refused.finish_reason is FinishReason.ERROR
+    assert isinstance(refused.error, InvalidRequestError)
+    assert refused.error.field == "structured_outputs.regex"
+    assert "unbalanced parenthesis at 3" in str(refused.error)
+    assert res.scheduled == {"r2": 8}
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert "r1" not in sched.requests
+    assert free_blocks(sched) == sched.cache_config.num_usable_blocks
+
+
+def test_drafts_are_cut_where_the_grammar_refuses() -> None:
+    sched = _scheduler(Backend())
+    req = _constrained("r1", max_tokens=10)
+    sched.add_request(req)
+    _wait_compiled(req)
+    step(sched, _follow)  # samples SEQUENCE[0]
+    sched.update_draft_token_ids(DraftTokenIds(["r1"], [[SEQUENCE[1], 9999, SEQUENCE[2]]]))
+    assert req.spec_token_ids == [SEQUENCE[1]]
+    sched.update_draft_token_ids(DraftTokenIds(["r1"], [[SEQUENCE[1], SEQUENCE[2]]]))
+    assert req.spec_token_ids == [SEQUENCE[1], SEQUENCE[2]]
+    assert _grammar(req).accepted == [SEQUENCE[0]]
+
+
+def test_a_decode_leg_starts_its_grammar_after_the_prefill_token() -> None:
+    """P/D: the prompt ends with the prefill pod's (first) output token."""
+    sched = _scheduler(Backend())
+    req = make_request("r1", [5, 6, 7, SEQUENCE[0]], structured_outputs=REGEX, max_tokens=8)
+    req.num_output_tokens_in_prompt = 1
+    sched.add_request(req)
+    _wait_compiled(req)
+    res = step(sched, _follow)
+    assert res.tokens("r1") == [SEQUENCE[1]]
+
+
+def test_preempted_constrained_requests_resume_where_their_grammar_was() -> None:
+    """Blocks for two short requests, not for both to grow: one is
+    preempted and recomputed; each still follows its grammar to the end."""
+    sched = _scheduler(Backend(), block_size=8, num_blocks=4, max_model_len=16)
+    reqs = [_constrained(f"r{i}", prompt=7, max_tokens=8) for i in (1, 2)]
+    for r in reqs:
+        sched.add_request(r)
+        _wait_compiled(r)
+    tokens: dict[str, list[int]] = {"r1": [], "r2": []}
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        res = step(sched, _follow)
+        for rid in tokens:
+            tokens[rid] += res.tokens(rid)
+    assert sched.num_preemptions > 0
+    assert tokens == {"r1": [*SEQUENCE, EOS], "r2": [*SEQUENCE, EOS]}
+
+
+def test_without_a_backend_a_constrained_request_is_refused() -> None:
+    sched = make_scheduler()
+    with pytest.raises(ValueError, match="structured_outputs"):
+        sched.add_request(_constrained("r1"))
