@@ -76,7 +76,10 @@ class XGrammarBackend:
             case ConstraintKind.JSON:
                 return compiler.compile_json_schema(params.spec, any_whitespace=False)
             case ConstraintKind.JSON_OBJECT:
-                return compiler.compile_builtin_json_grammar()
+                # Not compile_builtin_json_grammar(): that takes any JSON
+                # value (an array, a number), and OpenAI's json_object
+                # promises an object.
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             case ConstraintKind.REGEX:
                 return compiler.compile_regex(params.spec)
             case ConstraintKind.GRAMMAR:

@@ -98,3 +98,11 @@ def test_padded_vocabulary_rows_are_never_allowed(tokenizer) -> None:
     grammar.fill_bitmask(mask, 0)
     assert mask.shape == (1, (VOCAB + 64) // 32)
     assert not any(t >= VOCAB for t in _allowed(mask))
+
+
+def test_json_object_means_an_object_not_any_json_value(backend, tokenizer) -> None:
+    so = StructuredOutputParams(json_object=True)
+    array, ids = _run(backend, tokenizer, so, "[1, 2]")
+    assert not array.accept_tokens(ids[:1])
+    obj, ids = _run(backend, tokenizer, so, '{"a": [1, 2]}')
+    assert obj.accept_tokens([*ids, tokenizer.eos_token_id]) and obj.is_terminated()
