@@ -95,6 +95,7 @@ bench: model redis
 	$(PY) benchmarks/pd_bench.py
 	$(PY) benchmarks/startup_bench.py
 	$(PY) benchmarks/gateway_bench.py
+	$(PY) benchmarks/structured_output_bench.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache service/gen $(NODE_DIR)/node_modules

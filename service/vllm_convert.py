@@ -6,8 +6,9 @@ tokenizes and detokenizes itself, so requests arrive as token ids and
 answers leave as token ids. Sampling fields follow the vLLM servicer's
 reading, where proto3's zero means "unset" for the fields without presence:
 ``top_p`` 0 is 1.0, ``repetition_penalty`` 0 is 1.0, ``n`` 0 is 1. What
-Tandem cannot do yet (structured output, logprobs of the whole vocabulary,
-prompt truncation, images) is refused with the field's name, never ignored.
+Tandem cannot do yet (structural tags, logprobs of the whole vocabulary,
+prompt truncation, images) is refused with the field's name, never ignored;
+the other structured-output constraints become ``StructuredOutputParams``.
 
 Pure functions, no gRPC context; ``service.vllm_servicer`` owns the calls.
 """

@@ -157,20 +157,26 @@ def test_prefill_frees_blocks_nobody_reads(nixl_pd: Stack) -> None:
 
 @dataclass(frozen=True)
 class LonePrefills:
-    """Prefill pods of their own, one per test (see `lone_prefills`)."""
+    """Pods of their own for the tests that kill, mismatch or restart them (see `lone_prefills`)."""
 
     killed: ServerProcess  # killed, not drained
     mismatched: ServerProcess  # 32-token blocks
+    # test_restarted_peers_are_handshaken_again's fresh pair
+    fresh_decode: ServerProcess
+    fresh_prefill: ServerProcess
 
 
 @pytest.fixture(scope="module")
 def lone_prefills() -> Iterator[LonePrefills]:
-    """Launched together, so their start-ups overlap."""
+    """Launched together, so their start-ups overlap (with each other and
+    with the tests before the last of them)."""
     pods = LonePrefills(
         killed=ServerProcess(["--role", "prefill", *SMALL, *PRODUCER]),
         mismatched=ServerProcess(["--role", "prefill", *SMALL, "--block-size", "32", *PRODUCER]),
+        fresh_decode=ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]),
+        fresh_prefill=ServerProcess(["--role", "prefill", *SMALL, *PRODUCER]),
     )
-    with launched(pods.killed, pods.mismatched):
+    with launched(pods.killed, pods.mismatched, pods.fresh_decode, pods.fresh_prefill):
         yield pods
 
 
@@ -220,17 +226,16 @@ def test_mismatched_block_size_is_refused(
         _idle(pre.target)
 
 
-def test_restarted_peers_are_handshaken_again(server: ServerProcess, nixl_pd: Stack) -> None:
+def test_restarted_peers_are_handshaken_again(
+    server: ServerProcess, nixl_pd: Stack, lone_prefills: LonePrefills
+) -> None:
     """A decode pod restarted (a new process handshakes afresh) and a
     prefill pod restarted on the same address (a new incarnation: the decode
     pod's cached entry is stale and is fetched again)."""
     prefill = nixl_pd[1].target
     ids, want = _want(server, FRESH[3])
-    dec = ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER])
-    pre = ServerProcess(["--role", "prefill", *SMALL, *PRODUCER])
-    # The prefill pod starts alongside the decode pod; it is used from the
-    # second part on.
-    with launched(pre), dec:
+    pre = lone_prefills.fresh_prefill  # used from the second part on
+    with lone_prefills.fresh_decode as dec:
         first, params = _prefill_leg(prefill, ids)
         rest = _decode_leg(dec.target, ids, first, params)
         assert first + list(rest.token_ids) == want

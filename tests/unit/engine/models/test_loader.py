@@ -264,10 +264,22 @@ def converted():
 
 @pytest.fixture(scope="module")
 def hf_gguf_model():
-    gguf = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    """transformers' own GGUF load of the default model (the reference).
+    It parses the file twice (config, then weights) and rebuilds gguf's
+    tensor-name map once per tensor (21 s of the suite): both are pure, so
+    they are memoized here; the tensors and the model are what transformers
+    makes."""
+    import functools
+
+    import gguf as gguf_lib
+
+    path = default_gguf_path()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_lib, "GGUFReader", functools.cache(gguf_lib.GGUFReader))
+        mp.setattr(gguf_lib, "get_tensor_name_map", functools.cache(gguf_lib.get_tensor_name_map))
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
     model.train(False)
     return model
 
