@@ -26,8 +26,8 @@ from engine import (
     SamplingParams,
     SamplingParamsError,
 )
-from engine.structured_output.params import ConstraintError, StructuredOutputParams
 from service.choices import Call, check_n
+from service.constraints import read_constraint
 from service.errors import RequestFailedError
 from service.gen.tandem.v1 import generation_pb2 as pb
 
@@ -72,7 +72,7 @@ def generate_input(
     n = msg.sampling.n or 1
     check_n(n, "sampling.n", disaggregated=kv is not None or role != "both")
     params = sampling_params(msg.sampling) if msg.HasField("sampling") else SamplingParams()
-    if (so := constraint(msg)) is not None:
+    if (so := read_constraint(msg)) is not None:
         params = dataclasses.replace(params, structured_outputs=so)
     return Call(
         request_id=msg.request_id or uuid.uuid4().hex,
@@ -94,30 +94,6 @@ def _prompt(msg: pb.GenerateRequest, inputs: InputProcessor) -> ProcessedPrompt:
     if kind == "token_ids":
         return inputs.process_token_ids(list(msg.token_ids.ids), "token_ids")
     return inputs.process_chat(chat_messages(msg.chat), "chat.messages")
-
-
-def constraint(msg: pb.GenerateRequest) -> StructuredOutputParams | None:
-    """The request's structured-output constraint (the `constraint` oneof)."""
-    kind = msg.WhichOneof("constraint")
-    if kind is None:
-        return None
-    if kind == "json_object" and not msg.json_object:
-        raise InvalidRequestError("json_object", "must be true when set")
-    table: dict[str, dict[str, Any]] = {
-        "json_schema": {"json": msg.json_schema},
-        "json_object": {"json_object": True},
-        "regex": {"regex": msg.regex},
-        "choice": {"choice": list(msg.choice.choices)},
-        "grammar": {"grammar": msg.grammar},
-    }
-    values = table[kind]
-    try:
-        return StructuredOutputParams(**values)
-    except ConstraintError as exc:
-        # The engine names its own field (structured_outputs.json[...]);
-        # the wire's is `kind`.
-        where = kind + exc.field.removeprefix(f"structured_outputs.{next(iter(values))}")
-        raise InvalidRequestError(where, str(exc).split(": ", 1)[-1]) from exc
 
 
 def chat_messages(chat: pb.ChatInput) -> list[ChatMessage]:
@@ -196,13 +172,13 @@ def generate_response(
 ) -> pb.GenerateResponse:
     """One response for one or more consecutive outputs of a request (merged
     when the client reads slower than the engine produces). An output that
-    ended in error (a KV load failed under kv_load_failure_policy=fail)
-    raises RequestFailedError instead: the call ends UNAVAILABLE."""
+    ended in error (a KV load failed under kv_load_failure_policy=fail, or
+    a grammar refused a sampled token) raises RequestFailedError instead:
+    the call ends UNAVAILABLE, the engine's reason in its details."""
     last = outputs[-1]
     if last.finish_reason is FinishReason.ERROR:
         raise RequestFailedError(
-            f"request {last.request_id} failed: {last.stop_reason or 'engine error'} "
-            "(kv_load_failure_policy=fail); retry it"
+            f"request {last.request_id} failed: {last.stop_reason or 'engine error'}; retry it"
         )
     resp = pb.GenerateResponse(request_id=call_id or last.request_id, index=index)
     for out in outputs:

@@ -33,8 +33,8 @@ from engine import (
     SamplingParams,
     SamplingParamsError,
 )
-from engine.structured_output.params import ConstraintError, StructuredOutputParams
 from service.choices import Call, check_n
+from service.constraints import read_constraint
 from service.errors import RequestFailedError
 
 if TYPE_CHECKING:
@@ -136,7 +136,9 @@ def sampling_params(msg: vpb.SamplingParams) -> SamplingParams:
         if msg.HasField(name):
             values[name] = getattr(msg, name)
     values.update(_extras(msg))
-    if (so := _constraint(msg)) is not None:
+    # vLLM's servicer treats json_object false as unset; tandem.v1 refuses it.
+    unset = msg.WhichOneof("constraint") == "json_object" and not msg.json_object
+    if not unset and (so := read_constraint(msg, "sampling_params.")) is not None:
         values["structured_outputs"] = so
     try:
         return SamplingParams(**values)
@@ -158,28 +160,6 @@ def _extras(msg: vpb.SamplingParams) -> dict[str, Any]:
     if msg.HasField("prompt_logprobs"):
         extras["prompt_logprobs"] = msg.prompt_logprobs
     return extras
-
-
-def _constraint(msg: vpb.SamplingParams) -> StructuredOutputParams | None:
-    """vLLM's `constraint` oneof (structural_tag is refused before this)."""
-    kind = msg.WhichOneof("constraint")
-    if kind is None:
-        return None
-    if kind == "json_object" and not msg.json_object:
-        return None  # vLLM's servicer, too, treats false as unset
-    table: dict[str, dict[str, Any]] = {
-        "json_schema": {"json": msg.json_schema},
-        "json_object": {"json_object": True},
-        "regex": {"regex": msg.regex},
-        "choice": {"choice": list(msg.choice.choices)},
-        "grammar": {"grammar": msg.grammar},
-    }
-    values = table[kind]
-    try:
-        return StructuredOutputParams(**values)
-    except ConstraintError as exc:
-        where = exc.field.replace(f"structured_outputs.{next(iter(values))}", kind, 1)
-        raise InvalidRequestError(f"sampling_params.{where}", str(exc).split(": ", 1)[-1]) from exc
 
 
 def _kv_transfer_params(msg: vpb.GenerateRequest) -> KVTransferParams | None:

@@ -797,7 +797,7 @@ class Scheduler(SchedulerInterface):
                     request.request_id,
                     [],
                     FinishReason.ERROR,
-                    stop_reason="KV load failed",
+                    stop_reason="KV load failed (kv_load_failure_policy=fail)",
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )

@@ -12,6 +12,6 @@ The grammar library sits behind ``backend.py``'s small interface;
 ``xgrammar_backend.py`` is the one implementation (see
 benchmarks/structured_output_bench.py for why xgrammar).
 
-Nothing here is imported by ``engine.sched`` but ``params`` and
-``request`` (no torch).
+``engine.sched`` imports only ``params``, ``request`` and ``backend``
+(neither numpy nor torch, which tests/unit/test_imports.py checks).
 """

@@ -311,7 +311,7 @@ def test_fail_policy_ends_a_request_whose_sync_load_failed():
     assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in s1.outputs] == [
         ("r0", FinishReason.ERROR, [])
     ]
-    assert s1.outputs[0].stop_reason == "KV load failed"
+    assert s1.outputs[0].stop_reason == "KV load failed (kv_load_failure_policy=fail)"
     assert "r0" not in sched.requests and free_blocks(sched) == 99
     assert not sched.has_unfinished_requests()
 

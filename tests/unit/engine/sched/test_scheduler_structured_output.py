@@ -247,3 +247,16 @@ def test_without_a_backend_a_constrained_request_is_refused() -> None:
     sched = make_scheduler()
     with pytest.raises(ValueError, match="structured_outputs"):
         sched.add_request(_constrained("r1"))
+
+
+def test_a_token_the_grammar_refuses_ends_the_request_with_an_error() -> None:
+    """Unreachable behind the runner's mask; if it ever happened, the
+    request must not go on unconstrained."""
+    sched = _scheduler(Backend())
+    req = _constrained("r1", max_tokens=10)
+    sched.add_request(req)
+    _wait_compiled(req)
+    res = step(sched, lambda r: 1500)  # not SEQUENCE[0]
+    assert res.finished() == {"r1": "error"}
+    assert req.status is RequestStatus.FINISHED_ERROR
+    assert isinstance(req.stop_reason, str) and "refused" in req.stop_reason
