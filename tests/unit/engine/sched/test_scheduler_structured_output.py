@@ -260,3 +260,16 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error() -> None:
     assert res.finished() == {"r1": "error"}
     assert req.status is RequestStatus.FINISHED_ERROR
     assert isinstance(req.stop_reason, str) and "refused" in req.stop_reason
+
+
+def test_a_second_request_with_the_same_constraint_finds_it_compiled() -> None:
+    backend = Backend()
+    sched = _scheduler(backend)
+    first, second = _constrained("r1"), _constrained("r2")
+    sched.add_request(first)
+    _wait_compiled(first)
+    sched.add_request(second)
+    assert second.structured_output_request is not None
+    assert second.structured_output_request.compiled.done()  # type: ignore[union-attr]
+    assert backend.compiled == [REGEX]  # compiled once
+    assert step(sched, _follow).scheduled == {"r1": 8, "r2": 8}
