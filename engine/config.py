@@ -277,6 +277,72 @@ class KVTransferConfig:
         return cls(**data)
 
 
+SpecMethod = Literal["ngram", "draft_model"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, keys as vLLM's).
+
+    ``ngram``: drafts copied from the request's own history (prompt lookup
+    with n-grams of ``prompt_lookup_min``..``prompt_lookup_max`` tokens).
+    ``draft_model``: a smaller model of a supported architecture with the
+    target's vocabulary (``model``: its directory or .gguf) drafts greedily.
+    Either way the target verifies ``num_speculative_tokens`` drafts per
+    step in one forward, so outputs are distributed as without drafts.
+    """
+
+    method: SpecMethod = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in ("ngram", "draft_model"),
+            "method",
+            self.method,
+            "'ngram' or 'draft_model'",
+        )
+        k = self.num_speculative_tokens
+        _require(
+            isinstance(k, int) and 1 <= k <= 16, "num_speculative_tokens", k, "an int in [1, 16]"
+        )
+        _require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min",
+            self.prompt_lookup_min,
+            f"between 1 and prompt_lookup_max ({self.prompt_lookup_max})",
+        )
+        _require(
+            (self.model is not None) == (self.method == "draft_model"),
+            "model",
+            self.model,
+            "a draft model path with method 'draft_model', and none with 'ngram'",
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parses ``--speculative-config``; errors name the key."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"speculative_config={text!r} is invalid: expected a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config has unknown keys {unknown}: expected {sorted(known)}"
+            )
+        if "method" not in data:
+            # vLLM infers the method from the other keys; do the same.
+            data["method"] = "draft_model" if data.get("model") else "ngram"
+        return cls(**data)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, in one object.
@@ -291,3 +357,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     kv_transfer: KVTransferConfig | None = None
+    # None: no speculative decoding.
+    speculative: SpeculativeConfig | None = None

@@ -39,9 +39,21 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
         """`connector` (scheduler role) overrides the one config.kv_transfer names."""
-        self.worker = Worker(config.model, config.cache, config.scheduler.max_num_seqs)
+        spec = config.speculative
+        kv = config.kv_transfer
+        if spec is not None and kv is not None and kv.kv_role == "kv_producer":
+            # A prefill pod samples one token per request: nothing to verify.
+            logger.info("speculative decoding is off on a prefill pod (kv_producer)")
+            spec = None
+        self.worker = Worker(config.model, config.cache, config.scheduler.max_num_seqs, spec)
         info = self.worker.info
         scheduler_config = replace(config.scheduler, max_model_len=info.max_model_len)
+        if spec is not None and spec.method == "draft_model":
+            # The draft model writes KV for its own k - 1 drafts past the
+            # verified tokens: those slots must be allocated too.
+            scheduler_config = replace(
+                scheduler_config, num_lookahead_tokens=spec.num_speculative_tokens
+            )
         cache_config = replace(config.cache, num_blocks=info.num_blocks)
         self.config = replace(config, scheduler=scheduler_config, cache=cache_config)
         self.engine_id = uuid.uuid4().hex
@@ -51,7 +63,6 @@ class EngineCore:
             connector = create_connector(KVConnectorRole.SCHEDULER, context)
             self.worker_connector = create_connector(KVConnectorRole.WORKER, context)
             self.worker.runner.attach_connector(self.worker_connector)
-        kv = config.kv_transfer
         self.structured_output = StructuredOutputManager(
             partial(_xgrammar_backend, info.model_path, info.vocab_size)
         )
@@ -61,6 +72,7 @@ class EngineCore:
             connector=connector,
             kv_load_failure_policy=kv.kv_load_failure_policy if kv is not None else "recompute",
             structured_output=self.structured_output,
+            num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.worker.runner.warmup()
         # Everything allocated so far lives as long as the engine: keep it
@@ -125,7 +137,11 @@ class EngineCore:
         runner_output = self.worker.execute_model(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             time.sleep(self.IDLE_POLL_SECONDS)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        drafts = self.worker.runner.take_draft_token_ids()
+        if drafts is not None:
+            self.scheduler.update_draft_token_ids(drafts)
+        return outputs
 
     def stats_only(self) -> dict[int, EngineCoreOutputs]:
         """A step's worth of stats without a step: what an idle engine

@@ -158,6 +158,19 @@ class IncrementalDetokenizer:
         self._window.token_ids.extend(new_token_ids)
         return self._append_text(self._decode_new_text())
 
+    def update_until_stop(self, new_token_ids: list[int]) -> tuple[str | None, list[int]]:
+        """``update`` for a step that yields several tokens (accepted
+        drafts): a token at a time while stop strings are set, so a match
+        ends the tokens where a one-token-a-step run would have ended them.
+        Returns the stop string (or None) and the tokens taken."""
+        if len(new_token_ids) <= 1 or not self._stops:
+            return self.update(new_token_ids), new_token_ids
+        for taken, token_id in enumerate(new_token_ids, 1):
+            stop = self.update([token_id])
+            if stop is not None:
+                return stop, new_token_ids[:taken]
+        return None, new_token_ids
+
     def finish(self) -> str | None:
         """End the output (EOS, length, abort): flush held-back text.
 

@@ -34,6 +34,7 @@ from engine.config import (
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from engine.core import EngineCore
 from engine.frontend import FrontEnd
@@ -153,11 +154,17 @@ def _apply_overrides(
         "cache": CacheConfig.__dataclass_fields__,
     }
     kv_transfer = config.kv_transfer
+    speculative = config.speculative
     for name, value in overrides.items():
         if name == "kv_transfer":
             if not isinstance(value, KVTransferConfig):
                 raise TypeError(f"LLM(kv_transfer=...) wants a KVTransferConfig, got {value!r}")
             kv_transfer = value
+            continue
+        if name == "speculative":
+            if not isinstance(value, SpeculativeConfig):
+                raise TypeError(f"LLM(speculative=...) wants a SpeculativeConfig, got {value!r}")
+            speculative = value
             continue
         owner = next((part for part, fields in owners.items() if name in fields), None)
         if owner is None:
@@ -166,6 +173,7 @@ def _apply_overrides(
     return replace(
         config,
         kv_transfer=kv_transfer,
+        speculative=speculative,
         model=replace(config.model, **parts["model"]),  # type: ignore[arg-type]
         scheduler=replace(config.scheduler, **parts["scheduler"]),  # type: ignore[arg-type]
         cache=replace(config.cache, **parts["cache"]),  # type: ignore[arg-type]

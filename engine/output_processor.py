@@ -235,11 +235,12 @@ class OutputProcessor:
             self._add_prompt_logprobs(state, core_out.new_prompt_logprobs)
             if not new_ids and not core_out.finished:
                 return None, False  # a prefill chunk: nothing to send yet
+        detok = state.detokenizer
+        # Several tokens (accepted drafts) are cut after a stop string's end.
+        stop_string, new_ids = detok.update_until_stop(new_ids)
         state.num_generated_tokens += len(new_ids)
         state.num_cached_tokens = max(core_out.num_cached_tokens, 0)
-        new_logprobs = self._logprobs(state, core_out)
-        detok = state.detokenizer
-        stop_string = detok.update(new_ids)
+        new_logprobs = self._logprobs(state, core_out)[: len(new_ids)]
         if stop_string is None and state.ends_text(core_out):
             # Flushing held-back text can still complete a stop string.
             stop_string = detok.finish()

@@ -79,6 +79,49 @@ class KVConnectorStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding since start: drafts verified (steps where a
+    request had drafts), draft tokens, how many the target accepted, and
+    per draft position how often it was accepted (position j is accepted
+    only if every position before it was)."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verifying step: accepted drafts plus the one sampled."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
+
+
+@dataclass
 class SchedulerStats:
     """A snapshot of the scheduler after one step."""
 
@@ -101,3 +144,5 @@ class SchedulerStats:
     num_kv_recomputed_tokens: int = 0
     # Cumulative since start (a snapshot: never mutated once reported).
     kv_connector_totals: KVConnectorStats = field(default_factory=KVConnectorStats)
+    # Cumulative since start; None without speculative decoding.
+    spec_decoding: SpecDecodingStats | None = None

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.stats import SchedulerStats, TransferFailure
+from engine.stats import SchedulerStats, SpecDecodingStats, TransferFailure
 
 # Steps the medians look back over.
 RECENT_STEPS = 128
@@ -43,6 +43,9 @@ class EngineStatus:
     kv_held_requests: int = 0
     # Observer (metrics) calls that raised; outputs were delivered anyway.
     metrics_errors: int = 0
+    # Speculative decoding since start (drafts, accepted tokens, per
+    # position); None while the engine does not speculate.
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -68,6 +71,7 @@ class EngineStatus:
         totals = stats.kv_connector_totals
         self.kv_leases_lapsed = totals.leases_lapsed
         self.kv_transfer_failures = totals.failures  # a snapshot: never mutated
+        self.spec_decoding = stats.spec_decoding  # a snapshot too (cumulative)
 
 
 class StepTimes:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # not imported at run time: the router runs without torch
         TokenLogprob,
         WorkerInfo,
     )
+    from engine.stats import SpecDecodingStats
 
 # ERROR never reaches the wire as a finish reason (see generate_response).
 FINISH_REASONS = {
@@ -258,6 +259,19 @@ def server_status(status: EngineStatus) -> pb.ServerStatus:
         kv_transfer_failures={k.value: n for k, n in status.kv_transfer_failures.items()},
         kv_held_requests=status.kv_held_requests,
         metrics_errors=status.metrics_errors,
+        spec_decoding=_spec_decoding(status.spec_decoding),
+    )
+
+
+def _spec_decoding(stats: SpecDecodingStats | None) -> pb.SpecDecodingStatus | None:
+    """None (the field unset) while the engine does not speculate."""
+    if stats is None:
+        return None
+    return pb.SpecDecodingStatus(
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        num_accepted_tokens_per_pos=stats.num_accepted_tokens_per_pos,
     )
 
 

@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import descriptor, struct_pb2
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -536,11 +537,18 @@ _ROUTER_FIELDS = range(40, 50)
 
 
 def _add_counts(total: pb.ServerStatus, status: pb.ServerStatus) -> None:
-    """Adds a pod's integer fields (counts of requests, tokens, events) and
-    integer-valued maps (counts by kind) into `total`. By type, not by name,
-    so a count added to ServerStatus is summed without a change here."""
-    for field_desc in pb.ServerStatus.DESCRIPTOR.fields:
-        if field_desc.number in _ROUTER_FIELDS:
+    """Adds a pod's counts into `total`, the router's own fields aside."""
+    _add_message_counts(total, status, skip=_ROUTER_FIELDS)
+
+
+def _add_message_counts(total: Message, status: Message, skip: range = range(0)) -> None:
+    """Adds integer fields (counts of requests, tokens, events), integer-valued
+    maps (counts by kind), repeated integers (counts by position, element by
+    element: pods may differ in length) and the counts in the messages a pod
+    set (left unset when none did). By type, not by name, so a count added
+    to ServerStatus is summed without a change here."""
+    for field_desc in status.DESCRIPTOR.fields:
+        if field_desc.number in skip:
             continue
         name = field_desc.name
         value = getattr(status, name)
@@ -550,8 +558,19 @@ def _add_counts(total: pb.ServerStatus, status: pb.ServerStatus) -> None:
                 counts = getattr(total, name)
                 for key, count in value.items():
                     counts[key] += count
-        elif field_desc.type in _INTEGERS and isinstance(value, int):
-            setattr(total, name, getattr(total, name) + value)
+        elif isinstance(value, Message):
+            if status.HasField(name):
+                _add_message_counts(getattr(total, name), value)
+        elif field_desc.type in _INTEGERS:
+            if isinstance(value, int):
+                setattr(total, name, getattr(total, name) + value)
+            else:  # repeated
+                counts = getattr(total, name)
+                for i, count in enumerate(value):
+                    if i < len(counts):
+                        counts[i] += count
+                    else:
+                        counts.append(count)
 
 
 def _with_ids(request: pb.GenerateRequest, ids: list[int]) -> pb.GenerateRequest:

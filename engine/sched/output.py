@@ -28,6 +28,8 @@ class NewRequestData:
     num_computed_tokens: int
     # P/D: the prompt's last this-many tokens are earlier legs' output.
     num_output_tokens_in_prompt: int = 0
+    # Of num_computed_tokens, those a KV connector loads (not local hits).
+    num_external_tokens: int = 0
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -38,6 +40,7 @@ class NewRequestData:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             num_output_tokens_in_prompt=request.num_output_tokens_in_prompt,
+            num_external_tokens=request.num_external_computed_tokens,
         )
 
 

@@ -52,7 +52,7 @@ from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutp
 from engine.sched.partial_prefill import Admission, PartialPrefillLimiter
 from engine.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from engine.sched.stop import check_stop, remove_all
-from engine.stats import SchedulerStats
+from engine.stats import SchedulerStats, SpecDecodingStats
 from engine.structured_output.backend import Grammar
 from engine.structured_output.request import GrammarState
 
@@ -94,11 +94,13 @@ class Scheduler(SchedulerInterface):
         log_stats: bool = True,
         kv_load_failure_policy: str = "recompute",
         structured_output: StructuredOutputManager | None = None,
+        num_spec_tokens: int = 0,
     ) -> None:
         """`kv_load_failure_policy`: what a failed KV load does to its
         requests: "recompute" the lost tokens, or "fail" them (an error).
         `structured_output`: compiles grammars (None: constrained requests
-        are refused)."""
+        are refused). `num_spec_tokens`: drafts per step at most (0: no
+        speculative decoding), for the acceptance stats."""
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -139,6 +141,7 @@ class Scheduler(SchedulerInterface):
         self.num_preemptions = 0
         self.deadlock_breaker = DeadlockBreaker(self.kv_transfers)
         self.structured_output = structured_output
+        self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
         # Requests whose grammar failed to compile, ended during schedule():
         # their outputs go out with this step's.
         self._refused: list[tuple[int, EngineCoreOutput]] = []
@@ -558,7 +561,7 @@ class Scheduler(SchedulerInterface):
         )
         self._prev_step_scheduled = num_scheduled
         if self.structured_output is not None:
-            output.grammar_bitmask = self._grammar_bitmask(num_scheduled)
+            output.grammar_bitmask = self._grammar_bitmask(num_scheduled, plan.spec_decode_tokens)
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         # Only now advance progress: the output (and the connector) saw where
@@ -569,7 +572,9 @@ class Scheduler(SchedulerInterface):
         self.finished_req_ids = set()
         return output
 
-    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
+    def _grammar_bitmask(
+        self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]
+    ) -> GrammarBitmask | None:
         """Masks for the constrained requests that sample this step (a
         prompt chunk that does not reach the end samples nothing)."""
         assert self.structured_output is not None
@@ -580,7 +585,9 @@ class Scheduler(SchedulerInterface):
             if (r := requests[rid]).structured_output_request is not None
             and r.num_computed_tokens + n >= r.num_tokens
         ]
-        return self.structured_output.grammar_bitmask(sampling) if sampling else None
+        if not sampling:
+            return None
+        return self.structured_output.grammar_bitmask(sampling, drafts)
 
     def _make_cached_request_data(self, plan: _StepPlan) -> CachedRequestData:
         """Deltas for the running (then resumed) requests scheduled."""
@@ -646,6 +653,8 @@ class Scheduler(SchedulerInterface):
                 drafts = spec_tokens.get(req_id)
                 if drafts:
                     self._rewind_rejected_drafts(request, len(drafts), len(new_token_ids))
+                    if self.spec_stats is not None and new_token_ids:
+                        self.spec_stats.observe_draft(len(drafts), len(new_token_ids) - 1)
             if not new_token_ids:
                 # Mid-prefill: nothing to report but prompt logprobs.
                 if prompt_logprobs and req_id in prompt_logprobs:
@@ -836,6 +845,7 @@ class Scheduler(SchedulerInterface):
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             # The rest of self.requests: finished, blocks held by a connector.
             num_held_requests=len(self.requests) - num_running - num_waiting,
+            spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
         )
         self.kv_transfers.report(stats)
         return stats

@@ -1,5 +1,6 @@
-"""Speculative decoding: proposers of draft tokens (issue 20, in progress).
+"""Speculative decoding: draft proposers and draft verification.
 
-``ngram.py``: n-gram prompt lookup, vectorised over the batch. Not yet
-wired into the engine: the runner does not verify drafts yet.
+``ngram.py``: n-gram prompt lookup, vectorised over the batch.
+``proposer.py``: what a proposer is to the model runner.
+``rejection.py``: verifying a step's drafts against the target's logits.
 """

@@ -43,6 +43,10 @@ class Grammar(Protocol):
         here, without advancing."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (drafts tried)."""
+        ...
+
     def fill_bitmask(self, bitmask: Bitmask, row: int) -> None:
         """Write the tokens allowed next into row ``row``."""
         ...

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from engine.request import Request
 from engine.structured_output.backend import (
     CompiledGrammar,
+    Grammar,
     GrammarBackend,
     GrammarCompileError,
 )
@@ -35,11 +36,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GrammarBitmask:
-    """One step's masks: row i of ``bitmask`` constrains ``req_ids[i]``'s
-    sampled token."""
+    """One step's masks, in ``req_ids`` order: ``rows_per_req[i]``
+    consecutive rows for request i (one per position it samples at: its
+    drafts', then the one after them); None: one row each."""
 
     req_ids: list[str]
     bitmask: Bitmask
+    rows_per_req: list[int] | None = None
+
+    def row_spans(self) -> list[tuple[int, int]]:
+        """(first bitmask row, number of rows) of each request."""
+        counts = self.rows_per_req or [1] * len(self.req_ids)
+        spans, at = [], 0
+        for count in counts:
+            spans.append((at, count))
+            at += count
+        return spans
 
 
 class StructuredOutputManager:
@@ -101,20 +113,45 @@ class StructuredOutputManager:
         so.grammar = grammar
         return GrammarState.READY
 
-    def grammar_bitmask(self, requests: Sequence[Request]) -> GrammarBitmask:
-        """One row per request (each READY), in order."""
+    def grammar_bitmask(
+        self, requests: Sequence[Request], drafts: dict[str, list[int]] | None = None
+    ) -> GrammarBitmask:
+        """One row per request (each READY), in order; a request verifying
+        drafts (``drafts``, already validated) gets a row per draft first,
+        each after the drafts before it."""
         backend = self.backend()
-        bitmask = backend.allocate_bitmask(len(requests))
         grammars = []
         for r in requests:
             so = r.structured_output_request
             assert so is not None and so.grammar is not None
             grammars.append(so.grammar)
-        backend.fill_bitmasks(grammars, bitmask)
-        return GrammarBitmask([r.request_id for r in requests], bitmask)
+        req_ids = [r.request_id for r in requests]
+        if not drafts or not any(rid in drafts for rid in req_ids):
+            bitmask = backend.allocate_bitmask(len(requests))
+            backend.fill_bitmasks(grammars, bitmask)
+            return GrammarBitmask(req_ids, bitmask)
+        counts = [len(drafts.get(rid, ())) + 1 for rid in req_ids]
+        bitmask = backend.allocate_bitmask(sum(counts))
+        row = 0
+        for grammar, rid in zip(grammars, req_ids, strict=True):
+            row = _fill_with_drafts(grammar, drafts.get(rid, []), bitmask, row)
+        return GrammarBitmask(req_ids, bitmask, counts)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fill_with_drafts(grammar: Grammar, drafts: list[int], bitmask: Bitmask, row: int) -> int:
+    """Rows ``row ..`` : the mask before each draft and after the last; the
+    grammar ends where it began. Returns the next free row."""
+    grammar.fill_bitmask(bitmask, row)
+    for accepted, token in enumerate(drafts, 1):
+        if not grammar.accept_tokens([token]):
+            raise RuntimeError(f"grammar refused draft token {token} it had validated")
+        grammar.fill_bitmask(bitmask, row + accepted)
+    if drafts:
+        grammar.rollback(len(drafts))
+    return row + len(drafts) + 1
 
 
 __all__ = ["GrammarBitmask", "StructuredOutputManager", "StructuredOutputRequest"]

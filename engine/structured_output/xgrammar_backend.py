@@ -47,6 +47,9 @@ class XGrammarGrammar:
             self._matcher.rollback(accepted)
         return token_ids[:accepted]
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
     def fill_bitmask(self, bitmask: Bitmask, row: int) -> None:
         self._matcher.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
 

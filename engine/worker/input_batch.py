@@ -114,6 +114,17 @@ class InputBatch:
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
 
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        n = int(self.num_tokens[row])
+        self.token_ids[row, n : n + len(token_ids)] = token_ids
+        self.num_tokens[row] = n + len(token_ids)
+
+    def set_drafts(self, row: int, drafts: list[int]) -> None:
+        """Write draft tokens after the row's tokens, where the step's input
+        ids are gathered from, without counting them as its tokens."""
+        n = int(self.num_tokens[row])
+        self.token_ids[row, n : n + len(drafts)] = drafts
+
     def set_blocks(self, row: int, block_ids: list[int]) -> None:
         self.block_table[row, : len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)

@@ -20,17 +20,20 @@ import torch
 from connectors.base import KVConnectorBase
 from engine.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    DraftTokenIds,
     KVConnectorOutput,
     LogprobsLists,
     ModelRunnerOutput,
     PromptLogprobs,
 )
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.spec_decode.proposer import ProposeInputs, Proposer
 from engine.structured_output.manager import GrammarBitmask
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.penalties import TokenHistory
 from engine.worker.prompt_logprobs import PromptLogprobsTracker
 from engine.worker.sampler import Sampler, SamplingTensors
+from engine.worker.spec_verify import verify_drafts
 from kernels.metadata import AttentionMetadata
 
 
@@ -55,9 +58,12 @@ class StepInputs:
     slot_mapping: npt.NDArray[np.int64]
     query_start_loc: npt.NDArray[np.int32]
     seq_lens: npt.NDArray[np.int32]
-    # Rows (batch indices) that sample this step and the token row of each.
+    # Rows (batch indices) that sample this step and the token rows whose
+    # logits they need: one each, or 1 + k for a row verifying k drafts.
     sample_rows: npt.NDArray[np.int64]
     logits_indices: npt.NDArray[np.int64]
+    # Per sampling row, its scheduled drafts; None when no row has any.
+    drafts: list[list[int]] | None
     max_query_len: int
     max_seq_len: int
 
@@ -84,6 +90,20 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsTracker()
         # The worker-role KV connector, if any (set by attach_connector).
         self.connector: KVConnectorBase | None = None
+        # Speculative decoding (set by attach_proposer): who drafts, how
+        # many tokens at most, and the drafts of the last step.
+        self.proposer: Proposer | None = None
+        self.num_spec_tokens = 0
+        self._drafts: DraftTokenIds | None = None
+
+    def attach_proposer(self, proposer: Proposer, num_spec_tokens: int) -> None:
+        self.proposer = proposer
+        self.num_spec_tokens = num_spec_tokens
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step (once), for the scheduler."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
     def attach_connector(self, connector: KVConnectorBase) -> None:
         connector.register_kv_caches({f"layer.{i}": c for i, c in enumerate(self.kv_caches)})
@@ -99,6 +119,8 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             self.prompt_logprobs.remove(req_id)
             batch.remove(req_id)
+            if self.proposer is not None:
+                self.proposer.remove(req_id)
         # Rows are only for this step's requests; the others keep their
         # state in self.requests (preempted, or skipped this step).
         for req_id in [r for r in batch.req_ids if r not in so.num_scheduled_tokens]:
@@ -106,6 +128,22 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self._add_new_request(new)
         self._apply_cached(so.scheduled_cached_reqs)
+        if self.proposer is not None:
+            self._reset_proposer(so)
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            batch.set_drafts(batch.req_id_to_index[req_id], drafts)
+
+    def _reset_proposer(self, so: SchedulerOutput) -> None:
+        """New and resumed requests: their KV is valid up to the prefix-cache
+        hit (a connector's tokens carry no draft model KV)."""
+        assert self.proposer is not None
+        for new in so.scheduled_new_reqs:
+            valid = max(0, new.num_computed_tokens - new.num_external_tokens)
+            self.proposer.reset(new.req_id, valid)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids:
+                self.proposer.reset(req_id, cached.num_computed_tokens[i])
 
     def _add_new_request(self, new: NewRequestData) -> None:
         params = new.sampling_params
@@ -176,6 +214,16 @@ class ModelRunner:
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:n])
         query_start_loc = np.zeros(n + 1, np.int32)
         query_start_loc[1:] = cu
+        logits_indices = cu[sample_rows] - 1
+        drafts = None
+        spec = so.scheduled_spec_decode_tokens
+        if spec:
+            # A row verifying k drafts needs the logits of its last k + 1 tokens.
+            drafts = [spec.get(batch.req_ids[r], []) for r in sample_rows.tolist()]
+            counts = np.array([len(d) + 1 for d in drafts], np.int64)
+            ends = np.repeat(cu[sample_rows], counts)
+            back = np.repeat(np.cumsum(counts), counts) - np.arange(int(counts.sum()))
+            logits_indices = ends - back
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -183,7 +231,8 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens.astype(np.int32),
             sample_rows=sample_rows,
-            logits_indices=cu[sample_rows] - 1,
+            logits_indices=logits_indices,
+            drafts=drafts,
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
         )
@@ -253,8 +302,13 @@ class ModelRunner:
             logits_idx = torch.from_numpy(inputs.logits_indices).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_idx])
             if so.grammar_bitmask is not None:
-                self._apply_grammar(logits, inputs.sample_rows, so.grammar_bitmask)
-            sampled, logprobs = self._sample(logits, inputs.sample_rows, sampled)
+                self._apply_grammar(logits, inputs, so.grammar_bitmask)
+            if inputs.drafts is None:
+                sampled, logprobs = self._sample(logits, inputs.sample_rows, sampled)
+            else:
+                sampled, logprobs = self._verify(logits, inputs, sampled)
+            if self.proposer is not None:
+                self._propose(inputs.sample_rows)
         batch = self.batch
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
@@ -278,17 +332,53 @@ class ModelRunner:
         )
 
     def _apply_grammar(
-        self, logits: torch.Tensor, sample_rows: npt.NDArray[np.int64], grammar: GrammarBitmask
+        self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarBitmask
     ) -> None:
         """Structured output: forbidden tokens of the constrained rows to
         -inf before the sampler sees them (so greedy, temperature, top-k/p
-        all choose among allowed tokens, and logprobs show the mask)."""
+        all choose among allowed tokens, and logprobs show the mask). A row
+        verifying drafts has a mask per position."""
         # Here, not at the top: xgrammar loads once a constrained request samples.
         from engine.structured_output.apply import apply_grammar_bitmask
 
         req_ids = self.batch.req_ids
-        row_of = {req_ids[r]: i for i, r in enumerate(sample_rows.tolist())}
-        apply_grammar_bitmask(logits, grammar, row_of)
+        rows = inputs.sample_rows.tolist()
+        if inputs.drafts is None:
+            first_row = {req_ids[r]: i for i, r in enumerate(rows)}
+        else:
+            counts = [len(d) + 1 for d in inputs.drafts]
+            starts = np.cumsum(counts) - counts
+            first_row = {req_ids[r]: int(s) for r, s in zip(rows, starts, strict=True)}
+        apply_grammar_bitmask(logits, grammar, first_row)
+
+    def _verify(
+        self, logits: torch.Tensor, inputs: StepInputs, sampled: list[list[int]]
+    ) -> tuple[list[list[int]], LogprobsLists | None]:
+        """Speculative decoding: accept drafts, append what the step yields."""
+        assert inputs.drafts is not None
+        batch = self.batch
+        result = verify_drafts(logits, batch, inputs.sample_rows, inputs.drafts, self.device)
+        for row, tokens in zip(inputs.sample_rows.tolist(), result.tokens, strict=True):
+            sampled[row] = tokens
+            batch.states[row].token_ids.extend(tokens)
+            batch.append_tokens(row, tokens)
+        return sampled, result.logprobs
+
+    def _propose(self, sample_rows: npt.NDArray[np.int64]) -> None:
+        """Drafts for the rows that sampled, for the scheduler's next step;
+        none past a request's max_tokens (they could not be used)."""
+        assert self.proposer is not None
+        if not sample_rows.size:
+            return
+        batch = self.batch
+        states = [batch.states[r] for r in sample_rows.tolist()]
+        left = np.array(
+            [s.sampling_params.max_tokens - (len(s.token_ids) - s.output_start) for s in states],
+            np.int64,
+        )
+        caps = np.clip(left - 1, 0, self.num_spec_tokens)
+        drafts = self.proposer.propose(ProposeInputs(batch, sample_rows, caps))
+        self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
 
     def _sample(
         self,

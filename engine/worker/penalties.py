@@ -42,6 +42,10 @@ class TokenHistory:
     num_tokens: npt.NDArray[np.int64]  # [B]
     output_start: npt.NDArray[np.int64]  # [B]
     rows: npt.NDArray[np.int64]  # [N]
+    # Speculative decoding: per sampling row, how many tokens after the
+    # batch row's own count belong to its history (the drafts before the
+    # position it samples at; they sit in token_ids right after). None: 0.
+    extra: npt.NDArray[np.int64] | None = None
 
     @classmethod
     def from_lists(cls, prompts: Sequence[list[int]], outputs: Sequence[list[int]]) -> TokenHistory:
@@ -140,6 +144,8 @@ class PenaltyTensors:
         used = (values != np.array([1.0, 0.0, 0.0], np.float32)).any(axis=0)
         batch_rows = history.rows[picked]
         num_tokens = history.num_tokens[batch_rows]
+        if history.extra is not None:
+            num_tokens = num_tokens + history.extra[picked]
         output_start = history.output_start[batch_rows]
         # Without a repetition penalty no prompt token matters: skip them.
         first = 0 if used[0] else int(output_start.min())

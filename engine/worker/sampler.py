@@ -29,7 +29,7 @@ from kernels import cpu_kernels
 _GREEDY_EPS = 1e-5
 
 
-def _is_greedy(params: SamplingParams) -> bool:
+def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_EPS
 
 
@@ -97,7 +97,7 @@ class SamplingTensors:
             raise ValueError(
                 f"generators: expected one per row ({len(params)}), got {len(generators)}"
             )
-        greedy = [_is_greedy(p) for p in params]
+        greedy = [is_greedy(p) for p in params]
         requested = [p.logprobs for p in params if p.logprobs is not None]
         max_num_logprobs = max(requested) if requested else None
         logit_bias = penalties = None
@@ -256,7 +256,7 @@ class Sampler:
             raise ValueError(
                 f"logits: expected shape [{tensors.num_rows}, vocab], got {list(logits.shape)}"
             )
-        sampled = self._sample(_adjust(logits, tensors), tensors)
+        sampled = self._sample(adjust_logits(logits, tensors), tensors)
         logprobs = None
         if tensors.max_num_logprobs is not None:
             logprobs = compute_logprobs(logits, sampled, tensors.max_num_logprobs)
@@ -265,22 +265,28 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         if t.all_greedy:
             return greedy(logits)
-        assert t.temperature is not None  # set whenever a row is random
-        scaled = logits / t.temperature
-        if t.log_min_p is not None:
-            scaled = apply_min_p(scaled, t.log_min_p)
-        if t.top_p is not None:
-            scaled = _apply_top_k_top_p(scaled, t.top_k, t.top_p)
-        elif t.top_k is not None:
-            scaled = _apply_top_k(scaled, t.top_k, t.max_top_k)
-        probs = scaled.softmax(dim=-1, dtype=torch.float32)
-        random = _exponential_race(probs, t.generators)
+        random = exponential_race(target_probs(logits, t), t.generators)
         if t.greedy_mask is None:
             return random
         return torch.where(t.greedy_mask, greedy(logits), random)
 
 
-def _adjust(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The distribution random rows sample from: ``logits`` (already
+    adjusted) scaled by temperature, filtered by min-p, top-k and top-p,
+    softmaxed. Greedy rows come out at temperature 1 (callers ignore them)."""
+    assert t.temperature is not None  # set whenever a row is random
+    scaled = logits / t.temperature
+    if t.log_min_p is not None:
+        scaled = apply_min_p(scaled, t.log_min_p)
+    if t.top_p is not None:
+        scaled = _apply_top_k_top_p(scaled, t.top_k, t.top_p)
+    elif t.top_k is not None:
+        scaled = _apply_top_k(scaled, t.top_k, t.max_top_k)
+    return scaled.softmax(dim=-1, dtype=torch.float32)
+
+
+def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """The logits every row (greedy too) chooses from: biased, then penalized."""
     if t.logit_bias is not None:
         logits = t.logit_bias.apply(logits)
@@ -351,7 +357,7 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """``argmax(probs / q)``, ``q ~ Exponential(1)`` per element: a sample.
 
     Unseeded rows share the default generator; each seeded row draws its

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ConfigError, ModelConfig, SpeculativeConfig
 from engine.models.loader import LoadedModel, load_model, resolve_model
+from engine.models.spec import ModelSpec
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.proposer import NgramLookup, Proposer
 from engine.worker.kv_cache import (
     KVCacheShape,
     allocate_kv_caches,
@@ -49,7 +52,13 @@ class WorkerInfo:
 
 
 class Worker:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        max_num_seqs: int,
+        speculative: SpeculativeConfig | None = None,
+    ):
         torch.manual_seed(model_config.seed)
         self.device = resolve_device(model_config.device)
         self.backend = select_backend(self.device, model_config.attention_backend)
@@ -68,9 +77,17 @@ class Worker:
             cache_config.block_size,
             _DTYPES[model_config.dtype],
         )
+        # A draft model loads before the budget is taken, and its KV cache
+        # shares it: every block has the target's KV and the draft's.
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft = self._load_draft(speculative, model_config, spec, cache_config.block_size)
         budget = kv_cache_budget(
             self.device, model_config.kv_cache_memory, model_config.gpu_memory_utilization
         )
+        if draft is not None:
+            per_block = shape.bytes_per_block
+            budget = budget * per_block // (per_block + draft[1].bytes_per_block)
         num_blocks = cache_config.num_blocks_override or num_blocks_for_budget(shape, budget)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB) on %s, attention backend %s",
@@ -81,6 +98,23 @@ class Worker:
             self.backend.name,
         )
         kv_caches = allocate_kv_caches(shape, num_blocks, self.device)
+        proposer: Proposer | None = None
+        if draft is not None:
+            draft_model, draft_shape = draft
+            assert speculative is not None
+            proposer = DraftModelProposer(
+                draft_model.model,
+                allocate_kv_caches(draft_shape, num_blocks, self.device),
+                cache_config.block_size,
+                speculative.num_speculative_tokens,
+                self.device,
+            )
+        elif speculative is not None:
+            proposer = NgramLookup(
+                speculative.num_speculative_tokens,
+                speculative.prompt_lookup_min,
+                speculative.prompt_lookup_max,
+            )
         self.runner = ModelRunner(
             self.loaded.model,
             kv_caches,
@@ -89,6 +123,9 @@ class Worker:
             max_model_len=max_model_len,
             device=self.device,
         )
+        if proposer is not None:
+            assert speculative is not None
+            self.runner.attach_proposer(proposer, speculative.num_speculative_tokens)
         # Requests stop on the first EOS id; configs listing several are rare.
         eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
         self.info = WorkerInfo(
@@ -100,6 +137,26 @@ class Worker:
             num_blocks=num_blocks,
             eos_token_id=eos,
         )
+
+    def _load_draft(
+        self,
+        speculative: SpeculativeConfig,
+        model_config: ModelConfig,
+        target: ModelSpec,
+        block_size: int,
+    ) -> tuple[LoadedModel, KVCacheShape]:
+        assert speculative.model is not None  # checked by SpeculativeConfig
+        dtype = _DTYPES[model_config.dtype]
+        draft = load_model(
+            resolve_model(speculative.model), dtype=dtype, device=self.device, ops=self.backend
+        )
+        if draft.spec.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"speculative_config.model={speculative.model!r} is invalid: its vocabulary "
+                f"has {draft.spec.vocab_size} tokens, the target's {target.vocab_size}"
+            )
+        d = draft.spec
+        return draft, KVCacheShape(d.num_layers, d.num_kv_heads, d.head_dim, block_size, dtype)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -56,6 +56,9 @@ class SequenceGrammar:
             trial.append(t)
         return token_ids
 
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens :]
+
     def fill_bitmask(self, bitmask: Bitmask, row: int) -> None:
         bitmask[row] = 0
         nxt = self._next(self.accepted)

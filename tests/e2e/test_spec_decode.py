@@ -1,0 +1,167 @@
+"""Speculative decoding on the default model: greedy outputs are
+token-identical to the non-speculative ones with either proposer, under
+chunked prefill, preemption and prefix caching; stops inside an accepted
+run end exactly where the plain run ends; constrained requests stay valid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.structured_output.params import StructuredOutputParams
+
+PASSAGE = (
+    "The committee met on Tuesday to review the budget. After a long discussion, "
+    "the members agreed to fund the new library and to repair the old bridge."
+)
+SHARED = "You are a careful assistant. Answer briefly and precisely. " * 4
+PROMPTS = [
+    f"Repeat the passage exactly.\nPassage: {PASSAGE}\nRepeat: {PASSAGE[:40]}",
+    "def add(a, b):\n    return a + b\n\n# The same function, renamed to plus:\ndef plus(a, b):",
+    "Write a short poem about the sea.",
+    SHARED + "What is the capital of France?",
+    SHARED + "Name three primary colors.",
+    "Count: one, two, three, four, five, six, seven, eight, nine, ten, one, two, three,",
+]
+# ignore_eos: every request generates all its tokens (several would end at once).
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+K = 4
+
+
+def _generate(llm: LLM, params: SamplingParams = GREEDY, prompts: list[str] = PROMPTS):
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def base() -> LLM:
+    return LLM(max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def reference(base: LLM) -> list[list[int]]:
+    return _generate(base)
+
+
+@pytest.fixture(scope="module")
+def self_draft(default_model_path: Path) -> LLM:
+    spec = SpeculativeConfig(
+        method="draft_model", model=str(default_model_path), num_speculative_tokens=K
+    )
+    return LLM(max_model_len=512, speculative=spec)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_path(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -> Path:
+    """A 2-layer random-weight Llama with the default model's vocabulary."""
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    target = AutoConfig.from_pretrained(default_model_path)
+    config = LlamaConfig(
+        vocab_size=target.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=target.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=target.bos_token_id,
+        eos_token_id=target.eos_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-draft")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_ngram_greedy_identical_under_chunking_preemption_and_prefix_caching(
+    reference: list[list[int]],
+) -> None:
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K)
+    # 18 blocks of 16 for six requests of 50-110 tokens: preemption; a
+    # 48-token budget: long prompts are chunked; SHARED is a cached prefix.
+    llm = LLM(
+        max_model_len=256, num_blocks_override=18, max_num_batched_tokens=48, speculative=spec
+    )
+    assert _generate(llm) == reference
+    stats = llm.core.scheduler.spec_stats
+    assert stats is not None and stats.num_accepted_tokens > 0
+    totals = llm.totals
+    assert totals.num_preemptions > 0
+    assert totals.prefix_cache_hits > 0
+
+
+def test_self_draft_accepts_nearly_everything(self_draft: LLM, reference: list[list[int]]) -> None:
+    assert _generate(self_draft) == reference
+    stats = self_draft.core.scheduler.spec_stats
+    assert stats is not None
+    assert stats.acceptance_rate > 0.9, stats
+
+
+def test_random_draft_accepts_little_changes_nothing(
+    tiny_draft_path: Path, reference: list[list[int]]
+) -> None:
+    spec = SpeculativeConfig(
+        method="draft_model", model=str(tiny_draft_path), num_speculative_tokens=K
+    )
+    llm = LLM(max_model_len=256, num_blocks_override=18, speculative=spec)
+    assert _generate(llm) == reference
+    stats = llm.core.scheduler.spec_stats
+    assert stats is not None and stats.num_drafts > 0
+    assert stats.acceptance_rate < 0.5, stats
+    assert llm.totals.num_preemptions > 0
+
+
+def test_stops_inside_an_accepted_run_end_where_the_plain_run_ends(
+    base: LLM, self_draft: LLM, reference: list[list[int]], tokenizer
+) -> None:
+    tokens = reference[0]
+    text = tokenizer.decode(tokens)
+    stop_string = text[len(text) // 2 : len(text) // 2 + 6]
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop_string]),
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[tokens[11]]),
+        SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
+    ]
+    for params in cases:
+        want = base.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+        got = self_draft.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+        ), params
+    # max_model_len: a prompt 5 tokens short of it ends after 5 tokens.
+    long_prompt = tokenizer.encode(PASSAGE * 40)[: 512 - 5]
+    want = base.generate([long_prompt], GREEDY, use_tqdm=False)[0]
+    got = self_draft.generate([long_prompt], GREEDY, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 5
+
+
+def test_structured_output_with_drafts_is_valid_and_identical(
+    base: LLM, self_draft: LLM
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"type": "integer"}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=40,
+        temperature=0.0,
+        structured_outputs=StructuredOutputParams(json=schema),
+    )
+    prompts = ["Give a city and its rank as JSON: ", PROMPTS[3]]
+    want = base.generate(prompts, params, use_tqdm=False)
+    got = self_draft.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for output in got:
+        data = json.loads(output.text)
+        assert set(data) == {"city", "rank"}
