@@ -28,7 +28,9 @@ from engine.config import (
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
+from engine.stats import SpecDecodingStats
 from service import gateway
 
 if TYPE_CHECKING:
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from service.router import RouterConfig
 
 DEFAULT_SERVER = "127.0.0.1:50051"
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +164,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=int,
         default=1,
         help="of those, how many may be long prompts (default: 1)",
+    )
+    d = p.add_argument_group("speculative decoding")
+    d.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        metavar="JSON",
+        help='speculative decoding, as JSON (keys as vLLM\'s): {"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4} drafts from the request\'s '
+        'own text; {"method": "draft_model", "model": PATH, "num_speculative_tokens": 3} '
+        "from a smaller model with the same vocabulary (default: off; ignored with "
+        "--role prefill)",
     )
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
@@ -319,6 +334,24 @@ def _kv_transfer_config(text: str) -> KVTransferConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ConfigError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """--speculative-config, except on a prefill pod: it computes one token
+    per request, so drafts would only cost it a proposer (and a draft model's
+    memory)."""
+    config: SpeculativeConfig | None = args.speculative_config
+    if config is not None and getattr(args, "role", "both") == "prefill":
+        logger.info("--role prefill: ignoring --speculative-config (prefill pods never speculate)")
+        return None
+    return config
+
+
 def kv_transfer_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
     """--kv-transfer-config, or what --kv-offload stands for; checked
     against --role (a prefill pod must save, a decode pod must load)."""
@@ -363,6 +396,7 @@ def kv_transfer_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         kv_transfer=kv_transfer_from_args(args),
+        speculative=speculative_from_args(args),
         model=ModelConfig(
             model=args.model,
             dtype=args.dtype,
@@ -737,6 +771,8 @@ async def _status(args: argparse.Namespace) -> int:
             f"connector  {status.kv_connector_hits}/{status.kv_connector_queries} prompt tokens "
             "loaded instead of computed"
         )
+    if status.HasField("spec_decoding"):
+        print(_spec_decoding_line(status.spec_decoding))
     for line in _degradation_lines(status):
         print(line)
     if info.role == "router":
@@ -746,6 +782,25 @@ async def _status(args: argparse.Namespace) -> int:
         )
     print(f"uptime     {status.uptime_seconds:.0f} s{'; draining' if status.draining else ''}")
     return 0
+
+
+def _spec_decoding_line(spec: pb.SpecDecodingStatus) -> str:
+    """Acceptance figures, derived as the engine derives them."""
+    stats = SpecDecodingStats(
+        len(spec.num_accepted_tokens_per_pos),
+        spec.num_drafts,
+        spec.num_draft_tokens,
+        spec.num_accepted_tokens,
+        list(spec.num_accepted_tokens_per_pos),
+    )
+    drafts = max(stats.num_drafts, 1)
+    per_pos = ", ".join(f"{n / drafts:.2f}" for n in stats.num_accepted_tokens_per_pos)
+    return (
+        f"speculate  {stats.num_accepted_tokens}/{stats.num_draft_tokens} draft tokens "
+        f"accepted ({stats.acceptance_rate:.1%}); mean acceptance length "
+        f"{stats.mean_acceptance_length:.2f} over {stats.num_drafts} drafts; "
+        f"by position {per_pos}"
+    )
 
 
 def _degradation_lines(status: pb.ServerStatus) -> list[str]:

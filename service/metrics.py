@@ -24,6 +24,16 @@ Families (all prefixed `tandem_`):
                                               KV a peer is still to read
     metrics_errors_total{where}               counter: metrics updates that
                                               raised (outputs went out anyway)
+    spec_decode_num_drafts_total              counter: verifying steps of a
+                                              request with drafts
+    spec_decode_num_draft_tokens_total        counter: draft tokens proposed
+    spec_decode_num_accepted_tokens_total     counter: draft tokens accepted
+    spec_decode_num_accepted_tokens_per_pos_total{position}
+                                              counter: acceptances at each
+                                              draft position (0-based)
+
+The spec_decode families are vLLM's (vllm:spec_decode_*) and appear only
+when the server speculates (`--speculative-config`).
 
 Each server owns its registry, so several servers (tests) in one process
 do not collide. `ServiceMetrics` is the engine's `EngineObserver`.
@@ -34,6 +44,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from engine import RequestOutput, SchedulerStats, TransferFailure
+from engine.stats import SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -131,6 +142,7 @@ class ServiceMetrics:
             ["where"],
             registry=r,
         )
+        self._spec = _SpecDecodingCounters(r)
         # The scheduler's cumulative counts as last seen: counters take increments.
         self._last_preemptions = 0
         self._last_ignored = 0
@@ -162,6 +174,8 @@ class ServiceMetrics:
             self.connector_hits.inc(connector.hits)
         self.held_requests.set(stats.num_held_requests)
         self._on_degradations(stats)
+        if stats.spec_decoding is not None:
+            self._spec.update(stats.spec_decoding)
 
     def _on_degradations(self, stats: SchedulerStats) -> None:
         recomputed = stats.num_kv_recomputed_tokens
@@ -196,3 +210,55 @@ class ServiceMetrics:
         self.e2e.observe(seconds_since_arrival)
         self.prompt_tokens.inc(output.num_prompt_tokens)
         self.finished.labels(finish_reason=str(output.finish_reason or "unknown")).inc()
+
+
+class _SpecDecodingCounters:
+    """vLLM's spec_decode counters, fed the scheduler's cumulative figures.
+
+    Created unregistered: the families join the registry with the first
+    figures, so a server that does not speculate exposes none of them.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry: CollectorRegistry | None = registry
+        self.drafts = Counter(
+            "tandem_spec_decode_num_drafts",
+            "Verifying steps of a request that had draft tokens",
+            registry=None,
+        )
+        self.draft_tokens = Counter(
+            "tandem_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=None
+        )
+        self.accepted_tokens = Counter(
+            "tandem_spec_decode_num_accepted_tokens",
+            "Draft tokens the target model accepted",
+            registry=None,
+        )
+        self.accepted_per_pos = Counter(
+            "tandem_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0-based)",
+            ["position"],
+            registry=None,
+        )
+        self._last = SpecDecodingStats(0)
+
+    def update(self, stats: SpecDecodingStats) -> None:
+        if self._registry is not None:
+            for counter in (
+                self.drafts,
+                self.draft_tokens,
+                self.accepted_tokens,
+                self.accepted_per_pos,
+            ):
+                self._registry.register(counter)
+            self._registry = None
+        last = self._last
+        self.drafts.inc(max(0, stats.num_drafts - last.num_drafts))
+        self.draft_tokens.inc(max(0, stats.num_draft_tokens - last.num_draft_tokens))
+        self.accepted_tokens.inc(max(0, stats.num_accepted_tokens - last.num_accepted_tokens))
+        previous = last.num_accepted_tokens_per_pos
+        for pos, count in enumerate(stats.num_accepted_tokens_per_pos):
+            seen = previous[pos] if pos < len(previous) else 0
+            # Incremented even by 0: each position's series exists from the start.
+            self.accepted_per_pos.labels(position=str(pos)).inc(max(0, count - seen))
+        self._last = stats  # a snapshot: the scheduler reports a new one each step

@@ -107,11 +107,13 @@ def test_self_draft_accepts_nearly_everything(self_draft: LLM, reference: list[l
 def test_random_draft_accepts_little_changes_nothing(
     tiny_draft_path: Path, reference: list[list[int]]
 ) -> None:
+    # Verifying drafts that fail costs a CPU k+1 tokens' compute per step:
+    # few drafts and three requests (in 12 usable blocks: preemption).
     spec = SpeculativeConfig(
-        method="draft_model", model=str(tiny_draft_path), num_speculative_tokens=K
+        method="draft_model", model=str(tiny_draft_path), num_speculative_tokens=2
     )
-    llm = LLM(max_model_len=256, num_blocks_override=18, speculative=spec)
-    assert _generate(llm) == reference
+    llm = LLM(max_model_len=176, num_blocks_override=13, speculative=spec)
+    assert _generate(llm, prompts=PROMPTS[:3]) == reference[:3]
     stats = llm.core.scheduler.spec_stats
     assert stats is not None and stats.num_drafts > 0
     assert stats.acceptance_rate < 0.5, stats
@@ -144,9 +146,7 @@ def test_stops_inside_an_accepted_run_end_where_the_plain_run_ends(
     assert got.token_ids == want.token_ids and len(got.token_ids) == 5
 
 
-def test_structured_output_with_drafts_is_valid_and_identical(
-    base: LLM, self_draft: LLM
-) -> None:
+def test_structured_output_with_drafts_is_valid_and_identical(base: LLM, self_draft: LLM) -> None:
     schema = {
         "type": "object",
         "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"type": "integer"}},

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.stats import KVConnectorStats, PrefixCacheStats, SchedulerStats, TransferFailure
+from engine.stats import (
+    KVConnectorStats,
+    PrefixCacheStats,
+    SchedulerStats,
+    SpecDecodingStats,
+    TransferFailure,
+)
 from engine.status import EngineStatus, StepTimes, weighted_median
 
 
@@ -41,6 +47,24 @@ def test_record_replaces_gauges_sums_counts_and_copies_totals() -> None:
     assert status.kv_leases_lapsed == 1
     assert status.kv_transfer_failures == {TransferFailure.MISSING: 2}
     assert EngineStatus().prefix_cache_hit_rate == 0.0
+
+
+def test_record_keeps_the_latest_spec_decoding_totals() -> None:
+    status = EngineStatus()
+    status.record(SchedulerStats())
+    assert status.spec_decoding is None  # not speculating
+    first = SpecDecodingStats(2)
+    first.observe_draft(2, 1)
+    status.record(SchedulerStats(spec_decoding=first))
+    second = first.copy()
+    second.observe_draft(2, 2)
+    status.record(SchedulerStats(spec_decoding=second))
+    # Cumulative in the scheduler: the latest figures, not a sum of steps.
+    spec = status.spec_decoding
+    assert spec is not None
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (2, 4, 3)
+    assert spec.num_accepted_tokens_per_pos == [2, 1]
+    assert spec.acceptance_rate == 0.75 and spec.mean_acceptance_length == 2.5
 
 
 def test_step_times_weigh_steps_by_their_later_tokens() -> None:

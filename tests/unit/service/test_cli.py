@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from engine.config import ConfigError
+from engine.config import ConfigError, SpeculativeConfig
 from service import cli
 from service.client import make_request
 from service.gen.tandem.v1 import generation_pb2 as pb
@@ -172,6 +173,100 @@ def test_kv_lease_and_transfer_timeout_flags() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
+            SpeculativeConfig("ngram", 3, prompt_lookup_max=4),
+        ),
+        (
+            '{"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 5}',
+            SpeculativeConfig("draft_model", 5, model="/models/draft"),
+        ),
+        # vLLM infers the method from the keys given.
+        ('{"model": "/models/draft"}', SpeculativeConfig("draft_model", model="/models/draft")),
+    ],
+)
+def test_speculative_config_flag(text: str, want: SpeculativeConfig) -> None:
+    config = cli.engine_config_from_args(_serve_args("--speculative-config", text))
+    assert config.speculative == want
+
+
+def test_no_speculative_config_is_no_speculation() -> None:
+    assert cli.engine_config_from_args(_serve_args()).speculative is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"method": "ngram",', "speculative_config is not valid JSON"),
+        ("[3]", "speculative_config='[3]' is invalid: expected a JSON object"),
+        ('{"num_speculative_tokens": 3, "num_spec": 2}', "unknown keys ['num_spec']"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens=0 is invalid"),
+        ('{"method": "ngram", "model": "/m"}', "model='/m' is invalid"),
+        ('{"method": "medusa"}', "method='medusa' is invalid"),
+    ],
+)
+def test_bad_speculative_config_is_a_clear_error(
+    text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _serve_args("--speculative-config", text)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --speculative-config" in err and message in err
+
+
+def test_speculative_config_of_the_wrong_type_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A TypeError inside the config's checks is still an argparse error, not a traceback.
+    with pytest.raises(SystemExit):
+        _serve_args("--speculative-config", '{"prompt_lookup_min": "1"}')
+    assert "argument --speculative-config" in capsys.readouterr().err
+
+
+def test_a_prefill_pod_drops_the_speculative_config(caplog: pytest.LogCaptureFixture) -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    producer = '{"kv_connector": "shm", "kv_role": "kv_producer"}'
+    with caplog.at_level(logging.INFO, logger="service.cli"):
+        prefill = cli.engine_config_from_args(
+            _serve_args(
+                "--role", "prefill", "--kv-transfer-config", producer, "--speculative-config", spec
+            )
+        )
+    assert prefill.speculative is None
+    assert prefill.kv_transfer is not None  # only the speculation is dropped
+    assert "--role prefill: ignoring --speculative-config" in caplog.text
+    consumer = '{"kv_connector": "shm", "kv_role": "kv_consumer"}'
+    decode = cli.engine_config_from_args(
+        _serve_args(
+            "--role", "decode", "--kv-transfer-config", consumer, "--speculative-config", spec
+        )
+    )
+    assert decode.speculative == SpeculativeConfig("ngram", 3)
+
+
+def test_status_shows_speculation_figures() -> None:
+    spec = pb.SpecDecodingStatus(
+        num_drafts=10,
+        num_draft_tokens=30,
+        num_accepted_tokens=18,
+        num_accepted_tokens_per_pos=[8, 6, 4],
+    )
+    assert cli._spec_decoding_line(spec) == (
+        "speculate  18/30 draft tokens accepted (60.0%); mean acceptance length 2.80 "
+        "over 10 drafts; by position 0.80, 0.60, 0.40"
+    )
+    # Speculating but no draft verified yet: zeros, not a division by zero.
+    idle = pb.SpecDecodingStatus(num_accepted_tokens_per_pos=[0, 0])
+    assert cli._spec_decoding_line(idle) == (
+        "speculate  0/0 draft tokens accepted (0.0%); mean acceptance length 0.00 "
+        "over 0 drafts; by position 0.00, 0.00"
+    )
+
+
 def test_status_shows_degradations_only_when_there_are_some() -> None:
     from service.gen.tandem.v1 import generation_pb2 as pb
 
@@ -264,3 +359,38 @@ def test_generate_sampling_flags_reach_the_request(
     assert args.run(cli._parser().parse_args(["generate", "hi"])) == 0
     plain = client.requests[1].sampling
     assert not plain.HasField("repetition_penalty") and plain.presence_penalty == 0.0
+
+
+class _StatusClient:
+    """Stands in for TandemClient: answers `tandem status`'s two calls."""
+
+    def __init__(self, status: pb.ServerStatus) -> None:
+        self._status = status
+
+    async def __aenter__(self) -> _StatusClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def model_info(self) -> pb.ModelInfo:
+        return pb.ModelInfo(model_name="m", role="both")
+
+    async def status(self) -> pb.ServerStatus:
+        return self._status
+
+
+@pytest.mark.parametrize("speculating", [False, True])
+def test_status_prints_speculation_only_when_the_server_speculates(
+    speculating: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = pb.ServerStatus(num_running=1)
+    if speculating:
+        status.spec_decoding.num_accepted_tokens_per_pos.extend([0, 0, 0])
+    monkeypatch.setattr(cli, "_client", lambda args: _StatusClient(status))
+    args = cli._parser().parse_args(["status"])
+    assert args.run(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("requests   1 running") for line in lines)
+    speculate = [line for line in lines if line.startswith("speculate")]
+    assert len(speculate) == int(speculating)

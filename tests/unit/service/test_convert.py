@@ -23,6 +23,7 @@ from engine import (
     TokenLogprob,
 )
 from engine.models.loader import load_tokenizer, resolve_model
+from engine.stats import SpecDecodingStats
 from engine.structured_output.params import StructuredOutputParams
 from service import convert
 from service.client import make_request
@@ -370,6 +371,20 @@ def test_status_and_events() -> None:
     assert kinds == ["stored", "removed", "cleared"]
     assert batch.events[0].stored.parent_block_hash == b""
     assert batch.sequence == 3
+
+
+def test_spec_decoding_status_is_set_only_while_speculating() -> None:
+    assert not convert.server_status(EngineStatus()).HasField("spec_decoding")
+    spec = SpecDecodingStats(3, 4, 12, 7, [4, 2, 1])
+    wire = convert.server_status(EngineStatus(spec_decoding=spec))
+    assert wire.HasField("spec_decoding")
+    got = wire.spec_decoding
+    assert (got.num_drafts, got.num_draft_tokens, got.num_accepted_tokens) == (4, 12, 7)
+    assert list(got.num_accepted_tokens_per_pos) == [4, 2, 1]
+    # Speculating before any draft: set, with one zero per position.
+    idle = convert.server_status(EngineStatus(spec_decoding=SpecDecodingStats(2)))
+    assert idle.HasField("spec_decoding")
+    assert list(idle.spec_decoding.num_accepted_tokens_per_pos) == [0, 0]
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,23 @@ def test_router_status_sums_the_pods_counts_only() -> None:
     assert total.num_prefill_fallbacks == 0
 
 
+def test_router_status_sums_the_pods_spec_decoding_position_by_position() -> None:
+    total = pb.ServerStatus()
+    _add_counts(total, pb.ServerStatus(num_running=1))  # a pod that does not speculate
+    assert not total.HasField("spec_decoding")
+    for drafts, per_pos in ((4, [3, 1]), (2, [2, 2, 1])):  # pods speculating 2 and 3 deep
+        pod = pb.ServerStatus()
+        pod.spec_decoding.num_drafts = drafts
+        pod.spec_decoding.num_draft_tokens = 3 * drafts
+        pod.spec_decoding.num_accepted_tokens = sum(per_pos)
+        pod.spec_decoding.num_accepted_tokens_per_pos.extend(per_pos)
+        _add_counts(total, pod)
+    spec = total.spec_decoding
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (6, 18, 9)
+    assert list(spec.num_accepted_tokens_per_pos) == [5, 3, 1]
+    assert total.num_running == 1
+
+
 def test_the_router_finds_a_prompt_where_the_pods_engines_hashed_it() -> None:
     """Prefix-aware routing matches the router's hashes of a prompt against
     the block hashes a pod's KV events name, which its engine's BlockHasher

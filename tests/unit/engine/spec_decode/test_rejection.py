@@ -30,7 +30,7 @@ def _logits_for(prev: list[int]) -> torch.Tensor:
 def test_greedy_accepts_while_argmax_matches() -> None:
     # Argmax after 0 is 0, after 1 is 1, after 3 is 0.
     rows = DraftRows.build([[0, 0, 1], [1, 2], []])
-    logits = _logits_for([0, 0, 0, 3] + [1, 1, 2] + [3])
+    logits = _logits_for([0, 0, 0, 3, 1, 1, 2, 3])
     result = verify(logits, rows, None, None, {})
     # Row 0: drafts 0, 0 accepted, 1 rejected (argmax 0): corrected to 0.
     # Row 1: 1 accepted, 2 rejected (argmax after 1 is 1): corrected to 1.
