@@ -121,9 +121,11 @@ def wait_router_sees_pods(router: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def _pd_stack(producer: list[str], consumer: list[str]) -> Iterator[tuple[str, str, str]]:
-    prefill = ServerProcess(["--role", "prefill", *SMALL, *producer])
-    decode = ServerProcess(["--role", "decode", *SMALL, *consumer])
+def _pd_stack(
+    producer: list[str], consumer: list[str], both: tuple[str, ...] = ()
+) -> Iterator[tuple[str, str, str]]:
+    prefill = ServerProcess(["--role", "prefill", *SMALL, *producer, *both])
+    decode = ServerProcess(["--role", "decode", *SMALL, *consumer, *both])
     router = ServerProcess(
         ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
         command="router",
@@ -142,7 +144,15 @@ def redis_pd(redis_server: RedisServer) -> Iterator[tuple[str, str, str]]:
 @pytest.fixture(scope="module")
 def shm_pd() -> Iterator[tuple[str, str, str]]:
     extra = {"pool_name": f"pd-{uuid.uuid4().hex[:8]}", "capacity_bytes": 256 << 20}
-    yield from _pd_stack(_kv("shm", "kv_producer", extra), _kv("shm", "kv_consumer", extra))
+    # Both pods are asked to speculate: the decode pod does, the prefill pod
+    # drops it. Every test over this stack checks outputs equal the
+    # colocated server's, which does not speculate.
+    yield from _pd_stack(
+        _kv("shm", "kv_producer", extra), _kv("shm", "kv_consumer", extra), SPECULATE
+    )
+
+
+SPECULATE = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
 
 
 def _check_parity(got: list[pb.GenerateResponse], want: list[pb.GenerateResponse]) -> None:
@@ -194,6 +204,10 @@ def test_pd_over_shared_memory_matches_colocated(
     for target in (prefill, decode):
         status = asyncio.run(_wait_idle(target))
         assert (status.num_running, status.num_waiting, status.kv_cache_usage) == (0, 0, 0.0)
+    # The decode pod verified drafts (and accepted some); the prefill pod never drafted.
+    spec = asyncio.run(_status(decode)).spec_decoding
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0
+    assert not asyncio.run(_status(prefill)).HasField("spec_decoding")
 
 
 def test_first_token_comes_from_the_prefill_leg(shm_pd: tuple[str, str, str]) -> None:
