@@ -162,7 +162,7 @@ def _apply_overrides(
             kv_transfer = value
             continue
         if name == "speculative":
-            if not isinstance(value, SpeculativeConfig):
+            if value is not None and not isinstance(value, SpeculativeConfig):
                 raise TypeError(f"LLM(speculative=...) wants a SpeculativeConfig, got {value!r}")
             speculative = value
             continue

@@ -238,6 +238,8 @@ class ModelRunner:
         )
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        if inputs.drafts is not None and inputs.max_query_len <= 1 + self.num_spec_tokens:
+            return self._token_rows_metadata(inputs)
         n = self.batch.num_reqs
         max_blocks = -(-inputs.max_seq_len // self.block_size)
         dev = self.device
@@ -251,6 +253,28 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             decode_only=inputs.max_query_len == 1,
+        )
+
+    def _token_rows_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        """A verification step as a decode batch of one row per token: token
+        ``j`` of a chunk attends to its context up to its own position, as
+        in the chunk (all of a layer's KV is written before attention reads
+        it), so every token takes the decode kernels (on the CPU, the
+        compiled decode stack) instead of the prefill path."""
+        dev = self.device
+        lens = np.diff(inputs.query_start_loc)
+        req_idx = np.repeat(np.arange(lens.size), lens)
+        max_blocks = -(-inputs.max_seq_len // self.block_size)
+        table = self.batch.block_table[req_idx, :max_blocks]
+        rows = inputs.positions.size
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.from_numpy((inputs.positions + 1).astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(table).to(dev, non_blocking=True),
+            max_query_len=1,
+            max_seq_len=inputs.max_seq_len,
+            decode_only=True,
         )
 
     # ------------------------------------------------------------------

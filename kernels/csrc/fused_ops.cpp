@@ -12,7 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -195,8 +195,66 @@ inline void rows4(const LinearArgs& a, int64_t n, bool prefetch_next) {
     o[3] = _mm512_reduce_add_ps(a3) + (b ? b[n + 3] : 0.f);
   }
 }
-#else
+#elif defined(__AVX2__) && defined(__FMA__)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Weight rows [n, n + 4) against input rows [m, m + R): each weight vector
+// is loaded once for R FMAs, where the one-row loop below reloads the four
+// weight rows for every input row and is load-bound (a speculative verify
+// step's k + 1 rows per request cost k + 1 times one row's; with R = 3 the
+// default model's layers run ~1.8x faster at 5 rows). One input row keeps
+// the compiler's loop, whose unrolled accumulators hide the FMA latency.
+template <int R>
+inline void block4(const LinearArgs& a, int64_t n, int64_t m) {
+  const int64_t K = a.K, body = K - K % 8;
+  const float* w0 = a.w + n * K;
+  const float* xs[R];
+  __m256 acc[4][R];
+  for (int r = 0; r < R; ++r) {
+    xs[r] = a.x + (m + r) * a.x_stride;
+    for (int j = 0; j < 4; ++j) acc[j][r] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < body; k += 8) {
+    __m256 v[R];
+    for (int r = 0; r < R; ++r) v[r] = _mm256_loadu_ps(xs[r] + k);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 w = _mm256_loadu_ps(w0 + j * K + k);
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm256_fmadd_ps(w, v[r], acc[j][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* o = a.out + (m + r) * a.out_stride + n;
+    for (int j = 0; j < 4; ++j) {
+      float sum = hsum8(acc[j][r]);
+      for (int64_t k = body; k < K; ++k) sum += w0[j * K + k] * xs[r][k];
+      o[j] = sum + (a.bias ? a.bias[n + j] : 0.f);
+    }
+  }
+}
+
+inline void rows4_simd(const LinearArgs& a, int64_t n);
+
 inline void rows4(const LinearArgs& a, int64_t n, bool /*prefetch_next*/) {
+  if (a.M == 1) {
+    rows4_simd(a, n);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 3 <= a.M; m += 3) block4<3>(a, n, m);
+  if (a.M - m == 2)
+    block4<2>(a, n, m);
+  else if (a.M - m == 1)
+    block4<1>(a, n, m);
+}
+#endif
+
+#if !defined(__AVX512F__)
+inline void rows4_simd(const LinearArgs& a, int64_t n) {
   const int64_t K = a.K;
   const float* __restrict w0 = a.w + n * K;
   const float* __restrict w1 = w0 + K;
@@ -221,6 +279,9 @@ inline void rows4(const LinearArgs& a, int64_t n, bool /*prefetch_next*/) {
     o[3] = a3 + (b ? b[n + 3] : 0.f);
   }
 }
+#if !(defined(__AVX2__) && defined(__FMA__))
+inline void rows4(const LinearArgs& a, int64_t n, bool /*prefetch_next*/) { rows4_simd(a, n); }
+#endif
 #endif
 
 inline void row1(const LinearArgs& a, int64_t n) {

@@ -105,12 +105,13 @@ def test_linear(compiled: LayerOps, rows: int, bias: bool, pack: bool) -> None:
 
 
 @pytest.mark.parametrize("in_features", [7, 100, 577])
-@pytest.mark.parametrize("rows", [1, 3])
+# 1 row, then blocks of 3, 2 and 3 + 1 rows (the AVX2 kernel's row blocks).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_small_linear_with_a_ragged_input_width(
     compiled: LayerOps, rows: int, in_features: int
 ) -> None:
-    # Widths that are not a multiple of the kernel's 16-lane loads: the
-    # masked tail must count its columns exactly once.
+    # Widths that are not a multiple of the kernels' 16- or 8-lane loads:
+    # the tail must count its columns exactly once.
     x, w, b = torch.randn(rows, in_features), torch.randn(45, in_features), torch.randn(45)
     torch.testing.assert_close(
         compiled.linear(x, w, b, None), F.linear(x, w, b), atol=1e-4, rtol=1e-5
