@@ -103,7 +103,9 @@ def _engines(names: list[str], k: int, lookup: tuple[int, int]) -> dict[str, obj
             method="draft_model", model=str(resolve_model(None)), num_speculative_tokens=k
         ),
     }
-    return {n: LLM(max_model_len=2048, kv_cache_memory=1 << 30, speculative=specs[n]) for n in names}
+    return {
+        n: LLM(max_model_len=2048, kv_cache_memory=1 << 30, speculative=specs[n]) for n in names
+    }
 
 
 def _run(llm, prompts: list[str], concurrent: bool) -> Run:  # type: ignore[no-untyped-def]

@@ -293,8 +293,8 @@ class SpeculativeConfig:
     """
 
     method: SpecMethod = "ngram"
-    num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 1
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None
 

@@ -165,3 +165,33 @@ def test_structured_output_with_drafts_is_valid_and_identical(base: LLM, self_dr
     for output in got:
         data = json.loads(output.text)
         assert set(data) == {"city", "rank"}
+
+
+def test_logprobs_penalties_and_seeds_with_drafts(base: LLM, self_draft: LLM) -> None:
+    prompt = PROMPTS[:1]
+    # Logprobs: one entry per token, the values the plain run reports.
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    want = base.generate(prompt, params, use_tqdm=False)[0]
+    got = self_draft.generate(prompt, params, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids
+    assert got.logprobs is not None and want.logprobs is not None
+    assert [e.token_id for e in got.logprobs] == got.token_ids
+    for g, w in zip(got.logprobs, want.logprobs, strict=True):
+        assert g.rank == w.rank and set(g.top) == set(w.top)
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-3)
+    # Penalties: each draft position counts the drafts before it as output.
+    params = SamplingParams(
+        max_tokens=16,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+    )
+    want = base.generate(prompt, params, use_tqdm=False)[0]
+    got = self_draft.generate(prompt, params, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids
+    # A seeded sampled request is reproducible with drafts too.
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    runs = [self_draft.generate(prompt, params, use_tqdm=False)[0].token_ids for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 12

@@ -399,3 +399,34 @@ def test_logprobs_are_sliced_per_request_only_when_asked_for():
     by_id = {o.request_id: o for o in outs[0].outputs}
     assert by_id["r0"].new_logprobs == LogprobsLists([[7, 8]], [[-0.1, -2.0]], [1])
     assert by_id["r1"].new_logprobs is None
+
+
+def test_spec_decoding_stats_count_drafts_accepted_and_positions():
+    from engine.outputs import ModelRunnerOutput
+    from engine.sched.scheduler import Scheduler
+
+    base = make_scheduler()
+    sched = Scheduler(base.config, base.cache_config, num_spec_tokens=3)
+    sched.add_request(make_request("r0", 5, max_tokens=20))
+    step(sched)
+    outcomes = [[11, 12, 77], [21, 99], [31, 32, 33, 34]]  # 2, 1 and 3 accepted
+    for tokens in outcomes:
+        drafts = tokens[:-1] + [0] * (3 - (len(tokens) - 1))
+        sched.update_draft_token_ids(DraftTokenIds(["r0"], [drafts]))
+        so = sched.schedule()
+        sched.update_from_output(so, ModelRunnerOutput(["r0"], {"r0": 0}, [list(tokens)]))
+    stats = sched.make_stats()
+    assert stats is not None and stats.spec_decoding is not None
+    spec = stats.spec_decoding
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (3, 9, 6)
+    assert spec.num_accepted_tokens_per_pos == [3, 2, 1]
+    assert spec.acceptance_rate == 6 / 9 and spec.mean_acceptance_length == 3.0
+    # A snapshot: a later verifying step does not change a reported one.
+    sched.update_draft_token_ids(DraftTokenIds(["r0"], [[41, 42, 43]]))
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(["r0"], {"r0": 0}, [[5]]))
+    assert spec.num_drafts == 3 and spec.num_accepted_tokens_per_pos == [3, 2, 1]
+    later = sched.make_stats()
+    assert later is not None and later.spec_decoding is not None
+    assert later.spec_decoding.num_drafts == 4 and later.spec_decoding.num_draft_tokens == 12
+    assert make_scheduler().make_stats().spec_decoding is None  # type: ignore[union-attr]
