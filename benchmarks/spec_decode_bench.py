@@ -33,9 +33,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
 PASSAGES = [
     "The river rose slowly through the night, and by morning the lower streets of the town "
@@ -86,7 +90,7 @@ class Run:
         return self.tokens / self.seconds
 
 
-def _engines(names: list[str], k: int, lookup: tuple[int, int]) -> dict[str, object]:
+def _engines(names: list[str], k: int, lookup: tuple[int, int]) -> dict[str, LLM]:
     from engine.config import SpeculativeConfig
     from engine.llm import LLM
     from engine.models.loader import resolve_model
@@ -108,7 +112,7 @@ def _engines(names: list[str], k: int, lookup: tuple[int, int]) -> dict[str, obj
     }
 
 
-def _run(llm, prompts: list[str], concurrent: bool) -> Run:  # type: ignore[no-untyped-def]
+def _run(llm: LLM, prompts: list[str], concurrent: bool) -> Run:
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=160, temperature=0.0)
@@ -139,7 +143,7 @@ def _fmt(values: list[float], unit: str = "") -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--engines", default="base,ngram,draft")
     ap.add_argument("--lookup", default="", help="ngram's prompt_lookup_min,max")
     ap.add_argument("--modes", default="single,c16")

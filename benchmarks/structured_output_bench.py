@@ -214,9 +214,9 @@ def bench_engine(rounds: int) -> None:
     original_fill = StructuredOutputManager.grammar_bitmask
     original_apply = apply_mod.apply_grammar_bitmask
 
-    def timed_fill(self: StructuredOutputManager, requests: Any) -> Any:
+    def timed_fill(self: StructuredOutputManager, requests: Any, drafts: Any = None) -> Any:
         start = time.perf_counter()
-        out = original_fill(self, requests)
+        out = original_fill(self, requests, drafts)
         fill_ms.append((time.perf_counter() - start) * 1000)
         return out
 

@@ -293,7 +293,7 @@ class SpeculativeConfig:
     """
 
     method: SpecMethod = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 5
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None

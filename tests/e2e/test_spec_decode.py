@@ -30,11 +30,13 @@ PROMPTS = [
     "Count: one, two, three, four, five, six, seven, eight, nine, ten, one, two, three,",
 ]
 # ignore_eos: every request generates all its tokens (several would end at once).
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 K = 4
 
 
-def _generate(llm: LLM, params: SamplingParams = GREEDY, prompts: list[str] = PROMPTS):
+def _generate(
+    llm: LLM, params: SamplingParams = GREEDY, prompts: list[str] = PROMPTS
+) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -84,7 +86,7 @@ def test_ngram_greedy_identical_under_chunking_preemption_and_prefix_caching(
     reference: list[list[int]],
 ) -> None:
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K)
-    # 18 blocks of 16 for six requests of 50-110 tokens: preemption; a
+    # 18 blocks of 16 for six requests of 35-90 tokens: preemption; a
     # 48-token budget: long prompts are chunked; SHARED is a cached prefix.
     llm = LLM(
         max_model_len=256, num_blocks_override=18, max_num_batched_tokens=48, speculative=spec
@@ -108,11 +110,11 @@ def test_random_draft_accepts_little_changes_nothing(
     tiny_draft_path: Path, reference: list[list[int]]
 ) -> None:
     # Verifying drafts that fail costs a CPU k+1 tokens' compute per step:
-    # few drafts and three requests (in 12 usable blocks: preemption).
+    # few drafts and three requests (in 9 usable blocks: preemption).
     spec = SpeculativeConfig(
         method="draft_model", model=str(tiny_draft_path), num_speculative_tokens=2
     )
-    llm = LLM(max_model_len=176, num_blocks_override=13, speculative=spec)
+    llm = LLM(max_model_len=144, num_blocks_override=10, speculative=spec)
     assert _generate(llm, prompts=PROMPTS[:3]) == reference[:3]
     stats = llm.core.scheduler.spec_stats
     assert stats is not None and stats.num_drafts > 0
@@ -127,8 +129,8 @@ def test_stops_inside_an_accepted_run_end_where_the_plain_run_ends(
     text = tokenizer.decode(tokens)
     stop_string = text[len(text) // 2 : len(text) // 2 + 6]
     cases = [
-        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop_string]),
-        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[tokens[11]]),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop_string]),
+        SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[tokens[11]]),
         SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
     ]
     for params in cases:
@@ -154,7 +156,7 @@ def test_structured_output_with_drafts_is_valid_and_identical(base: LLM, self_dr
         "additionalProperties": False,
     }
     params = SamplingParams(
-        max_tokens=40,
+        max_tokens=32,
         temperature=0.0,
         structured_outputs=StructuredOutputParams(json=schema),
     )

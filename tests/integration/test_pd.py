@@ -92,8 +92,17 @@ async def _wait_idle(target: str, timeout: float = 30.0) -> pb.ServerStatus:
 
 
 @pytest.fixture(scope="module")
-def reference(server: ServerProcess) -> list[pb.GenerateResponse]:
-    """The colocated server's answers."""
+def spare_pod() -> Iterator[ServerProcess]:
+    """A colocated pod of its own for the routing test, launched with the
+    module's first fixtures so its start-up overlaps theirs."""
+    pod = ServerProcess(SMALL)
+    with launched(pod):
+        yield pod
+
+
+@pytest.fixture(scope="module")
+def reference(server: ServerProcess, spare_pod: ServerProcess) -> list[pb.GenerateResponse]:
+    """The colocated server's answers (and the spare pod launched)."""
     return asyncio.run(_generate_all(server.target, PROMPTS))
 
 
@@ -549,15 +558,17 @@ def test_router_passes_pod_errors_through(shm_pd: tuple[str, str, str]) -> None:
     assert was_refused(err.value)  # the prefill pod refused: nothing ran anywhere
 
 
-def test_prefix_aware_routing_between_colocated_pods(server: ServerProcess) -> None:
+def test_prefix_aware_routing_between_colocated_pods(
+    server: ServerProcess, spare_pod: ServerProcess
+) -> None:
     """Two idle colocated pods behind a router: A (the session's server,
     which a load-only tie-break picks first) and B, which computed a long
     prefix. Requests sharing it, sent to the router, all land on B."""
-    b = ServerProcess(SMALL)
+    b = spare_pod
     router = ServerProcess(
         ["--decode", f"{server.target},{b.target}", "--poll-seconds", "0.2"], command="router"
     )
-    with serving(b, router):
+    with b, serving(router):
         prefix = "Here is a long shared preamble about routing requests. " * 12
 
         async def run() -> tuple[int, pb.ServerStatus, pb.ServerStatus]:
