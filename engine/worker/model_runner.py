@@ -5,7 +5,10 @@ positions / slot mapping / block table with numpy gathers, run the model
 with paged attention, compute logits only for the rows that sample, and
 sample. Requests still mid-prefill sample nothing. A request that asked
 for prompt logprobs also gets logits at its prompt positions
-(engine/worker/prompt_logprobs.py).
+(engine/worker/prompt_logprobs.py). With speculative decoding a request
+verifying k drafts has logits at its last k + 1 positions, verified in
+engine/worker/spec_verify.py; after sampling, the proposer drafts the next
+step's tokens (``take_draft_token_ids``).
 """
 
 from __future__ import annotations
