@@ -201,6 +201,22 @@ class ModelConfig:
         )
 
 
+def _json_fields(cls: type, name: str, text: str) -> dict[str, Any]:
+    """A flag's JSON object whose keys are all fields of ``cls``; errors
+    name the flag (``name``) and what was wrong."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}={text!r} is invalid: expected a JSON object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{name} has unknown keys {unknown}: expected {sorted(known)}")
+    return data
+
+
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KV_ROLES: tuple[KVRole, ...] = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -260,18 +276,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
         """Parses ``--kv-transfer-config``; errors name the flag and the key."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"kv_transfer_config={text!r} is invalid: expected a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"kv_transfer_config has unknown keys {unknown}: expected {sorted(known)}"
-            )
+        data = _json_fields(cls, "kv_transfer_config", text)
         if "kv_connector" not in data:
             raise ConfigError("kv_transfer_config lacks 'kv_connector' (the connector's name)")
         return cls(**data)
@@ -325,18 +330,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parses ``--speculative-config``; errors name the key."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"speculative_config={text!r} is invalid: expected a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"speculative_config has unknown keys {unknown}: expected {sorted(known)}"
-            )
+        data = _json_fields(cls, "speculative_config", text)
         if "method" not in data:
             # vLLM infers the method from the other keys; do the same.
             data["method"] = "draft_model" if data.get("model") else "ngram"

@@ -11,7 +11,9 @@ draft KV lacks (the tokens accepted since its last proposal and the one
 sampled after them; on first sight, its whole prompt past the prefix-cache
 hit) and takes the argmax at the last as the first draft. ``k - 1``
 single-token forwards then draft the rest. Their KV lands in slots past the
-verified tokens, which the scheduler allocates as lookahead slots.
+verified tokens, which the scheduler allocates as lookahead slots (except
+on a request's first step: it is admitted without them, for P/D block
+parity, and a draft position past its blocks writes to the null block).
 
 Draft KV only steers what is proposed: wrong or missing draft KV lowers the
 acceptance rate, never changes an output (the target verifies every draft).

@@ -31,6 +31,7 @@ from engine.outputs import (
 )
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.spec_decode.proposer import ProposeInputs, Proposer
+from engine.spec_decode.rejection import DraftRows
 from engine.structured_output.manager import GrammarBitmask
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.penalties import TokenHistory
@@ -65,8 +66,9 @@ class StepInputs:
     # logits they need: one each, or 1 + k for a row verifying k drafts.
     sample_rows: npt.NDArray[np.int64]
     logits_indices: npt.NDArray[np.int64]
-    # Per sampling row, its scheduled drafts; None when no row has any.
-    drafts: list[list[int]] | None
+    # Per sampling row, its scheduled drafts and its first logits row;
+    # None when no row has any.
+    drafts: DraftRows | None
     max_query_len: int
     max_seq_len: int
 
@@ -222,10 +224,10 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         if spec:
             # A row verifying k drafts needs the logits of its last k + 1 tokens.
-            drafts = [spec.get(batch.req_ids[r], []) for r in sample_rows.tolist()]
-            counts = np.array([len(d) + 1 for d in drafts], np.int64)
+            drafts = DraftRows.build([spec.get(batch.req_ids[r], []) for r in sample_rows.tolist()])
+            counts = np.array([len(d) + 1 for d in drafts.drafts], np.int64)
             ends = np.repeat(cu[sample_rows], counts)
-            back = np.repeat(np.cumsum(counts), counts) - np.arange(int(counts.sum()))
+            back = np.repeat(np.cumsum(counts), counts) - np.arange(drafts.num_logits_rows)
             logits_indices = ends - back
         return StepInputs(
             input_ids=input_ids,
@@ -370,12 +372,8 @@ class ModelRunner:
 
         req_ids = self.batch.req_ids
         rows = inputs.sample_rows.tolist()
-        if inputs.drafts is None:
-            first_row = {req_ids[r]: i for i, r in enumerate(rows)}
-        else:
-            counts = [len(d) + 1 for d in inputs.drafts]
-            starts = np.cumsum(counts) - counts
-            first_row = {req_ids[r]: int(s) for r, s in zip(rows, starts, strict=True)}
+        starts = range(len(rows)) if inputs.drafts is None else inputs.drafts.starts
+        first_row = {req_ids[r]: s for r, s in zip(rows, starts, strict=True)}
         apply_grammar_bitmask(logits, grammar, first_row)
 
     def _verify(
@@ -399,10 +397,8 @@ class ModelRunner:
             return
         batch = self.batch
         states = [batch.states[r] for r in sample_rows.tolist()]
-        left = np.array(
-            [s.sampling_params.max_tokens - (len(s.token_ids) - s.output_start) for s in states],
-            np.int64,
-        )
+        max_tokens = np.fromiter((s.sampling_params.max_tokens for s in states), np.int64)
+        left = max_tokens - (batch.num_tokens[sample_rows] - batch.output_start[sample_rows])
         caps = np.clip(left - 1, 0, self.num_spec_tokens)
         drafts = self.proposer.propose(ProposeInputs(batch, sample_rows, caps))
         self._drafts = DraftTokenIds([s.req_id for s in states], drafts)

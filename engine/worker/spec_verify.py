@@ -39,14 +39,13 @@ def verify_drafts(
     logits: torch.Tensor,
     batch: InputBatch,
     sample_rows: npt.NDArray[np.int64],
-    drafts: list[list[int]],
+    rows: DraftRows,
     device: torch.device,
 ) -> VerifyResult:
-    """``logits`` [M, V]: raw target logits, ``1 + len(drafts[i])`` rows
-    per sampling row ``i`` (batch row ``sample_rows[i]``), masked by the
-    grammar where one applies."""
-    rows = DraftRows.build(drafts)
-    counts = np.array([len(d) + 1 for d in drafts], np.int64)
+    """``logits`` [M, V]: raw target logits, ``1 + len(rows.drafts[i])``
+    rows from ``rows.starts[i]`` for sampling row ``i`` (batch row
+    ``sample_rows[i]``), masked by the grammar where one applies."""
+    counts = np.array([len(d) + 1 for d in rows.drafts], np.int64)
     states = [batch.states[r] for r in sample_rows.tolist()]
     params = [s.sampling_params for s in states]
     expanded = [p for p, c in zip(params, counts.tolist(), strict=True) for _ in range(c)]

@@ -98,23 +98,6 @@ class Worker:
             self.backend.name,
         )
         kv_caches = allocate_kv_caches(shape, num_blocks, self.device)
-        proposer: Proposer | None = None
-        if draft is not None:
-            draft_model, draft_shape = draft
-            assert speculative is not None
-            proposer = DraftModelProposer(
-                draft_model.model,
-                allocate_kv_caches(draft_shape, num_blocks, self.device),
-                cache_config.block_size,
-                speculative.num_speculative_tokens,
-                self.device,
-            )
-        elif speculative is not None:
-            proposer = NgramLookup(
-                speculative.num_speculative_tokens,
-                speculative.prompt_lookup_min,
-                speculative.prompt_lookup_max,
-            )
         self.runner = ModelRunner(
             self.loaded.model,
             kv_caches,
@@ -123,8 +106,8 @@ class Worker:
             max_model_len=max_model_len,
             device=self.device,
         )
-        if proposer is not None:
-            assert speculative is not None
+        if speculative is not None:
+            proposer = self._proposer(speculative, draft, num_blocks, cache_config.block_size)
             self.runner.attach_proposer(proposer, speculative.num_speculative_tokens)
         # Requests stop on the first EOS id; configs listing several are rare.
         eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
@@ -137,6 +120,20 @@ class Worker:
             num_blocks=num_blocks,
             eos_token_id=eos,
         )
+
+    def _proposer(
+        self,
+        speculative: SpeculativeConfig,
+        draft: tuple[LoadedModel, KVCacheShape] | None,
+        num_blocks: int,
+        block_size: int,
+    ) -> Proposer:
+        k = speculative.num_speculative_tokens
+        if draft is None:
+            return NgramLookup(k, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        model, shape = draft
+        caches = allocate_kv_caches(shape, num_blocks, self.device)
+        return DraftModelProposer(model.model, caches, block_size, k, self.device)
 
     def _load_draft(
         self,
