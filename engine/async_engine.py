@@ -33,6 +33,7 @@ from engine.engine_thread import EngineThread
 from engine.errors import EngineDeadError, EngineDrainingError, InvalidRequestError, QueueFullError
 from engine.frontend import FrontEnd
 from engine.kv_events import KvEventHub, KvEventSubscription
+from engine.lora.request import LoRARequest
 from engine.models.loader import load_tokenizer
 from engine.observer import EngineObserver, GuardedObserver
 from engine.output_processor import OutputKind
@@ -168,6 +169,33 @@ class AsyncEngine:
         """Finished requests whose KV blocks the connector still holds (as
         of the last step): a prefill pod's blocks a decode pod is to READ."""
         return self.front.status.kv_held_requests
+
+    # --- LoRA adapters ---------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Reads and checks the PEFT adapter at ``path`` (off the loop) and
+        serves it as ``name`` once this returns. Raises InvalidRequestError
+        naming the field (``lora_name``, ``lora_path``: the file and key)."""
+        loras = self.front.loras
+        loras.check_new_name(name)
+        request, adapter = await asyncio.to_thread(loras.read, name, path)
+        loras.add(request)  # checks the name again: a concurrent load may have won
+        try:
+            await asyncio.wrap_future(self._thread.add_lora(request, adapter))
+        except BaseException:
+            loras.remove(name)
+            raise
+        return request
+
+    def unload_lora(self, name: str) -> LoRARequest:
+        """Refuses new requests for ``name`` at once; the engine drops the
+        weights when the requests running under it have finished."""
+        request = self.front.loras.remove(name)
+        self._thread.remove_lora(request.lora_int_id)
+        return request
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.front.loras.loaded()
 
     # --- status, health, events ------------------------------------------------------
 

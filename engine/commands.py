@@ -15,6 +15,8 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutputs
 from engine.request import Request, RequestStatus
 
@@ -54,11 +56,30 @@ class ResetPrefixCache:
 
 
 @dataclass(frozen=True, slots=True)
+class AddLoRA:
+    """Give the engine a LoRA adapter the front door read and checked;
+    ``done`` resolves once requests may run under it."""
+
+    request: LoRARequest
+    adapter: LoRAAdapter
+    done: Future[None]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveLoRA:
+    """Drop an adapter's weights once its running requests finish."""
+
+    lora_int_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """Shut the core down and end the engine thread."""
 
 
-Command = AddRequest | AbortRequests | ReleaseHeldKV | ResetPrefixCache | Stop
+Command = (
+    AddRequest | AbortRequests | ReleaseHeldKV | ResetPrefixCache | AddLoRA | RemoveLoRA | Stop
+)
 
 
 @dataclass

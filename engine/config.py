@@ -338,6 +338,32 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters (``--enable-lora``; keys as vLLM's flags).
+
+    At most ``max_loras`` distinct adapters run in one step: their weights
+    sit in that many device slots, filled from a host-side LRU cache of
+    ``max_cpu_loras`` adapters (an adapter evicted from it is read from its
+    directory again when next used). Every adapter's rank is at most
+    ``max_lora_rank``; the slots are that wide.
+    """
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", self.max_loras, ">= 1")
+        _require(1 <= self.max_lora_rank <= 512, "max_lora_rank", self.max_lora_rank, "in [1, 512]")
+        _require(
+            self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            self.max_cpu_loras,
+            f">= max_loras ({self.max_loras})",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, in one object.
 
@@ -353,3 +379,5 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     # None: no speculative decoding.
     speculative: SpeculativeConfig | None = None
+    # None: no LoRA adapters (requests naming one are refused).
+    lora: LoRAConfig | None = None

@@ -20,6 +20,8 @@ from pathlib import Path
 from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, KVLayout
 from connectors.factory import create_connector
 from engine.config import EngineConfig
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutputs
 from engine.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
@@ -45,7 +47,9 @@ class EngineCore:
             # A prefill pod samples one token per request: nothing to verify.
             logger.info("speculative decoding is off on a prefill pod (kv_producer)")
             spec = None
-        self.worker = Worker(config.model, config.cache, config.scheduler.max_num_seqs, spec)
+        self.worker = Worker(
+            config.model, config.cache, config.scheduler.max_num_seqs, spec, config.lora
+        )
         info = self.worker.info
         scheduler_config = replace(config.scheduler, max_model_len=info.max_model_len)
         if spec is not None and spec.method == "draft_model":
@@ -73,7 +77,10 @@ class EngineCore:
             kv_load_failure_policy=kv.kv_load_failure_policy if kv is not None else "recompute",
             structured_output=self.structured_output,
             num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            max_loras=config.lora.max_loras if config.lora is not None else 0,
         )
+        # Unloaded adapters whose requests still run (see remove_lora).
+        self._loras_to_remove: set[int] = set()
         self.worker.runner.warmup()
         # Everything allocated so far lives as long as the engine: keep it
         # out of the cyclic GC's generations so steps don't pay to scan it.
@@ -126,6 +133,28 @@ class EngineCore:
         Scheduler.reset_prefix_cache); False if a running request holds any."""
         return self.scheduler.reset_prefix_cache()
 
+    def add_lora(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """An adapter the front door loaded and checked (engine.lora.registry)."""
+        slots = self.worker.runner.lora
+        if slots is None:
+            raise RuntimeError("LoRA is off: the engine has no adapter slots")
+        slots.add(request, adapter)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drops an adapter's weights once no request runs under it: the
+        front door already refuses new ones, those in flight finish."""
+        self._loras_to_remove.add(lora_int_id)
+        self._remove_idle_loras()
+
+    def _remove_idle_loras(self) -> None:
+        slots = self.worker.runner.lora
+        if slots is None:
+            return
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values()}
+        for lora_int_id in self._loras_to_remove - in_use:
+            slots.remove(lora_int_id)
+        self._loras_to_remove &= in_use
+
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
 
@@ -141,6 +170,8 @@ class EngineCore:
         drafts = self.worker.runner.take_draft_token_ids()
         if drafts is not None:
             self.scheduler.update_draft_token_ids(drafts)
+        if self._loras_to_remove:
+            self._remove_idle_loras()
         return outputs
 
     def stats_only(self) -> dict[int, EngineCoreOutputs]:

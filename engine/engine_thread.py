@@ -21,6 +21,7 @@ from concurrent.futures import Future
 
 from engine.commands import (
     AbortRequests,
+    AddLoRA,
     AddRefused,
     AddRequest,
     Command,
@@ -28,11 +29,14 @@ from engine.commands import (
     EngineEvent,
     EngineFailed,
     ReleaseHeldKV,
+    RemoveLoRA,
     ResetPrefixCache,
     StepDone,
     Stop,
 )
 from engine.core import EngineCore
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.request import LoRARequest
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -120,6 +124,14 @@ class EngineThread(threading.Thread):
         self._commands.put(ResetPrefixCache(done))
         return done
 
+    def add_lora(self, request: LoRARequest, adapter: LoRAAdapter) -> Future[None]:
+        done: Future[None] = Future()
+        self._commands.put(AddLoRA(request, adapter, done))
+        return done
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._commands.put(RemoveLoRA(lora_int_id))
+
     def stop(self) -> None:
         self._commands.put(Stop())
 
@@ -172,6 +184,15 @@ class EngineThread(threading.Thread):
                 core.release_held_kv(request_ids)
             case ResetPrefixCache(done):
                 done.set_result(core.reset_prefix_cache())
+            case AddLoRA(request, adapter, done):
+                try:
+                    core.add_lora(request, adapter)
+                except Exception as exc:  # the caller hears of it, the engine goes on
+                    done.set_exception(exc)
+                else:
+                    done.set_result(None)
+            case RemoveLoRA(lora_int_id):
+                core.remove_lora(lora_int_id)
         return 0
 
     def _add(self, core: EngineCore, request: Request) -> None:

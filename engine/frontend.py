@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.input_processor import InputProcessor
 from engine.kv_cache.events import KVCacheEvent
+from engine.lora.registry import LoRARegistry
 from engine.output_processor import OutputKind, OutputProcessor, RequestOutput, TokenText
 from engine.outputs import EngineCoreOutputs
 from engine.request import FinishReason, Request, RequestStatus
@@ -47,11 +48,13 @@ class FrontEnd:
     def __init__(
         self, core: CoreControl, tokenizer: PreTrainedTokenizerBase, info: WorkerInfo
     ) -> None:
+        self.loras = LoRARegistry(info.lora, info.spec)
         self.inputs = InputProcessor(
             tokenizer,
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,
             eos_token_id=info.eos_token_id,
+            loras=self.loras,
         )
         self.status = EngineStatus()  # live: updated by every step
         self._outputs = OutputProcessor(tokenizer)

@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from connectors.kv_transfer_params import KVTransferParams
 from engine.chat_template import ChatMessage, ChatTemplate
 from engine.errors import InvalidRequestError
+from engine.lora.registry import LoRARegistry
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -46,8 +47,11 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         eos_token_id: int | None,
+        loras: LoRARegistry | None = None,
     ) -> None:
+        """``loras``: the adapters requests may name (None: none)."""
         self.tokenizer = tokenizer
+        self.loras = loras or LoRARegistry(None, None)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
@@ -155,10 +159,13 @@ class InputProcessor:
         kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
         num_output_tokens_in_prompt: int = 0,
+        lora: str | None = None,
     ) -> Request:
         """``prompt`` was checked when it was made (``process_*``);
         ``num_output_tokens_in_prompt``: see ``Request`` (the wire field of
-        the same name documents the semantics)."""
+        the same name documents the semantics). ``lora``: the name of a
+        loaded adapter to run under (None or "": the base model)."""
+        lora_request = self.loras.resolve(lora)
         _check_output_in_prompt(num_output_tokens_in_prompt, len(prompt.token_ids))
         _check_prompt_logprobs(params, kv_transfer_params)
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
@@ -181,6 +188,7 @@ class InputProcessor:
             priority=priority,
             kv_transfer_params=kv_transfer_params,
             num_output_tokens_in_prompt=num_output_tokens_in_prompt,
+            lora_request=lora_request,
         )
 
 

@@ -32,6 +32,7 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -39,6 +40,7 @@ from engine.config import (
 from engine.core import EngineCore
 from engine.frontend import FrontEnd
 from engine.input_processor import InputProcessor
+from engine.lora.request import LoRARequest
 from engine.models.loader import load_tokenizer
 from engine.output_processor import OutputKind, RequestOutput
 from engine.request import FinishReason
@@ -94,24 +96,50 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora: str | Sequence[str | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generates for every prompt (text or token ids); results are in
-        prompt order. Invalid input raises before anything is queued."""
+        prompt order. ``lora``: a loaded adapter's name for every prompt, or
+        one per prompt (None: the base model). Invalid input raises before
+        anything is queued."""
         prompt_list = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompt_list))
-        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        count = len(prompt_list)
+        params = _per_prompt(sampling_params or SamplingParams(), count)
+        priorities = list(priority) if priority is not None else [0] * count
+        loras = [lora] * count if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != count:
+            raise ValueError(f"lora: got {len(loras)} names for {count} prompts")
         requests = [
             self.inputs.make_request(
-                f"offline-{next(self._ids)}", self.inputs.process_prompt(p), sp, priority=prio
+                f"offline-{next(self._ids)}",
+                self.inputs.process_prompt(p),
+                sp,
+                priority=prio,
+                lora=name,
             )
-            for p, sp, prio in zip(prompt_list, params, priorities, strict=True)
+            for p, sp, prio, name in zip(prompt_list, params, priorities, loras, strict=True)
         ]
         for req, p in zip(requests, prompt_list, strict=True):
             self.front.add_request(req, p if isinstance(p, str) else None, OutputKind.FINAL)
             self.core.add_request(req)
         finished = self._run({r.request_id for r in requests}, use_tqdm)
         return [finished[r.request_id] for r in requests]
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Loads the PEFT adapter at ``path`` under ``name`` (needs
+        ``LLM(lora=LoRAConfig(...))``); errors name the file and key."""
+        self.front.loras.check_new_name(name)
+        request, adapter = self.front.loras.read(name, path)
+        self.front.loras.add(request)
+        self.core.add_lora(request, adapter)
+        return request
+
+    def unload_lora(self, name: str) -> None:
+        self.core.remove_lora(self.front.loras.remove(name).lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.front.loras.loaded()
 
     def _run(self, request_ids: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Steps the core until each of ``request_ids`` has its output
@@ -153,18 +181,19 @@ def _apply_overrides(
         "scheduler": SchedulerConfig.__dataclass_fields__,
         "cache": CacheConfig.__dataclass_fields__,
     }
-    kv_transfer = config.kv_transfer
-    speculative = config.speculative
+    # Options that take a whole config object (None turns the feature off).
+    objects: dict[str, type] = {
+        "kv_transfer": KVTransferConfig,
+        "speculative": SpeculativeConfig,
+        "lora": LoRAConfig,
+    }
+    whole = {name: getattr(config, name) for name in objects}
     for name, value in overrides.items():
-        if name == "kv_transfer":
-            if not isinstance(value, KVTransferConfig):
-                raise TypeError(f"LLM(kv_transfer=...) wants a KVTransferConfig, got {value!r}")
-            kv_transfer = value
-            continue
-        if name == "speculative":
-            if value is not None and not isinstance(value, SpeculativeConfig):
-                raise TypeError(f"LLM(speculative=...) wants a SpeculativeConfig, got {value!r}")
-            speculative = value
+        if name in objects:
+            kind = objects[name]
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"LLM({name}=...) wants a {kind.__name__}, got {value!r}")
+            whole[name] = value
             continue
         owner = next((part for part, fields in owners.items() if name in fields), None)
         if owner is None:
@@ -172,8 +201,7 @@ def _apply_overrides(
         parts[owner][name] = value
     return replace(
         config,
-        kv_transfer=kv_transfer,
-        speculative=speculative,
+        **whole,
         model=replace(config.model, **parts["model"]),  # type: ignore[arg-type]
         scheduler=replace(config.scheduler, **parts["scheduler"]),  # type: ignore[arg-type]
         cache=replace(config.cache, **parts["cache"]),  # type: ignore[arg-type]

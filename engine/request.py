@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from connectors.kv_transfer_params import KVTransferParams
 from engine.kv_cache.hashing import BlockHash, BlockHasher
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output.request import StructuredOutputRequest
 
@@ -81,6 +82,10 @@ class Request:
     # leg finds it (connectors.kv_transfer_params).
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
+    # The LoRA adapter it runs under (None: the base model). Its cache_key
+    # keys the block hashes: KV computed under one adapter is never reused
+    # by another or by the base model.
+    lora_request: LoRARequest | None = None
     block_hasher: BlockHasher | None = None
     # The last this-many prompt tokens are output an earlier leg generated
     # (P/D: the prefill pod's token in the decode leg's prompt). Only the
@@ -127,6 +132,14 @@ class Request:
             self.status = RequestStatus.WAITING_FOR_FSM
         if self.block_hasher is not None:
             self.block_hashes = self.block_hasher(self)
+
+    @property
+    def lora_cache_key(self) -> str | None:
+        return self.lora_request.cache_key if self.lora_request is not None else None
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

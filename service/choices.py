@@ -62,6 +62,7 @@ class Call:
     priority: int = 0
     kv_transfer_params: KVTransferParams | None = None
     num_output_tokens_in_prompt: int = 0
+    lora: str | None = None  # a loaded adapter's name; None: the base model
 
 
 def submit(engine: AsyncEngine, call: Call) -> list[RequestStream]:
@@ -79,6 +80,7 @@ def submit(engine: AsyncEngine, call: Call) -> list[RequestStream]:
                 priority=call.priority,
                 kv_transfer_params=call.kv_transfer_params,
                 num_output_tokens_in_prompt=call.num_output_tokens_in_prompt,
+                lora=call.lora,
             )
             streams.append(engine.submit(request, call.prompt.text))
     except BaseException:

@@ -4,6 +4,7 @@
     tandem gateway --worker HOST:PORT ...            an OpenAI endpoint (smg) in front
     tandem generate "prompt" [--chat] [--server ADDR] stream one answer
     tandem status [--server ADDR]                     model and load figures
+    tandem lora list|load NAME PATH|unload NAME       a server's LoRA adapters
     tandem bench [--server ADDR] ...                  serving benchmark
 
 `tandem SUBCOMMAND --help` explains every flag.
@@ -17,6 +18,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +28,7 @@ from engine.config import (
     ConfigError,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -75,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     gateway.add_parser(sub)
     _add_generate(sub)
     _add_status(sub)
+    _add_lora(sub)
     _add_bench(sub)
     return parser
 
@@ -176,6 +180,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "from a smaller model with the same vocabulary (default: off; ignored with "
         "--role prefill)",
     )
+    _add_lora_flags(p)
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     c.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
@@ -258,6 +263,65 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM (default: 30)",
     )
+
+
+def _add_lora_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: loaded with the LoadLoraAdapter RPC (tandem lora load) "
+        "or --lora-modules, named per request (GenerateRequest.lora_name)",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help="PEFT adapter directories to load at start, as NAME=PATH (implies "
+        "--enable-lora); one that does not load stops the start",
+    )
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        help=f"most distinct adapters in one step (default: {LoRAConfig.max_loras})",
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=int,
+        help=f"largest adapter rank served (default: {LoRAConfig.max_lora_rank})",
+    )
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        help="adapters kept in host memory; others are read from disk again when used "
+        f"(default: {LoRAConfig.max_cpu_loras}, or --max-loras if larger)",
+    )
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path
+
+
+_LORA_KNOBS = ("max_loras", "max_lora_rank", "max_cpu_loras")
+
+
+def lora_from_args(args: argparse.Namespace) -> LoRAConfig | None:
+    """LoRAConfig with --enable-lora or --lora-modules, else None (then the
+    other LoRA flags are refused rather than silently ignored)."""
+    knobs = {k: v for k in _LORA_KNOBS if (v := getattr(args, k, None)) is not None}
+    if not (args.enable_lora or args.lora_modules):
+        if knobs:
+            flags = ", ".join("--" + k.replace("_", "-") for k in knobs)
+            raise ConfigError(f"{flags} needs --enable-lora (or --lora-modules)")
+        return None
+    if "max_cpu_loras" not in knobs:
+        # The host cache holds at least the adapters of one step.
+        knobs["max_cpu_loras"] = max(LoRAConfig.max_cpu_loras, knobs.get("max_loras", 0))
+    return LoRAConfig(**knobs)
 
 
 def _add_kv_events_flags(p: argparse.ArgumentParser) -> None:
@@ -397,6 +461,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         kv_transfer=kv_transfer_from_args(args),
         speculative=speculative_from_args(args),
+        lora=lora_from_args(args),
         model=ModelConfig(
             model=args.model,
             dtype=args.dtype,
@@ -441,6 +506,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         served_model_name=args.served_model_name,
         kv_events=kv_events_from_args(args),
+        lora_modules=tuple(args.lora_modules or ()),
     )
     asyncio.run(serve(engine_config_from_args(args), config))
     return 0
@@ -645,6 +711,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="drop tokens below this fraction of the top probability (default: 0, off)",
     )
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--lora", default="", help="a loaded LoRA adapter's name (default: base model)")
     _add_constraint_flags(p)
     p.add_argument(
         "--stats",
@@ -710,6 +777,7 @@ async def _generate(args: argparse.Namespace) -> int:
                 min_p=args.min_p,
                 stop=args.stop,
                 constraint=_constraint(args),
+                lora_name=args.lora,
             ):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter()
@@ -771,6 +839,8 @@ async def _status(args: argparse.Namespace) -> int:
             f"connector  {status.kv_connector_hits}/{status.kv_connector_queries} prompt tokens "
             "loaded instead of computed"
         )
+    if info.HasField("lora"):
+        print(_lora_line(info.lora, status.lora_adapters))
     if status.HasField("spec_decoding"):
         print(_spec_decoding_line(status.spec_decoding))
     for line in _degradation_lines(status):
@@ -782,6 +852,13 @@ async def _status(args: argparse.Namespace) -> int:
         )
     print(f"uptime     {status.uptime_seconds:.0f} s{'; draining' if status.draining else ''}")
     return 0
+
+
+def _lora_line(config: pb.LoraConfig, adapters: Sequence[pb.LoraAdapter]) -> str:
+    names = ", ".join(sorted({a.lora_name for a in adapters})) or "none loaded"
+    return (
+        f"lora       {names} (at most {config.max_loras} per step, rank <= {config.max_lora_rank})"
+    )
 
 
 def _spec_decoding_line(spec: pb.SpecDecodingStatus) -> str:
@@ -821,6 +898,48 @@ def _degradation_lines(status: pb.ServerStatus) -> list[str]:
     if status.metrics_errors:
         lines.append(f"metrics    {status.metrics_errors} updates raised (see the server log)")
     return lines
+
+
+def _add_lora(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "lora",
+        help="list, load or unload a server's LoRA adapters",
+        description="A server's LoRA adapters (tandem serve --enable-lora): list them, load "
+        "a PEFT adapter directory (a path on the server's machine) under a name, or unload "
+        "one (requests running under it finish first). Through tandem router: every pod.",
+    )
+    p.set_defaults(run=lambda args: asyncio.run(_lora(args)))
+    actions = p.add_subparsers(
+        dest="action", metavar="ACTION", required=True, help="list, load or unload"
+    )
+    _add_client_flags(actions.add_parser("list", help="the adapters loaded"))
+    load = actions.add_parser("load", help="load an adapter")
+    load.add_argument("name", help="the name requests will give (--lora, lora_name)")
+    load.add_argument("path", help="the PEFT adapter directory, on the server's machine")
+    _add_client_flags(load)
+    unload = actions.add_parser("unload", help="unload an adapter")
+    unload.add_argument("name", help="the adapter's name")
+    _add_client_flags(unload)
+
+
+async def _lora(args: argparse.Namespace) -> int:
+    import grpc
+
+    async with _client(args) as client:
+        try:
+            if args.action == "load":
+                adapters = [await client.load_lora(args.name, args.path)]
+            elif args.action == "unload":
+                adapters = [await client.unload_lora(args.name)]
+            else:
+                adapters = await client.list_loras()
+        except grpc.aio.AioRpcError as exc:
+            print(f"tandem lora {args.action}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    verb = {"load": "loaded ", "unload": "unloaded "}.get(args.action, "")
+    for a in adapters:
+        print(f"{verb}{a.lora_name}\trank {a.rank}\t{a.cache_key}\t{a.lora_path}")
+    return 0
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

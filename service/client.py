@@ -79,6 +79,7 @@ class TandemClient:
         request_id: str = "",
         priority: int = 0,
         timeout: float | None = None,
+        lora_name: str = "",
         **sampling: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
         request = make_request(
@@ -87,6 +88,7 @@ class TandemClient:
             messages=messages,
             request_id=request_id,
             priority=priority,
+            lora_name=lora_name,
             **sampling,
         )
         async for chunk in self.generate_call(request, timeout):
@@ -114,6 +116,25 @@ class TandemClient:
         )
         return status
 
+    async def load_lora(self, name: str, path: str) -> pb.LoraAdapter:
+        """Loads the PEFT adapter at `path` (on the server's machine) as `name`."""
+        adapter: pb.LoraAdapter = await self.stub.LoadLoraAdapter(
+            pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path), metadata=self.metadata
+        )
+        return adapter
+
+    async def unload_lora(self, name: str) -> pb.LoraAdapter:
+        resp: pb.UnloadLoraAdapterResponse = await self.stub.UnloadLoraAdapter(
+            pb.UnloadLoraAdapterRequest(lora_name=name), metadata=self.metadata
+        )
+        return resp.adapter
+
+    async def list_loras(self) -> list[pb.LoraAdapter]:
+        resp: pb.ListLoraAdaptersResponse = await self.stub.ListLoraAdapters(
+            pb.ListLoraAdaptersRequest(), metadata=self.metadata
+        )
+        return list(resp.adapters)
+
 
 def make_request(
     *,
@@ -123,13 +144,15 @@ def make_request(
     request_id: str = "",
     priority: int = 0,
     constraint: dict[str, Any] | None = None,
+    lora_name: str = "",
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments (sampling names as in the
     proto). ``constraint``: one structured-output field and its value
     (``{"regex": "[0-9]+"}``, ``{"choice": ["a", "b"]}``, ``{"json_schema":
-    {...}}`` as a dict or JSON text)."""
-    request = pb.GenerateRequest(request_id=request_id, priority=priority)
+    {...}}`` as a dict or JSON text). ``lora_name``: a loaded LoRA adapter
+    ("": the base model)."""
+    request = pb.GenerateRequest(request_id=request_id, priority=priority, lora_name=lora_name)
     for kind, value in (constraint or {}).items():
         if kind == "choice":
             request.choice.choices.extend(value)

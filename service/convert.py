@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format, struct_pb2
@@ -43,6 +44,8 @@ if TYPE_CHECKING:  # not imported at run time: the router runs without torch
         TokenLogprob,
         WorkerInfo,
     )
+    from engine.config import LoRAConfig
+    from engine.lora.request import LoRARequest
     from engine.stats import SpecDecodingStats
 
 # ERROR never reaches the wire as a finish reason (see generate_response).
@@ -75,6 +78,9 @@ def generate_input(
     params = sampling_params(msg.sampling) if msg.HasField("sampling") else SamplingParams()
     if (so := read_constraint(msg)) is not None:
         params = dataclasses.replace(params, structured_outputs=so)
+    # Checked here to name the wire's field; the engine resolves the name
+    # again when the request is made (an unload in between refuses it then).
+    inputs.loras.resolve(msg.lora_name, field="lora_name")
     return Call(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt=_prompt(msg, inputs),
@@ -83,6 +89,7 @@ def generate_input(
         priority=msg.priority,
         kv_transfer_params=kv,
         num_output_tokens_in_prompt=msg.num_output_tokens_in_prompt,
+        lora=msg.lora_name or None,
     )
 
 
@@ -225,8 +232,18 @@ def _prompt_logprobs(lp: TokenLogprob | None) -> pb.Logprobs:
     return pb.Logprobs() if lp is None else _logprobs(lp)
 
 
-def model_info(info: WorkerInfo, *, block_size: int, role: str, connector: str, dtype: str) -> Any:
-    return pb.ModelInfo(
+def model_info(
+    info: WorkerInfo,
+    *,
+    block_size: int,
+    role: str,
+    connector: str,
+    dtype: str,
+    lora: LoRAConfig | None = None,
+    adapters: Sequence[LoRARequest] = (),
+) -> pb.ModelInfo:
+    """``lora`` None (LoRA off) leaves ModelInfo.lora unset."""
+    out = pb.ModelInfo(
         model_name=info.model_name,
         architecture=info.architecture,
         max_model_len=info.max_model_len,
@@ -236,10 +253,29 @@ def model_info(info: WorkerInfo, *, block_size: int, role: str, connector: str, 
         kv_connector=connector,
         num_kv_blocks=info.num_blocks,
         dtype=dtype,
+        lora_adapters=[lora_adapter(a) for a in adapters],
+    )
+    if lora is not None:
+        out.lora.CopyFrom(
+            pb.LoraConfig(
+                max_loras=lora.max_loras,
+                max_lora_rank=lora.max_lora_rank,
+                max_cpu_loras=lora.max_cpu_loras,
+            )
+        )
+    return out
+
+
+def lora_adapter(request: LoRARequest) -> pb.LoraAdapter:
+    return pb.LoraAdapter(
+        lora_name=request.lora_name,
+        lora_path=request.lora_path,
+        rank=request.rank,
+        cache_key=request.cache_key,
     )
 
 
-def server_status(status: EngineStatus) -> pb.ServerStatus:
+def server_status(status: EngineStatus, adapters: Sequence[LoRARequest] = ()) -> pb.ServerStatus:
     return pb.ServerStatus(
         num_running=status.num_running,
         num_waiting=status.num_waiting,
@@ -260,6 +296,7 @@ def server_status(status: EngineStatus) -> pb.ServerStatus:
         kv_held_requests=status.kv_held_requests,
         metrics_errors=status.metrics_errors,
         spec_decoding=_spec_decoding(status.spec_decoding),
+        lora_adapters=[lora_adapter(a) for a in adapters],
     )
 
 

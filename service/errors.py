@@ -9,6 +9,9 @@ UNAVAILABLE         EngineDrainingError (draining), EngineDeadError,
                     RequestFailedError (the engine ended the request with an
                     error: a KV load failed under --kv-load-failure-policy fail;
                     raised by service.convert for the request's last output)
+FAILED_PRECONDITION LoRADisabledError: LoadLoraAdapter / UnloadLoraAdapter on
+                    a server started without --enable-lora (no argument
+                    could succeed: the server's configuration must change)
 UNAUTHENTICATED     raised by the API-key interceptor (service.auth)
 INTERNAL            anything else; logged with its traceback
 
@@ -40,6 +43,10 @@ class RequestFailedError(RuntimeError):
     """The engine ended this request with an error; retrying may succeed."""
 
 
+class LoRADisabledError(RuntimeError):
+    """An adapter was to be loaded or unloaded on a server without LoRA."""
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -47,6 +54,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (EngineLoadingError, grpc.StatusCode.UNAVAILABLE),
     (RequestFailedError, grpc.StatusCode.UNAVAILABLE),
+    (LoRADisabledError, grpc.StatusCode.FAILED_PRECONDITION),
 ]
 
 

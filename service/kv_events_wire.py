@@ -71,7 +71,7 @@ def _event(event: KVCacheEvent) -> list[object]:
             None if parent is None else fold_block_hash(parent),
             list(event.token_ids),
             event.block_size,
-            None,  # lora_id: Tandem serves no LoRA adapters
+            event.lora_id,
             MEDIUM_GPU,
         ]
     if isinstance(event, BlockRemoved):

@@ -24,6 +24,8 @@ Families (all prefixed `tandem_`):
                                               KV a peer is still to read
     metrics_errors_total{where}               counter: metrics updates that
                                               raised (outputs went out anyway)
+    lora_adapters_loaded                      gauge: LoRA adapters requests
+                                              may name (--enable-lora)
     spec_decode_num_drafts_total              counter: verifying steps of a
                                               request with drafts
     spec_decode_num_draft_tokens_total        counter: draft tokens proposed
@@ -140,6 +142,11 @@ class ServiceMetrics:
             "tandem_metrics_errors",
             "Metrics updates that raised (the outputs were delivered regardless)",
             ["where"],
+            registry=r,
+        )
+        self.lora_adapters = Gauge(
+            "tandem_lora_adapters_loaded",
+            "LoRA adapters loaded (that requests may name)",
             registry=r,
         )
         self._spec = _SpecDecodingCounters(r)

@@ -4,7 +4,9 @@ Each pod is polled with GetServerStatus (load: running + waiting requests,
 KV usage) and, for decode and colocated pods, followed through
 SubscribeKvEvents: the set of block hashes it holds, as llm-d's and
 Dynamo's routers keep it. `PodPool.pick` prefers the pod holding the
-longest prefix of a prompt's block hashes, then the least loaded.
+longest prefix of a prompt's block hashes, then the least loaded. The
+status also lists the LoRA adapters each pod has loaded: a request naming
+one is only sent to a pod that has it.
 
 A pool address whose host is a DNS name (a Kubernetes headless Service)
 stands for every address it resolves to: one pod each, re-resolved every few
@@ -73,12 +75,26 @@ class Pod:
     block_size: int = 0
     max_model_len: int = 0  # 0 until the pod's GetModelInfo answered
     blocks: set[bytes] = field(default_factory=set)
+    # LoRA adapters loaded there, by name (its last status, or the router's
+    # own Load/Unload through it since).
+    loras: dict[str, pb.LoraAdapter] = field(default_factory=dict)
+    # Bumped by each change the router makes to `loras` itself: a status
+    # asked for before it (and answered after) is stale about adapters.
+    loras_version: int = 0
     in_flight: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)  # its polling and events
 
     @property
     def healthy(self) -> bool:
         return self.state == PodState.UP
+
+    def set_lora(self, name: str, adapter: pb.LoraAdapter | None) -> None:
+        """Records a load (`adapter`) or unload (None) the router just made."""
+        if adapter is None:
+            self.loras.pop(name, None)
+        else:
+            self.loras[name] = adapter
+        self.loras_version += 1
 
     def prefix_blocks(self, hashes: Sequence[bytes]) -> int:
         for i, block_hash in enumerate(hashes):
@@ -279,16 +295,33 @@ class PodPool:
     def num_healthy(self) -> int:
         return sum(p.healthy for p in self.pods)
 
+    def lora_adapters(self) -> dict[str, pb.LoraAdapter]:
+        """The adapters loaded on this pool's healthy pods, by name (the
+        first pod's, where pods differ)."""
+        found: dict[str, pb.LoraAdapter] = {}
+        for pod in self.pods:
+            if pod.healthy:
+                for name, adapter in pod.loras.items():
+                    found.setdefault(name, adapter)
+        return found
+
     def max_model_len(self) -> int:
         """The smallest max_model_len among the pods that have said theirs
         (a request that fits it fits any of them); 0 if none has yet."""
         known = [p.max_model_len for p in self.pods if p.max_model_len]
         return min(known, default=0)
 
-    def pick(self, hashes: Sequence[bytes] = (), exclude: Sequence[Pod] = ()) -> Pod | None:
+    def pick(
+        self, hashes: Sequence[bytes] = (), exclude: Sequence[Pod] = (), lora: str | None = None
+    ) -> Pod | None:
         """The pod holding the longest prefix of `hashes`, then the least
-        loaded; None if no healthy pod is left."""
-        candidates = [p for p in self.pods if p.healthy and p not in exclude]
+        loaded, among those with the LoRA adapter `lora` loaded (if given);
+        None if no healthy pod is left."""
+        candidates = [
+            p
+            for p in self.pods
+            if p.healthy and p not in exclude and (lora is None or lora in p.loras)
+        ]
         if not candidates:
             return None
         return max(candidates, key=lambda p: (p.prefix_blocks(hashes), -(p.load + p.in_flight)))
@@ -296,6 +329,7 @@ class PodPool:
     async def _poll(self, pod: Pod) -> None:
         while True:
             try:
+                loras_version = pod.loras_version
                 status = await pod.stub.GetServerStatus(
                     pb.GetServerStatusRequest(),
                     timeout=max(1.0, 2 * self.poll_seconds),
@@ -308,6 +342,8 @@ class PodPool:
                     pod.block_size = info.block_size
                     pod.max_model_len = info.max_model_len
                 pod.load = status.num_running + status.num_waiting
+                if pod.loras_version == loras_version:
+                    pod.loras = {a.lora_name: a for a in status.lora_adapters}
                 self.set_state(pod, PodState.DRAINING if status.draining else PodState.UP)
             except grpc.aio.AioRpcError as e:
                 self.set_state(pod, PodState.DOWN, f"{e.code().name}: {e.details()}")

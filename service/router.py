@@ -62,6 +62,20 @@ No prefill pod available (none healthy, or each refused UNAVAILABLE): the
 request goes whole to a decode pod (colocated, no kv_transfer_params),
 counted and logged as a prefill fallback, unless ``--no-prefill-fallback``.
 
+LoRA adapters: a request naming one (``lora_name``) goes only to pods
+that have it loaded, as their polled status says (in P/D both legs: a
+prefill pod and a decode pod that have it); when no healthy pod that would
+serve it has it, the router answers INVALID_ARGUMENT naming the adapter and
+those loaded, as a pod would. Its block hashes, for the prefix-aware pick,
+are computed with the adapter's ``cache_key``, as the pods' engines hash
+its blocks. LoadLoraAdapter goes to every healthy pod of both pools (if one
+fails, those that loaded it unload it again, and the call fails as that pod
+did); UnloadLoraAdapter to every healthy pod (an adapter unknown to some is
+fine if one had it); ListLoraAdapters, status and model info give the union
+of the pods'. A pod that comes up later has only its own ``--lora-modules``:
+the router sends it no request for other adapters until they are loaded
+there too.
+
 A pod error ends the call with that pod's status and details, never with
 a pod's address (those go to the log). The front door is guarded as
 `tandem serve`'s is (API key, TLS or mTLS), and the router reaches pods
@@ -76,8 +90,9 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 from google.protobuf import descriptor, struct_pb2
@@ -196,6 +211,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self.metrics.running.inc()
         try:
             ids = await self._token_ids(request)
+            self._check_lora(request.lora_name)
             if self.prefill is None:
                 async for resp in self._forward(self.decode, request, ids, leg="colocated"):
                     yield resp
@@ -343,8 +359,10 @@ class RouterServicer(pb_grpc.GenerationServicer):
         taken the request (it did not refuse it) is in `holders`."""
         tried: list[Pod] = []
         maybe_ran = False  # whether a pod tried so far may have taken the request
+        lora = request.lora_name or None
+        hashes = self._hashes(pool, ids, lora)
         while True:
-            pod = pool.pick(self._hashes(pool, ids), exclude=tried)
+            pod = pool.pick(hashes, exclude=tried, lora=lora)
             if pod is None:
                 if tried:
                     logger.warning(
@@ -410,13 +428,32 @@ class RouterServicer(pb_grpc.GenerationServicer):
             code, f"{pool.name} pod: {_redact(details, addresses)}", maybe_ran=maybe_ran
         )
 
-    def _hashes(self, pool: PodPool, ids: list[int]) -> list[bytes]:
+    def _hashes(self, pool: PodPool, ids: list[int], lora: str | None = None) -> list[bytes]:
         """The prompt's block hashes as the pool's engines compute them (the
-        same function), to match against their KV events."""
+        same function, keyed by the LoRA adapter's cache_key under `lora`),
+        to match against their KV events."""
         if not pool.follow_kv_events:
             return []
         block_size = next((p.block_size for p in pool.pods if p.block_size), 0)
-        return hash_chain(ids, block_size) if block_size else []
+        adapter = pool.lora_adapters().get(lora) if lora else None
+        lora_key = adapter.cache_key if adapter is not None else None
+        return hash_chain(ids, block_size, lora_key=lora_key) if block_size else []
+
+    def _check_lora(self, name: str) -> None:
+        """Raises INVALID_ARGUMENT when the LoRA adapter `name` ("": the base
+        model) is on no healthy pod of a pool that would serve the request
+        (each leg needs a pod with it), naming the adapters that are. With
+        no healthy pod at all it passes: the legs find no pod (UNAVAILABLE)."""
+        if not name:
+            return
+        pools = [p for p in (self.decode, self.prefill) if p is not None and p.any_healthy]
+        loaded = [set(pool.lora_adapters()) for pool in pools]
+        usable = set.intersection(*loaded) if loaded else {name}
+        if name not in usable:
+            raise _LegFailed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lora_name: unknown LoRA adapter {name!r}: loaded are {sorted(usable)}",
+            )
 
     async def _token_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
@@ -482,6 +519,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
         info = await self._forwarded("GetModelInfo", request, context)
         assert isinstance(info, pb.ModelInfo)
         info.role = "router"
+        del info.lora_adapters[:]
+        info.lora_adapters.extend(self._known_adapters())
         return info
 
     async def GetServerStatus(
@@ -495,9 +534,11 @@ class RouterServicer(pb_grpc.GenerationServicer):
             return_exceptions=True,
         )
         total = pb.ServerStatus()
+        adapters = []
         for status in answers:
             if isinstance(status, pb.ServerStatus):
                 _add_counts(total, status)
+                adapters.append(status.lora_adapters)
             elif not isinstance(status, grpc.aio.AioRpcError | grpc.aio.UsageError):
                 raise status  # UsageError: a pod retired meanwhile
         if total.prefix_cache_queries:
@@ -506,7 +547,102 @@ class RouterServicer(pb_grpc.GenerationServicer):
         total.num_prefill_fallbacks = self.metrics.num_prefill_fallbacks
         total.num_pods = len(pods)
         total.num_pods_healthy = sum(p.healthy for p in pods)
+        total.lora_adapters.extend(_union_adapters(adapters))
         return total
+
+    # ---- LoRA adapters: every pod's ---------------------------------------------
+
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapter:
+        """On every healthy pod, or on none: if one fails, those that loaded
+        it unload it again and the call fails as that pod did."""
+        results = await self._on_healthy_pods("LoadLoraAdapter", request, 120.0, context)
+        loaded = [(pod, r) for pod, r in results if isinstance(r, pb.LoraAdapter)]
+        failed = [r for _, r in results if isinstance(r, _LegFailed)]
+        if failed:
+            undo = pb.UnloadLoraAdapterRequest(lora_name=request.lora_name)
+            await asyncio.gather(
+                *(self._call(pod, "UnloadLoraAdapter", undo, 30.0) for pod, _ in loaded),
+                return_exceptions=True,
+            )
+            await self._abort(context, failed[0])
+        for pod, adapter in loaded:
+            pod.set_lora(request.lora_name, adapter)
+        logger.info("LoRA adapter %r loaded on %d pods", request.lora_name, len(loaded))
+        return loaded[0][1]
+
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoraAdapterResponse:
+        """From every healthy pod that has it; pods without it (or without
+        LoRA) are fine as long as one had it."""
+        name = request.lora_name
+        known = self._known_adapters()  # before: the answer lists what was loaded
+        results = await self._on_healthy_pods("UnloadLoraAdapter", request, 30.0, context)
+        unloaded = [(pod, r) for pod, r in results if isinstance(r, pb.UnloadLoraAdapterResponse)]
+        for pod, _ in unloaded:
+            pod.set_lora(name, None)
+        not_there = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        failed = [r for _, r in results if isinstance(r, _LegFailed)]
+        if broken := [f for f in failed if f.code not in not_there]:
+            await self._abort(context, broken[0])
+        if not unloaded:
+            if failed and all(f.code == grpc.StatusCode.FAILED_PRECONDITION for f in failed):
+                await self._abort(context, failed[0])
+            names = sorted(a.lora_name for a in known if a.lora_name != name)
+            await self._abort(
+                context,
+                _LegFailed(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"lora_name: unknown LoRA adapter {name!r}: loaded are {names}",
+                ),
+            )
+        logger.info("LoRA adapter %r unloaded from %d pods", name, len(unloaded))
+        return unloaded[0][1]
+
+    async def ListLoraAdapters(
+        self, request: pb.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListLoraAdaptersResponse:
+        """The union of the healthy pods' (asked now, not as last polled)."""
+        results = await self._on_healthy_pods("ListLoraAdapters", request, 10.0, context)
+        lists = [r.adapters for _, r in results if isinstance(r, pb.ListLoraAdaptersResponse)]
+        return pb.ListLoraAdaptersResponse(adapters=_union_adapters(lists))
+
+    async def _on_healthy_pods(
+        self, method: str, message: object, timeout: float, context: grpc.aio.ServicerContext
+    ) -> list[tuple[Pod, object]]:
+        """`method` on every healthy pod at once: (pod, its answer or the
+        _LegFailed its error is). The call ends UNAVAILABLE if no pod is healthy."""
+        pods = [(pool, pod) for pool in self._pools() for pod in pool.pods if pod.healthy]
+        if not pods:
+            await self._abort(context, _LegFailed(grpc.StatusCode.UNAVAILABLE, "no pod available"))
+        answers = await asyncio.gather(
+            *(self._call(pod, method, message, timeout) for _, pod in pods),
+            return_exceptions=True,
+        )
+        results: list[tuple[Pod, object]] = []
+        for (pool, pod), answer in zip(pods, answers, strict=True):
+            if isinstance(answer, grpc.aio.AioRpcError):
+                answer = self._failed(pool, pod, answer)
+            elif isinstance(answer, grpc.aio.UsageError):  # the pod retired meanwhile
+                answer = _LegFailed(grpc.StatusCode.UNAVAILABLE, f"{pool.name} pod retired")
+            elif isinstance(answer, BaseException):
+                raise answer
+            results.append((pod, answer))
+        return results
+
+    async def _call(self, pod: Pod, method: str, message: object, timeout: float) -> object:
+        return await getattr(pod.stub, method)(message, timeout=timeout, metadata=pod.metadata)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, error: _LegFailed) -> NoReturn:
+        self.metrics.errors.labels(code=error.code.name).inc()
+        await context.abort(error.code, error.details)
+        raise error  # context.abort raises; this keeps the type checker informed
+
+    def _known_adapters(self) -> list[pb.LoraAdapter]:
+        """The adapters on the healthy pods as last polled (or changed through the router)."""
+        return _union_adapters([list(pool.lora_adapters().values()) for pool in self._pools()])
 
     async def SubscribeKvEvents(
         self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
@@ -571,6 +707,16 @@ def _add_message_counts(total: Message, status: Message, skip: range = range(0))
                         counts[i] += count
                     else:
                         counts.append(count)
+
+
+def _union_adapters(lists: Iterable[Sequence[pb.LoraAdapter]]) -> list[pb.LoraAdapter]:
+    """One entry per (name, cache_key), by name: pods that loaded the same
+    files under a name agree; pods that differ show both."""
+    seen: dict[tuple[str, str], pb.LoraAdapter] = {}
+    for adapters in lists:
+        for adapter in adapters:
+            seen.setdefault((adapter.lora_name, adapter.cache_key), adapter)
+    return [seen[key] for key in sorted(seen)]
 
 
 def _with_ids(request: pb.GenerateRequest, ids: list[int]) -> pb.GenerateRequest:

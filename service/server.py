@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from engine import AsyncEngine, ConfigError, EngineConfig
+from engine import AsyncEngine, ConfigError, EngineConfig, InvalidRequestError
 from service.auth import ApiKeyInterceptor
 from service.decode_guard import DecodeGuard
 from service.gen.tandem.v1 import generation_pb2 as pb
@@ -60,6 +60,9 @@ class ServerConfig:
     # model directory's name.
     served_model_name: str | None = None
     kv_events: KvEventsConfig | None = None  # set: publish KV events over ZMQ (vLLM format)
+    # (name, path) of LoRA adapters loaded before the server reports SERVING
+    # (--lora-modules); one that fails to load fails the start.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
@@ -74,12 +77,17 @@ class ServerConfig:
             )
         if self.drain_grace_seconds < 0:
             raise ConfigError(f"drain_grace_seconds: must be >= 0, got {self.drain_grace_seconds}")
+        names = [name for name, _ in self.lora_modules]
+        if duplicates := sorted({n for n in names if names.count(n) > 1}):
+            raise ConfigError(f"lora_modules: each name once, got {duplicates} more than once")
 
 
 class TandemServer:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
         if config.kv_events is not None:
             engine_config = recording_events(engine_config)
+        if config.lora_modules and engine_config.lora is None:
+            raise ConfigError("lora_modules: LoRA is off (EngineConfig.lora is None)")
         self.engine_config = engine_config
         self.config = config
         self.metrics = ServiceMetrics()
@@ -92,6 +100,7 @@ class TandemServer:
             kv_connector=connector,
             input_pool=inputs,
             served_model_name=config.served_model_name,
+            on_loras_changed=self.metrics.lora_adapters.set,
         )
         # The field's engine protocol, for the smg gateway (same port).
         self.vllm_servicer = VllmEngineServicer(
@@ -145,6 +154,7 @@ class TandemServer:
         self.vllm_servicer.attach(self.engine)
         self.side_channel.engine = self.engine
         self.engine.add_failure_listener(self._on_engine_failure)
+        await self._load_lora_modules(self.engine)
         if self.kv_publisher is not None:
             # Subscribed before SERVING: no request's blocks go unpublished.
             self.kv_publisher.start(self.engine.subscribe_kv_events())
@@ -153,6 +163,18 @@ class TandemServer:
             self._connector_watch = asyncio.get_running_loop().create_task(self._watch_connector())
         logger.info("serving %s (role %s)", self.engine.info.model_name, cfg.role)
         return self.port
+
+    async def _load_lora_modules(self, engine: AsyncEngine) -> None:
+        """--lora-modules, before SERVING: a pod that reports ready has them.
+        One that does not load stops the start (ConfigError, exit code 2)
+        with the engine's message naming the file at fault."""
+        for name, path in self.config.lora_modules:
+            try:
+                await engine.load_lora(name, path)
+            except InvalidRequestError as exc:
+                raise ConfigError(f"--lora-modules {name}={path}: {exc}") from None
+            logger.info("LoRA adapter %r loaded from %s", name, path)
+        self.metrics.lora_adapters.set(len(engine.list_loras()))
 
     def _serve_metrics(self, host: str, port: int) -> None:
         try:

@@ -113,6 +113,7 @@ class BlockPool:
             block.block_hash = hashes[i]
             insert(hashes[i], block)
         if self.enable_kv_events:
+            lora = request.lora_request
             self._events.append(
                 BlockStored(
                     block_hashes=hashes[num_cached_blocks:num_full_blocks],
@@ -121,6 +122,8 @@ class BlockPool:
                         num_cached_blocks * block_size : num_full_blocks * block_size
                     ],
                     block_size=block_size,
+                    lora_id=lora.lora_int_id if lora is not None else None,
+                    lora_name=lora.lora_name if lora is not None else None,
                 )
             )
 

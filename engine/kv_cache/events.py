@@ -20,6 +20,10 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
+    # The LoRA adapter the blocks were computed under (None: the base
+    # model); its cache key is in the hashes already, these name it.
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,10 @@
 """Content hashes of full KV blocks, chained from the first block.
 
 ``hash(block i) = sha256(hash(block i-1) || token ids of block i || extra
-keys)``. The encoding is canonical (little-endian int64 token ids, JSON extra
+keys)``. The first block's extra keys are the request's cache salt and its
+LoRA adapter's cache key, so through the chain every block of a sequence
+computed under an adapter differs from the same tokens' under another
+adapter or the base model. The encoding is canonical (little-endian int64 token ids, JSON extra
 keys) and the root is a fixed constant, so the same prefix hashes the same in
 every process, pod and restart. Connectors use these hashes as storage keys;
 the block pool uses them for prefix caching; the router (service/pods.py)
@@ -47,21 +50,34 @@ def hash_chain(
     block_size: int,
     known: Sequence[BlockHash] = (),
     cache_salt: str | None = None,
+    lora_key: str | None = None,
 ) -> list[BlockHash]:
     """The hashes of the full blocks of ``token_ids`` that follow the
     ``known`` ones (the chain of its first ``len(known)`` blocks, computed
     earlier): all of them when ``known`` is empty. A partial last block has
     no hash. The cache salt isolates tenants: it keys the first block, and
-    through the chain every block after it."""
+    through the chain every block after it; ``lora_key`` (the adapter's
+    ``LoRARequest.cache_key``) does the same for an adapter."""
     start = len(known) * block_size
     parent = known[-1] if known else None
     new: list[BlockHash] = []
+    first_extra = _first_block_extra(cache_salt, lora_key)
     while start + block_size <= len(token_ids):
-        extra: ExtraKeys | None = (cache_salt,) if start == 0 and cache_salt else None
+        extra = first_extra if start == 0 else None
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         new.append(parent)
         start += block_size
     return new
+
+
+def _first_block_extra(cache_salt: str | None, lora_key: str | None) -> ExtraKeys | None:
+    keys: list[object] = []
+    if cache_salt:
+        keys.append(cache_salt)
+    if lora_key:
+        # A list, so no salt string can spell the same JSON.
+        keys.append(["lora", lora_key])
+    return tuple(keys) or None
 
 
 class HashedTokens(Protocol):
@@ -75,6 +91,9 @@ class HashedTokens(Protocol):
 
     @property
     def cache_salt(self) -> str | None: ...
+
+    @property
+    def lora_cache_key(self) -> str | None: ...
 
 
 class BlockHasher:
@@ -91,5 +110,9 @@ class BlockHasher:
 
     def __call__(self, request: HashedTokens) -> list[BlockHash]:
         return hash_chain(
-            request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
+            request.all_token_ids,
+            self.block_size,
+            request.block_hashes,
+            request.cache_salt,
+            request.lora_cache_key,
         )

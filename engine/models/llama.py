@@ -17,6 +17,11 @@ layer loop altogether: `DecodeStack` (kernels/csrc/decode_stack.cpp) runs the
 same kernels from C++, as CUDA graphs replay a decode step on a GPU, because
 at batch 1 the interpreter's ~150 us per layer was a fifth of the step, and
 it releases the GIL for the whole pass.
+
+LoRA adapters (engine/lora/) live in the projections' ``Linear.lora`` slots
+and apply in ``Linear.forward`` for the rows the step's ``lora_state`` names
+(kernels/lora.py); a step with adapter rows takes the Python layer loop,
+one without costs nothing extra.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from kernels.layer_ops import (
     RopeTables,
     select_layer_ops,
 )
+from kernels.lora import LoRALayer, LoRAState
 from kernels.metadata import AttentionMetadata
 
 
@@ -115,12 +121,17 @@ class Linear(nn.Module):
         # A faster-layout copy of the weight, made by pack() once it is loaded;
         # not a parameter: it is derived, and opaque to torch's module tools.
         self.packed: torch.Tensor | None = None
+        # LoRA adapters' device slots for this projection (engine/lora/slots.py).
+        self.lora: LoRALayer | None = None
 
     def pack(self) -> None:
         self.packed = self.lops.pack_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lops.linear(x, self.weight, self.bias, self.packed)
+        y = self.lops.linear(x, self.weight, self.bias, self.packed)
+        if self.lora is not None:
+            self.lora.add_to(y, x)
+        return y
 
 
 class Embedding(nn.Module):
@@ -255,7 +266,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= self.CHUNK_ROWS or x.device.type != "cpu":
+        # LoRA segments are rows of the whole step: a chunk would misplace them.
+        lora = self.down_proj.lora
+        adapted = lora is not None and lora.state.batch is not None
+        if rows <= self.CHUNK_ROWS or x.device.type != "cpu" or adapted:
             return self._forward(x)
         out = x.new_empty(rows, self.down_proj.weight.shape[0])
         for start in range(0, rows, self.CHUNK_ROWS):
@@ -362,6 +376,9 @@ class LlamaForCausalLM(nn.Module):
         # The compiled layer loop for small decode steps, built once the
         # weights are loaded (load_weights); see _decode_stack_for.
         self.decode_stack: Any | None = None
+        # Which rows of the step run which LoRA adapter (set by the model
+        # runner; engine/lora/slots.py gives the layers their slots).
+        self.lora_state = LoRAState()
 
     def forward(
         self,
@@ -412,6 +429,8 @@ class LlamaForCausalLM(nn.Module):
         stack = self.decode_stack
         if stack is None or not meta.decode_only or meta.num_tokens > stack.max_rows:
             return None
+        if self.lora_state.batch is not None:
+            return None  # adapters apply in Linear.forward, which the stack skips
         cache = kv_caches[0]
         if cache.dtype != torch.float32 or not cache.is_contiguous():
             return None

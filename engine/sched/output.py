@@ -13,6 +13,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorMetadata
+    from engine.lora.request import LoRARequest
     from engine.request import Request
     from engine.structured_output.manager import GrammarBitmask
 
@@ -30,6 +31,8 @@ class NewRequestData:
     num_output_tokens_in_prompt: int = 0
     # Of num_computed_tokens, those a KV connector loads (not local hits).
     num_external_tokens: int = 0
+    # The LoRA adapter it runs under (None: the base model).
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -41,6 +44,7 @@ class NewRequestData:
             num_computed_tokens=request.num_computed_tokens,
             num_output_tokens_in_prompt=request.num_output_tokens_in_prompt,
             num_external_tokens=request.num_external_computed_tokens,
+            lora_request=request.lora_request,
         )
 
 

@@ -21,8 +21,11 @@ and drafts are cut to what its grammar accepts. A grammar that completes
 ends the request ("stop"); one that fails to compile ends it with an error
 naming the field.
 
+LoRA adapters too: at most ``max_loras`` distinct adapters run in a step; a
+waiting request that would add one more is skipped, not blocking the queue.
+
 Step by step the decisions equal vLLM 0.12.0's scheduler with the same
-config (asynchronous scheduling, pipeline parallelism, LoRA and multimodal
+config (asynchronous scheduling, pipeline parallelism and multimodal
 encoders aside).
 """
 
@@ -78,6 +81,8 @@ class _StepPlan:
     spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The waiting head's last try found too few free blocks.
     head_lacks_blocks: bool = False
+    # LoRA adapters (lora_int_id) of the requests running this step.
+    scheduled_loras: set[int] = field(default_factory=set)
 
 
 class Scheduler(SchedulerInterface):
@@ -95,12 +100,14 @@ class Scheduler(SchedulerInterface):
         kv_load_failure_policy: str = "recompute",
         structured_output: StructuredOutputManager | None = None,
         num_spec_tokens: int = 0,
+        max_loras: int = 0,
     ) -> None:
         """`kv_load_failure_policy`: what a failed KV load does to its
         requests: "recompute" the lost tokens, or "fail" them (an error).
         `structured_output`: compiles grammars (None: constrained requests
         are refused). `num_spec_tokens`: drafts per step at most (0: no
-        speculative decoding), for the acceptance stats."""
+        speculative decoding), for the acceptance stats. `max_loras`: distinct
+        LoRA adapters a step may run (0: LoRA is off)."""
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -142,6 +149,7 @@ class Scheduler(SchedulerInterface):
         self.deadlock_breaker = DeadlockBreaker(self.kv_transfers)
         self.structured_output = structured_output
         self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
+        self.max_loras = max_loras
         # Requests whose grammar failed to compile, ended during schedule():
         # their outputs go out with this step's.
         self._refused: list[tuple[int, EngineCoreOutput]] = []
@@ -380,6 +388,9 @@ class Scheduler(SchedulerInterface):
         skipped = create_request_queue(self.policy)
         waiting = self.waiting
         limiter = self.partial_prefills
+        if self.max_loras:
+            plan.scheduled_loras = {r.lora_int_id for r in plan.running_reqs if r.lora_int_id}
+            assert len(plan.scheduled_loras) <= self.max_loras
         while waiting and plan.token_budget > 0:
             if len(self.running) == self.max_num_running_reqs:
                 break
@@ -392,6 +403,9 @@ class Scheduler(SchedulerInterface):
             if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(
                 request, skipped
             ):
+                continue
+            if self._exceeds_max_loras(request, plan):
+                skipped.prepend_request(waiting.pop_request())
                 continue
             if limiter is not None:
                 verdict = limiter.admit(request)
@@ -412,6 +426,13 @@ class Scheduler(SchedulerInterface):
             plan.head_lacks_blocks = False  # blocks were released: try again
         if skipped:
             waiting.prepend_requests(skipped)
+
+    def _exceeds_max_loras(self, request: Request, plan: _StepPlan) -> bool:
+        """The step already runs max_loras adapters and this request needs
+        another: skipped (not blocking the queue), as in the seed."""
+        loras = plan.scheduled_loras
+        lora = request.lora_int_id
+        return bool(self.max_loras and lora) and len(loras) == self.max_loras and lora not in loras
 
     def _grammar_ready(self, request: Request, skipped: RequestQueue) -> bool:
         """For the waiting head in WAITING_FOR_FSM: True once its grammar
@@ -536,6 +557,8 @@ class Scheduler(SchedulerInterface):
         plan.token_budget -= num_new
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
+        if request.lora_int_id:
+            plan.scheduled_loras.add(request.lora_int_id)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed
 

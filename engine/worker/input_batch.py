@@ -9,6 +9,7 @@ of vectorized gathers rather than per-token Python.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,8 @@ class CachedRequestState:
     # P/D: the prompt's last this-many tokens are output of an earlier leg
     # (Request.num_output_tokens_in_prompt); penalties count them as output.
     num_output_tokens_in_prompt: int = 0
+    # The LoRA adapter it runs under (LoRARequest.lora_int_id; 0: none).
+    lora_int_id: int = 0
 
     @property
     def output_start(self) -> int:
@@ -104,6 +107,26 @@ class InputBatch:
         n_blk = int(self.num_blocks[src])
         self.block_table[dst, :n_blk] = self.block_table[src, :n_blk]
         self.num_blocks[dst] = n_blk
+
+    def group_by_lora(self) -> None:
+        """Reorders rows so each LoRA adapter's rows are contiguous (base
+        rows first), as the batched LoRA kernels want them; a no-op when
+        they already are, which is every step the batch did not change."""
+        ids = [state.lora_int_id for state in self.states]
+        if all(a <= b for a, b in itertools.pairwise(ids)):
+            return
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        n = len(order)
+        width = int(self.num_tokens[:n].max())
+        blocks = int(self.num_blocks[:n].max())
+        self.token_ids[:n, :width] = self.token_ids[order, :width]
+        self.block_table[:n, :blocks] = self.block_table[order, :blocks]
+        per_row = (self.num_tokens, self.num_computed_tokens, self.num_blocks, self.output_start)
+        for array in per_row:
+            array[:n] = array[order]
+        self.req_ids = [self.req_ids[i] for i in order]
+        self.states = [self.states[i] for i in order]
+        self.req_id_to_index = {rid: row for row, rid in enumerate(self.req_ids)}
 
     def set_tokens(self, row: int, token_ids: list[int]) -> None:
         self.token_ids[row, : len(token_ids)] = token_ids

@@ -8,7 +8,9 @@ for prompt logprobs also gets logits at its prompt positions
 (engine/worker/prompt_logprobs.py). With speculative decoding a request
 verifying k drafts has logits at its last k + 1 positions, verified in
 engine/worker/spec_verify.py; after sampling, the proposer drafts the next
-step's tokens (``take_draft_token_ids``).
+step's tokens (``take_draft_token_ids``). With LoRA, rows are grouped by
+adapter and the step's segments set on the model while it runs
+(``_forward``), each adapter put in a device slot first (engine/lora/slots.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy.typing as npt
 import torch
 
 from connectors.base import KVConnectorBase
+from engine.lora.slots import LoRASlots
 from engine.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     DraftTokenIds,
@@ -38,6 +41,7 @@ from engine.worker.penalties import TokenHistory
 from engine.worker.prompt_logprobs import PromptLogprobsTracker
 from engine.worker.sampler import Sampler, SamplingTensors
 from engine.worker.spec_verify import verify_drafts
+from kernels.lora import LoRABatch, LoRASegment
 from kernels.metadata import AttentionMetadata
 
 
@@ -100,6 +104,11 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         self.num_spec_tokens = 0
         self._drafts: DraftTokenIds | None = None
+        # LoRA adapters' device slots (set by attach_lora); None: LoRA off.
+        self.lora: LoRASlots | None = None
+
+    def attach_lora(self, slots: LoRASlots) -> None:
+        self.lora = slots
 
     def attach_proposer(self, proposer: Proposer, num_spec_tokens: int) -> None:
         self.proposer = proposer
@@ -133,6 +142,8 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self._add_new_request(new)
         self._apply_cached(so.scheduled_cached_reqs)
+        if self.lora is not None:
+            batch.group_by_lora()  # before drafts go in past the tokens
         if self.proposer is not None:
             self._reset_proposer(so)
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
@@ -165,6 +176,7 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             num_output_tokens_in_prompt=new.num_output_tokens_in_prompt,
+            lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
         )
         self.requests[new.req_id] = state
         self.prompt_logprobs.add(new.req_id, params.prompt_logprobs, state.num_prompt_tokens)
@@ -323,7 +335,7 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
         positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(input_ids, positions, meta, inputs)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs, so)
         sampled: list[list[int]] = [[] for _ in range(self.batch.num_reqs)]
         logprobs = None
@@ -346,6 +358,45 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
         )
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        inputs: StepInputs,
+    ) -> torch.Tensor:
+        """The model's forward, with the step's LoRA rows set while it runs."""
+        lora = self._lora_batch(inputs)
+        if lora is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        assert self.lora is not None
+        self.lora.state.batch = lora
+        try:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        finally:
+            self.lora.state.batch = None
+
+    def _lora_batch(self, inputs: StepInputs) -> LoRABatch | None:
+        """The step's adapter segments (rows are grouped by adapter), with
+        each adapter put in a device slot; None when no row has one."""
+        if self.lora is None:
+            return None
+        ids = [state.lora_int_id for state in self.batch.states]
+        if not any(ids):
+            return None
+        slots = self.lora.activate(sorted(set(ids) - {0}))
+        starts = inputs.query_start_loc
+        segments = []
+        row = 0
+        while row < len(ids):
+            end = row
+            while end < len(ids) and ids[end] == ids[row]:
+                end += 1
+            if ids[row]:
+                segments.append(LoRASegment(int(starts[row]), int(starts[end]), slots[ids[row]]))
+            row = end
+        return LoRABatch(segments, int(starts[-1]))
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, inputs: StepInputs, so: SchedulerOutput

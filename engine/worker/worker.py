@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, ConfigError, ModelConfig, SpeculativeConfig
+from engine.config import CacheConfig, ConfigError, LoRAConfig, ModelConfig, SpeculativeConfig
+from engine.lora.slots import LoRASlots
 from engine.models.loader import LoadedModel, load_model, resolve_model
 from engine.models.spec import ModelSpec
 from engine.outputs import ModelRunnerOutput
@@ -49,6 +50,9 @@ class WorkerInfo:
     max_model_len: int
     num_blocks: int
     eos_token_id: int | None
+    spec: ModelSpec | None = None
+    # None: LoRA is off.
+    lora: LoRAConfig | None = None
 
 
 class Worker:
@@ -58,6 +62,7 @@ class Worker:
         cache_config: CacheConfig,
         max_num_seqs: int,
         speculative: SpeculativeConfig | None = None,
+        lora: LoRAConfig | None = None,
     ):
         torch.manual_seed(model_config.seed)
         self.device = resolve_device(model_config.device)
@@ -67,6 +72,8 @@ class Worker:
             path, dtype=_DTYPES[model_config.dtype], device=self.device, ops=self.backend
         )
         spec = self.loaded.spec
+        # Before the KV budget is taken: the slots' memory is not the cache's.
+        lora_slots = LoRASlots(lora, self.loaded.model) if lora is not None else None
         max_model_len = spec.max_position_embeddings
         if model_config.max_model_len is not None:
             max_model_len = min(max_model_len, model_config.max_model_len)
@@ -106,6 +113,8 @@ class Worker:
             max_model_len=max_model_len,
             device=self.device,
         )
+        if lora_slots is not None:
+            self.runner.attach_lora(lora_slots)
         if speculative is not None:
             proposer = self._proposer(speculative, draft, num_blocks, cache_config.block_size)
             self.runner.attach_proposer(proposer, speculative.num_speculative_tokens)
@@ -119,6 +128,8 @@ class Worker:
             max_model_len=max_model_len,
             num_blocks=num_blocks,
             eos_token_id=eos,
+            spec=spec,
+            lora=lora,
         )
 
     def _proposer(

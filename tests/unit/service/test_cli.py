@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import ConfigError, SpeculativeConfig
+from engine.config import ConfigError, LoRAConfig, SpeculativeConfig
 from service import cli
 from service.client import make_request
 from service.gen.tandem.v1 import generation_pb2 as pb
@@ -394,3 +394,98 @@ def test_status_prints_speculation_only_when_the_server_speculates(
     assert any(line.startswith("requests   1 running") for line in lines)
     speculate = [line for line in lines if line.startswith("speculate")]
     assert len(speculate) == int(speculating)
+
+
+# --- LoRA --------------------------------------------------------------------------
+
+
+def test_lora_flags_reach_the_engine_config() -> None:
+    assert cli.engine_config_from_args(_serve_args()).lora is None
+    on = cli.engine_config_from_args(_serve_args("--enable-lora"))
+    assert on.lora == LoRAConfig()
+    tuned = cli.lora_from_args(
+        _serve_args("--enable-lora", "--max-loras", "2", "--max-lora-rank", "64",
+                    "--max-cpu-loras", "3")
+    )  # fmt: skip
+    assert tuned == LoRAConfig(max_loras=2, max_lora_rank=64, max_cpu_loras=3)
+    # The host cache defaults to at least one step's adapters.
+    assert cli.lora_from_args(_serve_args("--enable-lora", "--max-loras", "32")) == LoRAConfig(
+        max_loras=32, max_cpu_loras=32
+    )
+
+
+def test_lora_modules_imply_enable_lora() -> None:
+    args = _serve_args("--lora-modules", "a=/x/a", "b=/y=z", "--max-loras", "2")
+    assert args.lora_modules == [("a", "/x/a"), ("b", "/y=z")]
+    assert cli.lora_from_args(args) == LoRAConfig(max_loras=2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-loras", "2"], "tandem serve: --max-loras needs --enable-lora"),
+        (["--enable-lora", "--max-loras", "0"], "tandem serve: max_loras=0 is invalid"),
+        (
+            ["--lora-modules", "a=/x", "a=/y"],
+            "tandem serve: lora_modules: each name once, got ['a'] more than once",
+        ),
+    ],
+)
+def test_bad_lora_flags_exit_2_before_the_model_loads(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", *argv]) == 2
+    assert capsys.readouterr().err.startswith(message)
+
+
+def test_a_lora_module_must_be_name_equals_path(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _serve_args("--lora-modules", "just-a-path")
+    assert "'just-a-path' is not NAME=PATH" in capsys.readouterr().err
+
+
+class _LoraClient(_RecordingClient):
+    """Also answers `tandem lora`'s calls, keeping what they asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, ...]] = []
+        self.adapter = pb.LoraAdapter(lora_name="a", lora_path="/x/a", rank=8, cache_key="lora:1")
+
+    async def load_lora(self, name: str, path: str) -> pb.LoraAdapter:
+        self.calls.append(("load", name, path))
+        return self.adapter
+
+    async def unload_lora(self, name: str) -> pb.LoraAdapter:
+        self.calls.append(("unload", name))
+        return self.adapter
+
+    async def list_loras(self) -> list[pb.LoraAdapter]:
+        self.calls.append(("list",))
+        return [self.adapter]
+
+
+def test_lora_commands_and_the_generate_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = _LoraClient()
+    monkeypatch.setattr(cli, "_client", lambda args: client)
+    for argv in (["load", "a", "/x/a"], ["unload", "a"], ["list"]):
+        args = cli._parser().parse_args(["lora", *argv])
+        assert args.run(args) == 0
+    assert client.calls == [("load", "a", "/x/a"), ("unload", "a"), ("list",)]
+    assert capsys.readouterr().out.splitlines() == [
+        "loaded a\trank 8\tlora:1\t/x/a",
+        "unloaded a\trank 8\tlora:1\t/x/a",
+        "a\trank 8\tlora:1\t/x/a",
+    ]
+    args = cli._parser().parse_args(["generate", "hi", "--lora", "a"])
+    assert args.run(args) == 0
+    assert client.requests[0].lora_name == "a"
+
+
+def test_status_shows_lora_when_it_is_on() -> None:
+    config = pb.LoraConfig(max_loras=2, max_lora_rank=16)
+    adapters = [pb.LoraAdapter(lora_name=n) for n in ("b", "a")]
+    assert cli._lora_line(config, adapters) == "lora       a, b (at most 2 per step, rank <= 16)"
+    assert cli._lora_line(config, []).startswith("lora       none loaded")

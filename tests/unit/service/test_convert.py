@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -22,12 +23,17 @@ from engine import (
     SamplingParams,
     TokenLogprob,
 )
+from engine.config import LoRAConfig
+from engine.lora.registry import LoRARegistry
+from engine.lora.request import LoRARequest
 from engine.models.loader import load_tokenizer, resolve_model
+from engine.models.spec import ModelSpec
 from engine.stats import SpecDecodingStats
 from engine.structured_output.params import StructuredOutputParams
+from engine.worker.worker import WorkerInfo
 from service import convert
 from service.client import make_request
-from service.errors import RequestFailedError, status_for
+from service.errors import LoRADisabledError, RequestFailedError, status_for
 from service.gen.tandem.v1 import generation_pb2 as pb
 
 
@@ -421,3 +427,65 @@ def test_bad_constraints_name_the_wire_field(
     with pytest.raises(InvalidRequestError) as err:
         convert.generate_input(make_request(text="hi", constraint=constraint), inputs)
     assert str(err.value) == details
+
+
+# --- LoRA ------------------------------------------------------------------------
+
+ADAPTER = LoRARequest("qv8", 1, "/adapters/qv8", "lora:abc", rank=8)
+
+
+@pytest.fixture
+def lora_inputs(inputs: InputProcessor) -> InputProcessor:
+    """The same tokenizer, with LoRA on and one adapter loaded (the spec is
+    never read: no adapter files are)."""
+    loras = LoRARegistry(LoRAConfig(), cast(ModelSpec, object()))
+    loras.add(ADAPTER)
+    return InputProcessor(
+        inputs.tokenizer, vocab_size=49152, max_model_len=64, eos_token_id=2, loras=loras
+    )
+
+
+def test_lora_name_reaches_the_engine_request(lora_inputs: InputProcessor) -> None:
+    call = convert.generate_input(make_request(text="hi", lora_name="qv8"), lora_inputs)
+    assert call.lora == "qv8"
+    request = lora_inputs.make_request("r", call.prompt, call.params, lora=call.lora)
+    assert request.lora_request == ADAPTER
+    assert convert.generate_input(make_request(text="hi"), lora_inputs).lora is None
+
+
+def test_an_unknown_adapter_names_the_wire_field_and_the_loaded_ones(
+    inputs: InputProcessor, lora_inputs: InputProcessor
+) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        convert.generate_input(make_request(text="hi", lora_name="nope"), lora_inputs)
+    assert str(err.value) == "lora_name: unknown LoRA adapter 'nope': loaded are ['qv8']"
+    assert status_for(err.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(InvalidRequestError, match=r"^lora_name: .*--enable-lora"):
+        convert.generate_input(make_request(text="hi", lora_name="qv8"), inputs)
+
+
+def test_model_info_and_status_list_the_adapters() -> None:
+    info = WorkerInfo(Path("m"), "m", "LlamaForCausalLM", 100, 64, 8, 2)
+
+    def model_info(lora: LoRAConfig | None, adapters: list[LoRARequest]) -> pb.ModelInfo:
+        return convert.model_info(
+            info,
+            block_size=16,
+            role="both",
+            connector="",
+            dtype="float32",
+            lora=lora,
+            adapters=adapters,
+        )
+
+    off = model_info(None, [])
+    assert not off.HasField("lora") and not off.lora_adapters
+    on = model_info(LoRAConfig(max_loras=2, max_cpu_loras=3), [ADAPTER])
+    assert (on.lora.max_loras, on.lora.max_lora_rank, on.lora.max_cpu_loras) == (2, 16, 3)
+    wire = pb.LoraAdapter(lora_name="qv8", lora_path="/adapters/qv8", rank=8, cache_key="lora:abc")
+    assert list(on.lora_adapters) == [wire]
+    assert list(convert.server_status(EngineStatus(), [ADAPTER]).lora_adapters) == [wire]
+
+
+def test_lora_off_is_a_failed_precondition_for_loads() -> None:
+    assert status_for(LoRADisabledError("x"))[0] == grpc.StatusCode.FAILED_PRECONDITION

@@ -211,3 +211,51 @@ def test_pods_get_the_api_key_on_every_call() -> None:
         await pool.close()
 
     asyncio.run(run())
+
+
+class _SlowStatusStub:
+    """A pod whose status answers wait for `release`; it has adapter "a"
+    only once `loaded` is set."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.loaded = False
+        self.asked = 0
+
+    async def GetServerStatus(self, request: object, **_: object) -> pb.ServerStatus:
+        self.asked += 1
+        loaded = self.loaded  # the status as of the moment it was asked
+        await self.release.wait()
+        adapters = [pb.LoraAdapter(lora_name="a")] if loaded else []
+        return pb.ServerStatus(lora_adapters=adapters)
+
+    async def GetModelInfo(self, request: object, **_: object) -> pb.ModelInfo:
+        return pb.ModelInfo(block_size=16, max_model_len=64)
+
+
+def test_a_status_asked_before_the_routers_own_load_does_not_undo_it() -> None:
+    """The router records an adapter it loaded through a pod at once; a
+    status the pod answered before that load must not take it away (a
+    request naming it would be refused until the next poll)."""
+
+    async def go() -> None:
+        pool = _pool(["127.0.0.1:9"], FakeDns({}))
+        pod = pool.pods[0]
+        stub = _SlowStatusStub()
+        pod.stub = stub  # type: ignore[assignment]
+        poll = asyncio.create_task(pool._poll(pod))
+        try:
+            await _until(lambda: stub.asked == 1)
+            stub.loaded = True
+            pod.set_lora("a", pb.LoraAdapter(lora_name="a"))
+            stub.release.set()  # the stale answer (no "a") arrives
+            await _until(lambda: pod.state == PodState.UP)
+            assert list(pod.loras) == ["a"]
+            await _until(lambda: stub.asked >= 3)  # later polls are the pod's word
+            pod.loras.clear()
+            await _until(lambda: list(pod.loras) == ["a"])
+        finally:
+            poll.cancel()
+            await pool.close()
+
+    asyncio.run(go())

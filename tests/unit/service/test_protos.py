@@ -40,6 +40,9 @@ def test_every_rpc_of_the_api_is_present() -> None:
         "GetModelInfo",
         "GetServerStatus",
         "SubscribeKvEvents",
+        "LoadLoraAdapter",
+        "UnloadLoraAdapter",
+        "ListLoraAdapters",
     }
     streaming = {m.name for m in service.methods if m.server_streaming}
     assert streaming == {"Generate", "SubscribeKvEvents"}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import grpc
 import pytest
 
 from engine.kv_cache.hashing import BlockHasher
+from engine.lora.request import LoRARequest
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from service.client import make_request
@@ -161,3 +163,184 @@ def test_the_router_finds_a_prompt_where_the_pods_engines_hashed_it() -> None:
     hashes, picked = asyncio.run(route())
     assert len(engine_side) == 2 and hashes == engine_side
     assert picked == 1
+
+
+# --- LoRA adapters -------------------------------------------------------------------
+
+
+def _adapter(name: str, key: str = "") -> pb.LoraAdapter:
+    return pb.LoraAdapter(lora_name=name, cache_key=key or f"lora:{name}")
+
+
+def _up_pool(name: str, loras: list[list[str]]) -> PodPool:
+    """Healthy pods (not started: nothing is polled), with these adapters each."""
+    addresses = [f"127.0.0.1:{9 + i}" for i in range(len(loras))]
+    pool = PodPool(name, addresses, follow_kv_events=name == "decode", poll_seconds=60.0)
+    for pod, names in zip(pool.pods, loras, strict=True):
+        pod.state, pod.block_size = PodState.UP, 4
+        pod.loras = {n: _adapter(n) for n in names}
+    return pool
+
+
+def test_adapter_requests_go_only_to_pods_that_have_it() -> None:
+    async def go() -> None:
+        decode = _up_pool("decode", [["a"], []])
+        decode.pods[0].load = 9.0  # busier, but the only one with "a"
+        try:
+            assert decode.pick(lora="a") is decode.pods[0]
+            assert decode.pick(lora="b") is None
+            assert decode.pick() is decode.pods[1]
+            router = RouterServicer(None, decode)
+            router._check_lora("")
+            router._check_lora("a")
+            with pytest.raises(_LegFailed) as info:
+                router._check_lora("b")
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details == "lora_name: unknown LoRA adapter 'b': loaded are ['a']"
+        finally:
+            await decode.close()
+
+    asyncio.run(go())
+
+
+def test_with_a_prefill_pool_both_legs_need_the_adapter() -> None:
+    async def go() -> None:
+        prefill = _up_pool("prefill", [["a", "c"]])
+        decode = _up_pool("decode", [["a", "b"]])
+        try:
+            router = RouterServicer(prefill, decode)
+            router._check_lora("a")
+            for name in ("b", "c"):
+                with pytest.raises(_LegFailed, match=r"loaded are \['a'\]"):
+                    router._check_lora(name)
+            # No prefill pod healthy: the request falls back whole to a decode pod.
+            prefill.pods[0].state = PodState.DOWN
+            router._check_lora("b")
+        finally:
+            await prefill.close()
+            await decode.close()
+
+    asyncio.run(go())
+
+
+def test_the_router_hashes_an_adapters_prompt_as_the_pods_engines_do() -> None:
+    ids = list(range(100, 109))  # two full blocks of 4
+    adapter = LoRARequest("a", 1, "/a", "lora:a", rank=8)
+    hasher = BlockHasher(4)
+    engine_side = Request("r", ids, SamplingParams(), block_hasher=hasher, lora_request=adapter)
+    base = Request("s", ids, SamplingParams(), block_hasher=hasher).block_hashes
+
+    async def go() -> list[bytes]:
+        decode = _up_pool("decode", [["a"]])
+        try:
+            return RouterServicer(None, decode)._hashes(decode, ids, "a")
+        finally:
+            await decode.close()
+
+    hashes = asyncio.run(go())
+    assert len(hashes) == 2 and hashes == engine_side.block_hashes != base
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Context:
+    """Stands in for grpc.aio.ServicerContext: abort raises."""
+
+    async def abort(self, code: grpc.StatusCode, details: str, *_: object) -> None:
+        raise _Aborted(code, details)
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _LoraPodStub:
+    """A pod's LoRA RPCs over a dict, as the servicer answers them."""
+
+    def __init__(self, names: list[str], enabled: bool = True) -> None:
+        self.loras = {n: _adapter(n) for n in names}
+        self.enabled = enabled
+
+    def _check(self) -> None:
+        if not self.enabled:
+            raise _rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "start it with --enable-lora")
+
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, **_: object
+    ) -> pb.LoraAdapter:
+        self._check()
+        if request.lora_name in self.loras:
+            raise _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "lora_name: already loaded")
+        self.loras[request.lora_name] = _adapter(request.lora_name)
+        return self.loras[request.lora_name]
+
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, **_: object
+    ) -> pb.UnloadLoraAdapterResponse:
+        self._check()
+        if request.lora_name not in self.loras:
+            raise _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "lora_name: unknown")
+        return pb.UnloadLoraAdapterResponse(adapter=self.loras.pop(request.lora_name))
+
+    async def ListLoraAdapters(self, request: object, **_: object) -> pb.ListLoraAdaptersResponse:
+        return pb.ListLoraAdaptersResponse(adapters=list(self.loras.values()))
+
+
+def _lora_router(stubs: list[_LoraPodStub]) -> tuple[RouterServicer, PodPool]:
+    pool = _up_pool("decode", [list(s.loras) for s in stubs])
+    for pod, stub in zip(pool.pods, stubs, strict=True):
+        pod.stub = stub  # type: ignore[assignment]
+    return RouterServicer(None, pool), pool
+
+
+def test_load_reaches_every_pod_and_unload_those_that_have_it() -> None:
+    stubs = [_LoraPodStub(["x"]), _LoraPodStub([])]
+    context = cast(grpc.aio.ServicerContext, _Context())
+
+    async def go() -> list[str]:
+        router, pool = _lora_router(stubs)
+        try:
+            load = pb.LoadLoraAdapterRequest(lora_name="a", lora_path="/a")
+            assert (await router.LoadLoraAdapter(load, context)).lora_name == "a"
+            # Known at once, not only after the next poll.
+            assert all("a" in pod.loras for pod in pool.pods)
+            listed = await router.ListLoraAdapters(pb.ListLoraAdaptersRequest(), context)
+            unload = pb.UnloadLoraAdapterRequest(lora_name="x")  # on the first pod only
+            assert (await router.UnloadLoraAdapter(unload, context)).adapter.lora_name == "x"
+            assert "x" not in pool.pods[0].loras
+            with pytest.raises(_Aborted) as info:
+                await router.UnloadLoraAdapter(unload, context)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details == "lora_name: unknown LoRA adapter 'x': loaded are ['a']"
+            return [a.lora_name for a in listed.adapters]
+        finally:
+            await pool.close()
+
+    assert asyncio.run(go()) == ["a", "x"]  # one entry per adapter, however many pods
+    assert [list(s.loras) for s in stubs] == [["a"], ["a"]]
+
+
+def test_a_load_one_pod_refuses_is_undone_on_the_others() -> None:
+    stubs = [_LoraPodStub([]), _LoraPodStub([], enabled=False)]
+    context = cast(grpc.aio.ServicerContext, _Context())
+
+    async def go() -> _Aborted:
+        router, pool = _lora_router(stubs)
+        try:
+            with pytest.raises(_Aborted) as info:
+                await router.LoadLoraAdapter(
+                    pb.LoadLoraAdapterRequest(lora_name="a", lora_path="/a"), context
+                )
+            assert not any(pod.loras for pod in pool.pods)
+            return info.value
+        finally:
+            await pool.close()
+
+    refused = asyncio.run(go())
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.details == "decode pod: start it with --enable-lora"
+    assert stubs[0].loras == {}  # loaded there, then unloaded again

@@ -82,3 +82,19 @@ def test_the_chain_goes_on_from_the_hashes_already_known():
     salted = hash_chain(tokens, 8, cache_salt="t1")
     assert salted[0] == hash_block_tokens(None, tokens[:8], ("t1",))
     assert hash_chain(tokens, 8, salted[:1], cache_salt="t1") == salted[1:]
+
+
+def test_a_lora_key_separates_chains_and_the_router_computes_the_same():
+    from engine.lora.request import LoRARequest
+
+    tokens = list(range(12))
+    lora = LoRARequest("a", 1, "/a", "lora:" + "ab" * 16)
+    request = Request("r", tokens, SamplingParams(), block_hasher=BlockHasher(4))
+    adapted = Request("s", tokens, SamplingParams(), lora_request=lora, block_hasher=BlockHasher(4))
+    assert request.block_hashes == hash_chain(tokens, 4)
+    assert adapted.block_hashes == hash_chain(tokens, 4, lora_key=lora.cache_key)
+    assert not set(adapted.block_hashes) & set(request.block_hashes)
+    # A salt that spells the key is still another chain.
+    assert hash_chain(tokens, 4, cache_salt=lora.cache_key) != adapted.block_hashes
+    salted = hash_chain(tokens, 4, cache_salt="t", lora_key=lora.cache_key)
+    assert salted != adapted.block_hashes and salted != hash_chain(tokens, 4, cache_salt="t")

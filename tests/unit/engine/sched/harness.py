@@ -29,6 +29,7 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     connector: object = None,
     kv_load_failure_policy: str = "recompute",
+    max_loras: int = 0,
     **sched_kwargs: object,
 ) -> Scheduler:
     return Scheduler(
@@ -46,6 +47,7 @@ def make_scheduler(
         ),
         connector=connector,  # type: ignore[arg-type]
         kv_load_failure_policy=kv_load_failure_policy,
+        max_loras=max_loras,
     )
 
 

@@ -1,0 +1,1 @@
+"""LoRA adapters: reading PEFT directories, naming them, and their slots."""

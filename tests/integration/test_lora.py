@@ -1,0 +1,301 @@
+"""LoRA adapters over gRPC, against one real `tandem serve --enable-lora`.
+
+The server starts with one adapter (`--lora-modules qv8=...`, written here
+in PEFT's format) while transformers + peft compute the reference: greedy output
+under it equals peft's token for token, and the base model's equals the
+base reference. At run time an adapter is loaded, listed (ListLoraAdapters,
+status, model info), served, and unloaded; unknown names and bad
+directories are INVALID_ARGUMENT naming what is wrong; an adapter unloaded
+while a stream uses it finishes that stream whole. The session's server
+(no LoRA) answers FAILED_PRECONDITION to loads, and a router in front of
+both sends adapter requests only to the pod that has the adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.models.loader import load_tokenizer, resolve_model
+from service.client import TandemClient
+from service.gen.tandem.v1 import generation_pb2 as pb
+from tests.integration.servers import ServerProcess
+from tests.integration.test_router import _wait_pods_healthy
+from tests.lora_adapters import peft_generate
+
+T = TypeVar("T")
+
+MAX_TOKENS = 8
+# The adapters' seeds (below) are such that qv8 and attn16 both change this
+# prompt's greedy answer within MAX_TOKENS, and qv8's has no EOS there (peft's
+# reference stops at EOS; the server's requests ignore it).
+TEXT = "Write a haiku about the sea."
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class LoraServer:
+    server: ServerProcess
+    adapters: dict[str, Path]  # qv8 (loaded at start), attn16 (loaded by tests)
+    prompt: list[int]
+    reference: dict[str | None, list[list[int]]]  # peft's greedy tokens, None: base
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraServer]:
+    model = resolve_model(None)
+    out = tmp_path_factory.mktemp("adapters")
+    adapters = {
+        "qv8": _write_adapter(model, out / "qv8", 8, ("q_proj", "v_proj"), seed=5),
+        "attn16": _write_adapter(model, out / "attn16", 16, ATTENTION, seed=7),
+    }
+    small = ["--max-num-seqs", "8", "--max-model-len", "1024", "--kv-cache-memory", "128M"]
+    args = [*small, "--enable-lora", "--max-loras", "2"]
+    server = ServerProcess([*args, "--lora-modules", f"qv8={adapters['qv8']}"])
+    server.start()  # its start-up overlaps the reference's computation
+    try:
+        prompt = load_tokenizer(model).encode(TEXT)
+        reference = peft_generate(model, {"qv8": adapters["qv8"]}, [prompt], MAX_TOKENS)
+    except BaseException:
+        server.kill()
+        raise
+    with server:  # waits for SERVING; drains it (exit code 0) at the end
+        yield LoraServer(server, adapters, prompt, reference)
+
+
+def _write_adapter(model: Path, out: Path, rank: int, targets: tuple[str, ...], seed: int) -> Path:
+    """A PEFT adapter directory as peft saves one, written directly (in a
+    fraction of tests.lora_adapters.make_adapters' time, which loads the
+    model to save each): random A and B, B small enough that the adapted
+    model still writes text (greedy choices are no near-ties)."""
+    hf = json.loads((model / "config.json").read_text())
+    hidden, head_dim = hf["hidden_size"], hf["head_dim"]
+    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
+    shapes = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(hf["num_hidden_layers"]):
+        for target in targets:
+            fan_in, fan_out = shapes[target]
+            key = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            tensors[f"{key}.lora_A.weight"] = (
+                torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            )
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.04
+    out.mkdir()
+    save_file(tensors, out / "adapter_model.safetensors")
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": rank,
+        "target_modules": list(targets),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+def _run(fn: Callable[[TandemClient], Awaitable[T]], target: str) -> T:
+    """`fn(client)` with a client of `target`, on a fresh event loop."""
+
+    async def go() -> T:
+        async with TandemClient(target) as client:
+            return await fn(client)
+
+    return asyncio.run(go())
+
+
+async def _tokens(
+    client: TandemClient, prompt: list[int], lora: str = "", max_tokens: int = MAX_TOKENS
+) -> list[int]:
+    """Greedy tokens under `lora` ("": the base model)."""
+    chunks = client.generate(
+        token_ids=prompt, lora_name=lora, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+    )
+    return [t async for c in chunks for t in c.token_ids]
+
+
+async def _error(call: Awaitable[object] | AsyncIterator[object]) -> grpc.aio.AioRpcError:
+    """The error a unary call or a stream ends with (it must end with one)."""
+    try:
+        if isinstance(call, AsyncIterator):
+            async for _ in call:
+                pass
+        else:
+            await call
+    except grpc.aio.AioRpcError as e:
+        return e
+    raise AssertionError("the call succeeded")
+
+
+def test_an_adapter_loaded_at_start_equals_peft(lora: LoraServer) -> None:
+    async def go(client: TandemClient) -> tuple[list[int], list[int], pb.ModelInfo]:
+        return (
+            await _tokens(client, lora.prompt, "qv8"),
+            await _tokens(client, lora.prompt),
+            await client.model_info(),
+        )
+
+    adapted, base, info = _run(go, lora.server.target)
+    assert adapted == lora.reference["qv8"][0]
+    assert base == lora.reference[None][0] != adapted
+    assert info.HasField("lora") and info.lora.max_loras == 2
+    assert [a.lora_name for a in info.lora_adapters] == ["qv8"]
+
+
+def test_load_list_serve_and_unload_at_run_time(lora: LoraServer) -> None:
+    path = str(lora.adapters["attn16"])
+
+    @dataclass
+    class Seen:
+        loaded: pb.LoraAdapter
+        listed: list[str]
+        status: list[str]
+        runs: list[list[int]]
+        again: grpc.aio.AioRpcError
+        unloaded: pb.LoraAdapter
+        after: list[str]
+        refused: grpc.aio.AioRpcError
+        unknown: grpc.aio.AioRpcError
+
+    async def go(client: TandemClient) -> Seen:
+        return Seen(
+            loaded=await client.load_lora("attn16", path),
+            listed=[a.lora_name for a in await client.list_loras()],
+            status=[a.lora_name for a in (await client.status()).lora_adapters],
+            runs=[await _tokens(client, lora.prompt, "attn16") for _ in range(2)],
+            again=await _error(client.load_lora("attn16", path)),
+            unloaded=await client.unload_lora("attn16"),
+            after=[a.lora_name for a in await client.list_loras()],
+            refused=await _error(client.generate(token_ids=lora.prompt, lora_name="attn16")),
+            unknown=await _error(client.unload_lora("attn16")),
+        )
+
+    seen = _run(go, lora.server.target)
+    loaded = seen.loaded
+    assert (loaded.lora_name, loaded.rank, loaded.lora_path) == ("attn16", 16, path)
+    assert loaded.cache_key.startswith("lora:")
+    assert seen.listed == seen.status == ["attn16", "qv8"]
+    first, second = seen.runs
+    assert first == second != lora.reference[None][0]  # the adapter applies, the same each time
+    assert seen.again.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already loaded" in (seen.again.details() or "")
+    assert seen.unloaded.lora_name == "attn16"
+    assert seen.after == ["qv8"]
+    for error in (seen.refused, seen.unknown):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details() == "lora_name: unknown LoRA adapter 'attn16': loaded are ['qv8']"
+
+
+def test_unloading_an_adapter_in_use_lets_its_stream_finish(lora: LoraServer) -> None:
+    """ "twin" is qv8's files under another name: the stream's tokens must
+    equal qv8's all the way, though "twin" is unloaded after the first."""
+    n = 16  # a stream of ~1 s: the unload lands while it runs
+
+    async def go(client: TandemClient) -> tuple[list[int], list[int], grpc.aio.AioRpcError, int]:
+        await client.load_lora("twin", str(lora.adapters["qv8"]))
+        call = client.stub.Generate(_greedy(lora.prompt, "twin", n), metadata=client.metadata)
+        first = await call.read()
+        assert isinstance(first, pb.GenerateResponse)
+        await client.unload_lora("twin")
+        refused = await _error(client.generate(token_ids=lora.prompt, lora_name="twin"))
+        chunks = [first]
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            chunks.append(msg)
+        streamed = [t for c in chunks for t in c.token_ids]
+        want = await _tokens(client, lora.prompt, "qv8", max_tokens=n)
+        return streamed, want, refused, chunks[-1].finish_reason
+
+    streamed, want, refused, reason = _run(go, lora.server.target)
+    assert reason == pb.FINISH_REASON_LENGTH
+    assert len(streamed) == n and streamed == want
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (refused.details() or "").startswith("lora_name: unknown LoRA adapter 'twin'")
+
+
+def _greedy(prompt: list[int], lora: str, n: int) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(lora_name=lora)
+    request.token_ids.ids.extend(prompt)
+    request.sampling.max_tokens = n
+    request.sampling.temperature = 0.0
+    request.sampling.ignore_eos = True
+    return request
+
+
+def test_a_bad_adapter_directory_is_named(lora: LoraServer, tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text(
+        (lora.adapters["qv8"] / "adapter_config.json").read_text()
+    )  # no weights file
+
+    async def go(client: TandemClient) -> list[grpc.aio.AioRpcError]:
+        return [
+            await _error(client.load_lora("bad", str(tmp_path))),
+            await _error(client.load_lora("bad", str(tmp_path / "nowhere"))),
+        ]
+
+    missing, nowhere = _run(go, lora.server.target)
+    for error in (missing, nowhere):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (error.details() or "").startswith("lora_path: "), error.details()
+    assert "adapter_model.safetensors" in (missing.details() or "")
+    assert "nowhere" in (nowhere.details() or "")
+
+
+def test_a_server_without_lora_refuses_adapters(server: ServerProcess) -> None:
+    async def go(client: TandemClient) -> tuple[object, ...]:
+        return (
+            await _error(client.load_lora("x", "/tmp")),
+            await _error(client.generate(text="hi", lora_name="x")),
+            await client.list_loras(),
+            await client.model_info(),
+        )
+
+    load, generate, listed, info = _run(go, server.target)
+    assert isinstance(load, grpc.aio.AioRpcError) and isinstance(generate, grpc.aio.AioRpcError)
+    assert load.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--enable-lora" in (load.details() or "")
+    assert generate.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (generate.details() or "").startswith("lora_name: this server serves no LoRA")
+    assert listed == [] and isinstance(info, pb.ModelInfo) and not info.HasField("lora")
+
+
+def test_the_router_sends_adapter_requests_only_where_the_adapter_is(
+    lora: LoraServer, server: ServerProcess
+) -> None:
+    """Two colocated pods, one with qv8: qv8 requests get peft's tokens
+    (the other pod, first among equals, would refuse them); a load that
+    one pod refuses (no LoRA there) is undone on the other."""
+    args = ["--decode", f"{server.target},{lora.server.target}", "--poll-seconds", "0.2"]
+    with ServerProcess(args, command="router") as router:
+        assert _wait_pods_healthy(router.target, 2) == 2
+
+        async def go(client: TandemClient) -> tuple[object, ...]:
+            runs = [await _tokens(client, lora.prompt, "qv8") for _ in range(2)]
+            unknown = await _error(client.generate(token_ids=lora.prompt, lora_name="nope"))
+            listed = [a.lora_name for a in await client.list_loras()]
+            load = await _error(client.load_lora("attn16", str(lora.adapters["attn16"])))
+            return runs, unknown, listed, load
+
+        runs, unknown, listed, load = _run(go, router.target)
+    after = _run(lambda c: c.list_loras(), lora.server.target)
+    assert runs == [lora.reference["qv8"][0]] * 2
+    assert isinstance(unknown, grpc.aio.AioRpcError)
+    assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert unknown.details() == "lora_name: unknown LoRA adapter 'nope': loaded are ['qv8']"
+    assert listed == ["qv8"]
+    assert isinstance(load, grpc.aio.AioRpcError)
+    assert load.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert [a.lora_name for a in after] == ["qv8"]  # attn16 unloaded again
