@@ -40,6 +40,10 @@ import triton.language as tl
 
 from kernels.lora import LoRABatch
 
+# Triton's CPU interpreter multiplies bfloat16 matrices wrongly: its _dot
+# widens them there (the attention kernels' own helper).
+from kernels.triton_attention import _dot
+
 # tl.dot needs every matrix dimension to be at least 16.
 _MIN_DOT = 16
 # The shrink's `in` range per split is at least this many BLOCK_K steps, so a
@@ -47,17 +51,6 @@ _MIN_DOT = 16
 _MIN_STEPS_PER_SPLIT = 4
 _MAX_SPLITS = 16
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # Triton's CPU interpreter multiplies bfloat16 matrices wrongly; there the
-    # (already rounded) operands are widened first, which gives the same result.
-    # (As in kernels/triton_attention.py; kept local so the modules stay apart.)
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit

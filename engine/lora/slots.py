@@ -62,12 +62,11 @@ class LoRASlots:
             for name, linear in _projections(cast(LlamaDecoderLayer, layer)).items():
                 shape = shapes[name]
                 width = len(shape.shard_outs) * rank
-                make = torch.zeros
-                a = make(config.max_loras, width, shape.in_features, dtype=weight.dtype)
-                b = make(config.max_loras, shape.out_features, width, dtype=weight.dtype)
-                slots[name] = linear.lora = LoRALayer(
-                    a.to(weight.device), b.to(weight.device), self.state
-                )
+                dtype, device = weight.dtype, weight.device
+                n = config.max_loras
+                a = torch.zeros(n, width, shape.in_features, dtype=dtype, device=device)
+                b = torch.zeros(n, shape.out_features, width, dtype=dtype, device=device)
+                slots[name] = linear.lora = LoRALayer(a, b, self.state)
             self.layers.append(slots)
         self._known: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()

@@ -11,19 +11,15 @@ the tests here only read it. A second child compiles the kernels for sm_90
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from tests.unit.kernels.batches import SHAPES, Shape, make_batch, new_kv_rows
+from tests.unit.kernels.triton_child import child_result, ptxas_available, start_child
 
-ROOT = Path(__file__).resolve().parents[3]
 FP32_TOL = 2e-5
 
 
@@ -105,27 +101,10 @@ def interpreter_report() -> dict[str, Any]:
     }
 
 
-def _run_child(code: str, env: dict[str, str]) -> Any:
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    code = (
-        "import json\n"
-        "from tests.unit.kernels.test_triton_kernels import interpreter_report\n"
-        "print(json.dumps(interpreter_report()))\n"
-    )
-    return dict(_run_child(code, {**os.environ, "TRITON_INTERPRET": "1"}))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return dict(child_result(start_child(__name__, "interpreter_report", env)))
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.name)
@@ -222,22 +201,8 @@ def compile_for_sm90() -> list[str]:
     return lines
 
 
-def _ptxas_available() -> bool:
-    import importlib.util
-
-    spec = importlib.util.find_spec("triton")
-    if spec is None or spec.origin is None:
-        return False
-    return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="triton wheel without the bundled ptxas")
+@pytest.mark.skipif(not ptxas_available(), reason="triton wheel without the bundled ptxas")
 def test_kernels_compile_for_h100() -> None:
-    code = (
-        "import json\n"
-        "from tests.unit.kernels.test_triton_kernels import compile_for_sm90\n"
-        "print(json.dumps(compile_for_sm90()))\n"
-    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    compiled = _run_child(code, env)
+    compiled = child_result(start_child(__name__, "compile_for_sm90", env))
     assert len(compiled) == len(_SM90_VARIANTS) + 2

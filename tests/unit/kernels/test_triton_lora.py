@@ -12,21 +12,16 @@ loop-carried types, constexpr misuse). The two children run side by side.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from kernels.lora import LoRABatch, LoRASegment
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.unit.kernels.triton_child import child_result, ptxas_available, start_child
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,46 +188,15 @@ def interpreter_report() -> dict[str, Any]:
     }
 
 
-def _start_child(function: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    """Runs this module's `function` in a fresh interpreter, which prints its
-    JSON-encoded result."""
-    code = (
-        "import json\n"
-        f"from tests.unit.kernels.test_triton_lora import {function}\n"
-        f"print(json.dumps({function}()))\n"
-    )
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _child_result(proc: subprocess.Popen[str]) -> Any:
-    stdout, stderr = proc.communicate(timeout=240)
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
-def _ptxas_available() -> bool:
-    spec = importlib.util.find_spec("triton")
-    if spec is None or spec.origin is None:
-        return False
-    return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
 @pytest.fixture(scope="module")
 def sm90_child() -> Iterator[subprocess.Popen[str] | None]:
     """The sm_90 compile, started before the interpreter child so that the
     two overlap."""
-    if not _ptxas_available():
+    if not ptxas_available():
         yield None
         return
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = _start_child("compile_for_sm90", env)
+    proc = start_child(__name__, "compile_for_sm90", env)
     yield proc
     if proc.poll() is None:
         proc.kill()
@@ -242,7 +206,7 @@ def sm90_child() -> Iterator[subprocess.Popen[str] | None]:
 @pytest.fixture(scope="module")
 def report(sm90_child: subprocess.Popen[str] | None) -> dict[str, Any]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    return dict(_child_result(_start_child("interpreter_report", env)))
+    return dict(child_result(start_child(__name__, "interpreter_report", env)))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -327,8 +291,8 @@ def compile_for_sm90() -> list[str]:
     return lines
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="triton wheel without the bundled ptxas")
+@pytest.mark.skipif(not ptxas_available(), reason="triton wheel without the bundled ptxas")
 def test_lora_kernels_compile_for_h100(sm90_child: subprocess.Popen[str] | None) -> None:
     assert sm90_child is not None
-    compiled = _child_result(sm90_child)
+    compiled = child_result(sm90_child)
     assert len(compiled) == 2 * len(_SM90_VARIANTS)
