@@ -157,9 +157,7 @@ def main() -> None:
     ratios = [b / a for a, b in zip(results[names[0]], results[names[1]], strict=True)]
     print(f"tandem / transformers (per round): {[f'{r:.2f}' for r in ratios]}")
 
-    weight_bytes = sum(
-        p.numel() * p.element_size() for p in llm.core.worker.loaded.model.parameters()
-    )
+    weight_bytes = llm.core.worker.loaded.model.weight_bytes
     # Bandwidth and steps alternate so outside load hits both alike; the
     # bandwidth is each round's best read, the step each round's median.
     ratios = []

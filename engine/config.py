@@ -171,6 +171,10 @@ class ModelConfig:
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     attention_backend: str | None = None
+    # Weight format in memory (engine/models/weight_plan.py): auto|none|gguf|int8|bf16.
+    quantization: str = "auto"
+    # Quantized weights multiply int8-rounded activations (faster, less exact).
+    int8_activations: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -181,6 +185,12 @@ class ModelConfig:
             "'float32', 'bfloat16' or 'float16'",
         )
         _require(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto|cpu|cuda")
+        _require(
+            self.quantization in ("auto", "none", "gguf", "int8", "bf16"),
+            "quantization",
+            self.quantization,
+            "'auto', 'none', 'gguf', 'int8' or 'bf16'",
+        )
         _require(
             self.kv_cache_memory is None or self.kv_cache_memory > 0,
             "kv_cache_memory",

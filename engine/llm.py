@@ -60,7 +60,9 @@ class LLM:
     ) -> None:
         """``config`` sets every knob; ``overrides`` are field names of
         ModelConfig, SchedulerConfig or CacheConfig, e.g. ``dtype="bfloat16"``,
-        ``max_num_batched_tokens=64``, ``kv_cache_memory=2**27``."""
+        ``quantization="int8"``, ``int8_activations=True``,
+        ``max_num_batched_tokens=64``, ``kv_cache_memory=2**27``. The weights'
+        format in memory is then ``llm.core.info.weight_format``."""
         config = _apply_overrides(config or EngineConfig(), model, overrides)
         core = EngineCore(config)
         self._attach(core, load_tokenizer(core.info.model_path))

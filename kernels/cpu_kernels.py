@@ -19,11 +19,15 @@ Sources live in `kernels/csrc/`:
   connector frames, optionally with the frames' xxh3-64 checksums computed
   in the same pass (xxHash's single header, vendored under
   `csrc/third_party/xxhash/`, BSD-2-Clause).
+* `quant_pack.cpp`, `quant_linear.cpp`, `quant_linear_int8.cpp`: linear
+  layers over GGUF Q4_0/Q4_1/Q8_0 blocks, int8 and bfloat16 weights in
+  tiles of 8 output rows (`quant_tiles.h`; see `kernels.quant`), with float32
+  or (opted in) int8 activations; an AVX2 path and a portable fallback.
 * `shm_index.cpp`: the slot index of the shared-memory KV pool (lookup,
   LRU touches, victim choice, publishing), which `connectors.shm_pool`
   otherwise runs in numpy.
 
-All are float32 only. The extension is built with torch's C++ extension
+All compute in float32. The extension is built with torch's C++ extension
 tooling (a compiler and ninja are needed; about a minute, then cached under
 torch's extension directory, keyed by the sources). If it cannot be built,
 `load()` returns None once, logs why, and the torch paths run as before.
@@ -50,6 +54,9 @@ _SOURCES = (
     "decode_stack.cpp",
     "fused_ops.cpp",
     "kv_copy.cpp",
+    "quant_linear.cpp",
+    "quant_linear_int8.cpp",
+    "quant_pack.cpp",
     "shm_index.cpp",
 )
 # Included by the sources: part of the module's name, though not compiled alone.
@@ -57,6 +64,7 @@ _HEADERS = (
     "cpu_ops.h",
     "decode_stack.h",
     "kv_copy.h",
+    "quant_tiles.h",
     "shm_index.h",
     "third_party/xxhash/xxhash.h",
 )

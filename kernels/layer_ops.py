@@ -19,6 +19,10 @@ with one set of signatures:
   batches) multiply against the packed copy: plain BLAS re-packs the weight
   on every call, which at 16-128 rows costs 20-60% of the matmul.
 
+Quantized weights (`kernels.quant`) ride in the same `packed` slot: a
+`QuantizedWeight` there sends every row count to the block-quantized kernel
+(the torch ops dequantize it, slowly, for completeness).
+
 The residual add is folded into the following norm (`add_rms_norm`), so the
 decoder passes each sublayer's output forward instead of adding it at once.
 RoPE tables are built once per forward pass (`rope_tables`) and shared by
@@ -35,8 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
+from kernels.quant import QuantizedWeight, quant_linear
 
 RopeTables = tuple[torch.Tensor, ...]
+# What `linear` multiplies by besides the weight itself: MKL's packed copy of
+# it, the weight's quantized blocks (the weight is then a [out, 0]
+# placeholder), or nothing.
+Packed = torch.Tensor | QuantizedWeight | None
 
 # Up to this many input rows the compiled linear beats BLAS (measured on the
 # default model's shapes: see benchmarks/README.md).
@@ -64,10 +73,8 @@ class LayerOps:
     # rope_(x [T, heads, D], tables): rotate-half RoPE in place.
     rope_: Callable[[torch.Tensor, RopeTables], None]
     # linear(x [T, in], weight [out, in], bias [out] | None, packed) -> [T, out];
-    # packed is what pack_linear(weight) returned, or None.
-    linear: Callable[
-        [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor
-    ]
+    # packed is what pack_linear(weight) returned, a QuantizedWeight, or None.
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Packed], torch.Tensor]
     # pack_linear(weight) -> a copy in a faster layout for `linear`, or None.
     # Called once the weights are loaded; a weight changed later must be re-packed.
     pack_linear: Callable[[torch.Tensor], torch.Tensor | None]
@@ -115,8 +122,10 @@ def _torch_rope_(x: torch.Tensor, tables: RopeTables) -> None:
 
 
 def _torch_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed
 ) -> torch.Tensor:
+    if isinstance(packed, QuantizedWeight):
+        weight = packed.dequantize().to(x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -206,8 +215,10 @@ def _compiled_ops(module: ModuleType) -> LayerOps:
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        packed: torch.Tensor | None,
+        packed: Packed,
     ) -> torch.Tensor:
+        if isinstance(packed, QuantizedWeight):
+            return quant_linear(x, packed, bias)
         rows = x.shape[0]
         if rows <= SMALL_LINEAR_ROWS and x.stride(-1) == 1:
             out = x.new_empty(rows, weight.shape[0])

@@ -36,10 +36,13 @@ from typing import Any
 
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
+from service.cli import add_quantization_flags
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", help="bench this running server (default: start one)")
     p.add_argument("--model", help="model for the started server and the offline run")
+    add_quantization_flags(p)  # as --model: the started server's and the offline run's
     p.add_argument(
         "--rates",
         default="1,2,inf",
@@ -181,8 +184,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_server(model: str | None) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
+    return subprocess.Popen(_server_command(args, port)), f"127.0.0.1:{port}"
+
+
+def _server_command(args: argparse.Namespace, port: int) -> list[str]:
+    """`tandem serve` with the bench's model flags (the offline run's too)."""
     cmd = [
         sys.executable,
         "-m",
@@ -192,10 +200,14 @@ def _start_server(model: str | None) -> tuple[subprocess.Popen[bytes], str]:
         "serve",
         "--port",
         str(port),
+        "--quantization",
+        args.quantization,
     ]
-    if model:
-        cmd += ["--model", model]
-    return subprocess.Popen(cmd), f"127.0.0.1:{port}"
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.int8_activations:
+        cmd.append("--int8-activations")
+    return cmd
 
 
 @dataclass
@@ -238,7 +250,7 @@ async def bench(
     shared host falls on both sides alike."""
     from service.client import TandemClient, wait_serving
 
-    proc, target = (None, args.server) if args.server else _start_server(args.model)
+    proc, target = (None, args.server) if args.server else _start_server(args)
     try:
         await wait_serving(target, alive=lambda: proc is None or proc.poll() is None)
         async with TandemClient(target, api_key=args.api_key) as client:
@@ -268,7 +280,7 @@ async def _compare(
 ) -> list[Comparison]:
     from engine.llm import LLM
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, quantization=args.quantization, int8_activations=args.int8_activations)
     # Round 0 reuses the sweep's saturated round; later rounds get new prompts
     # (a repeated prompt would hit the server's prefix cache).
     top = max(range(len(rates)), key=lambda i: rates[i])

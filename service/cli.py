@@ -101,6 +101,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         choices=["float32", "bfloat16", "float16"],
         help="weight and activation dtype (default: float32)",
     )
+    add_quantization_flags(m)
     m.add_argument(
         "--device",
         default="auto",
@@ -262,6 +263,28 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=float,
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM (default: 30)",
+    )
+
+
+def add_quantization_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--quantization and --int8-activations (ModelConfig's fields of the
+    same names; engine/models/weight_plan.py says what each choice does)."""
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "gguf", "int8", "bf16"],
+        help="the weights' format in memory: auto keeps a GGUF model's Q4_0/Q4_1/Q8_0 "
+        "blocks on CPU in float32 and loads anything else as stored; gguf is auto that "
+        "fails where it cannot keep the blocks; int8 quantizes every projection and the "
+        "LM head per output channel at load (CPU, float32); bf16 keeps them in bfloat16 "
+        "(computing in float32); none loads float weights in "
+        "--dtype (default: auto)",
+    )
+    p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="quantized linears also round their inputs to int8, as llama.cpp does: "
+        "faster, less exact (default: off)",
     )
 
 
@@ -465,6 +488,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(
             model=args.model,
             dtype=args.dtype,
+            quantization=args.quantization,
+            int8_activations=args.int8_activations,
             device=args.device,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -822,7 +847,9 @@ async def _status(args: argparse.Namespace) -> int:
         except grpc.aio.AioRpcError as exc:
             print(f"tandem status: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    print(f"model      {info.model_name} ({info.architecture}, {info.dtype})")
+    weights = info.weight_format or status.weight_format  # "" from an older server
+    about = f"{info.architecture}, {info.dtype}" + (f"; weights {weights}" if weights else "")
+    print(f"model      {info.model_name} ({about})")
     print(f"context    {info.max_model_len} tokens; vocab {info.vocab_size}")
     print(
         f"kv cache   {info.num_kv_blocks} blocks of {info.block_size}; "

@@ -254,6 +254,7 @@ def model_info(
         num_kv_blocks=info.num_blocks,
         dtype=dtype,
         lora_adapters=[lora_adapter(a) for a in adapters],
+        weight_format=info.weight_format,
     )
     if lora is not None:
         out.lora.CopyFrom(
@@ -275,7 +276,10 @@ def lora_adapter(request: LoRARequest) -> pb.LoraAdapter:
     )
 
 
-def server_status(status: EngineStatus, adapters: Sequence[LoRARequest] = ()) -> pb.ServerStatus:
+def server_status(
+    status: EngineStatus, adapters: Sequence[LoRARequest] = (), *, weight_format: str = ""
+) -> pb.ServerStatus:
+    """``weight_format``: the worker's (WorkerInfo.weight_format)."""
     return pb.ServerStatus(
         num_running=status.num_running,
         num_waiting=status.num_waiting,
@@ -297,6 +301,7 @@ def server_status(status: EngineStatus, adapters: Sequence[LoRARequest] = ()) ->
         metrics_errors=status.metrics_errors,
         spec_decoding=_spec_decoding(status.spec_decoding),
         lora_adapters=[lora_adapter(a) for a in adapters],
+        weight_format=weight_format,
     )
 
 

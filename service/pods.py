@@ -74,6 +74,7 @@ class Pod:
     load: float = 0.0  # running + waiting, plus what this router sent since the last poll
     block_size: int = 0
     max_model_len: int = 0  # 0 until the pod's GetModelInfo answered
+    weight_format: str = ""  # its weights' format in memory, as its last status said
     blocks: set[bytes] = field(default_factory=set)
     # LoRA adapters loaded there, by name (its last status, or the router's
     # own Load/Unload through it since).
@@ -305,6 +306,10 @@ class PodPool:
                     found.setdefault(name, adapter)
         return found
 
+    def weight_formats(self) -> set[str]:
+        """The weight formats of this pool's healthy pods (those that said one)."""
+        return {p.weight_format for p in self.pods if p.healthy and p.weight_format}
+
     def max_model_len(self) -> int:
         """The smallest max_model_len among the pods that have said theirs
         (a request that fits it fits any of them); 0 if none has yet."""
@@ -342,6 +347,7 @@ class PodPool:
                     pod.block_size = info.block_size
                     pod.max_model_len = info.max_model_len
                 pod.load = status.num_running + status.num_waiting
+                pod.weight_format = status.weight_format
                 if pod.loras_version == loras_version:
                     pod.loras = {a.lora_name: a for a in status.lora_adapters}
                 self.set_state(pod, PodState.DRAINING if status.draining else PodState.UP)

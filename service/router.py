@@ -76,6 +76,9 @@ of the pods'. A pod that comes up later has only its own ``--lora-modules``:
 the router sends it no request for other adapters until they are loaded
 there too.
 
+Status and model info give the pods' weight format (``weight_format``): their
+distinct formats, comma-separated where pods differ.
+
 A pod error ends the call with that pod's status and details, never with
 a pod's address (those go to the log). The front door is guarded as
 `tandem serve`'s is (API key, TLS or mTLS), and the router reaches pods
@@ -521,13 +524,16 @@ class RouterServicer(pb_grpc.GenerationServicer):
         info.role = "router"
         del info.lora_adapters[:]
         info.lora_adapters.extend(self._known_adapters())
+        formats = {info.weight_format}.union(*(pool.weight_formats() for pool in self._pools()))
+        info.weight_format = _join_weight_formats(formats)
         return info
 
     async def GetServerStatus(
         self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStatus:
         """The router's own uptime and figures (fields 40-49), and the sum
-        of its pods' counts over the pods that answer."""
+        of its pods' counts (their weight formats: the distinct ones) over
+        the pods that answer."""
         pods = self._all_pods()
         answers = await asyncio.gather(
             *(p.stub.GetServerStatus(request, timeout=5.0, metadata=p.metadata) for p in pods),
@@ -535,10 +541,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
         )
         total = pb.ServerStatus()
         adapters = []
+        formats = set()
         for status in answers:
             if isinstance(status, pb.ServerStatus):
                 _add_counts(total, status)
                 adapters.append(status.lora_adapters)
+                formats.add(status.weight_format)
             elif not isinstance(status, grpc.aio.AioRpcError | grpc.aio.UsageError):
                 raise status  # UsageError: a pod retired meanwhile
         if total.prefix_cache_queries:
@@ -548,6 +556,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         total.num_pods = len(pods)
         total.num_pods_healthy = sum(p.healthy for p in pods)
         total.lora_adapters.extend(_union_adapters(adapters))
+        total.weight_format = _join_weight_formats(formats)
         return total
 
     # ---- LoRA adapters: every pod's ---------------------------------------------
@@ -670,6 +679,12 @@ _INTEGERS = frozenset(
 )
 # A router's own fields: never summed from pods.
 _ROUTER_FIELDS = range(40, 50)
+
+
+def _join_weight_formats(formats: Iterable[str]) -> str:
+    """The pods' weight formats as one: the distinct ones, sorted, joined
+    with "," ("" when no pod said one)."""
+    return ",".join(sorted({f for f in formats if f}))
 
 
 def _add_counts(total: pb.ServerStatus, status: pb.ServerStatus) -> None:

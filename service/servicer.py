@@ -149,7 +149,9 @@ class GenerationServicer(EngineHolder, pb_grpc.GenerationServicer):
         self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStatus:
         engine = await self._engine_for(context)
-        return convert.server_status(engine.status(), engine.list_loras())
+        return convert.server_status(
+            engine.status(), engine.list_loras(), weight_format=engine.info.weight_format
+        )
 
     async def LoadLoraAdapter(
         self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext

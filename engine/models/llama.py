@@ -18,6 +18,11 @@ same kernels from C++, as CUDA graphs replay a decode step on a GPU, because
 at batch 1 the interpreter's ~150 us per layer was a fifth of the step, and
 it releases the GIL for the whole pass.
 
+Weights may be quantized (kernels/quant.py, engine/models/weight_plan.py):
+a quantized Linear keeps its blocks in ``packed`` and an [out, 0]
+placeholder as ``weight``; the same dispatcher (layer_ops.linear, and the
+decode stack in C++) multiplies either kind.
+
 LoRA adapters (engine/lora/) live in the projections' ``Linear.lora`` slots
 and apply in ``Linear.forward`` for the rows the step's ``lora_state`` names
 (kernels/lora.py); a step with adapter rows takes the Python layer loop,
@@ -34,17 +39,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.gguf_weights import BlockRows
+from engine.models.quantized_weights import Quantize, QuantizedLoad
 from engine.models.spec import ModelSpec, RopeScaling
 from kernels import cpu_kernels
 from kernels.layer_ops import (
     PACKED_LINEAR_MAX_ROWS,
     SMALL_LINEAR_ROWS,
     LayerOps,
+    Packed,
     RopeTables,
     select_layer_ops,
 )
 from kernels.lora import LoRALayer, LoRAState
 from kernels.metadata import AttentionMetadata
+from kernels.quant import QuantizedWeight, format_summary
 
 
 class ReshapeAndCache(Protocol):
@@ -118,14 +127,23 @@ class Linear(nn.Module):
             _empty_param(out_features, dtype=dtype, device=device) if bias else None
         )
 
-        # A faster-layout copy of the weight, made by pack() once it is loaded;
-        # not a parameter: it is derived, and opaque to torch's module tools.
-        self.packed: torch.Tensor | None = None
+        # A faster-layout copy of the weight, made by pack() once it is loaded,
+        # or the weight's quantized blocks (set_quantized); not a parameter:
+        # opaque to torch's module tools.
+        self.packed: Packed = None
         # LoRA adapters' device slots for this projection (engine/lora/slots.py).
         self.lora: LoRALayer | None = None
 
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Multiply by `weight`'s blocks from now on. The float weight becomes
+        an [out, 0] placeholder: its shape's first dimension, dtype and device
+        stay what callers read, and it holds no memory."""
+        self.weight = _placeholder(self.weight)
+        self.packed = weight
+
     def pack(self) -> None:
-        self.packed = self.lops.pack_linear(self.weight)
+        if not isinstance(self.packed, QuantizedWeight):
+            self.packed = self.lops.pack_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lops.linear(x, self.weight, self.bias, self.packed)
@@ -138,9 +156,22 @@ class Embedding(nn.Module):
     def __init__(self, num: int, dim: int, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = _empty_param(num, dim, dtype=dtype, device=device)
+        # The table's quantized blocks, when it is kept in them (the rows
+        # looked up are expanded each step: one row a token).
+        self.quant: QuantizedWeight | None = None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        self.weight = _placeholder(self.weight)
+        self.quant = weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.dequantize(ids.to(torch.int64).contiguous())
         return F.embedding(ids, self.weight)
+
+
+def _placeholder(weight: torch.Tensor) -> nn.Parameter:
+    return _empty_param(weight.shape[0], 0, dtype=weight.dtype, device=weight.device)
 
 
 class RMSNorm(nn.Module):
@@ -441,16 +472,27 @@ class LlamaForCausalLM(nn.Module):
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | BlockRows]],
+        quantize: Quantize = None,
+        *,
+        int8_activations: bool = False,
+    ) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up into their shards.
 
-        Raises WeightLoadError naming every missing or unexpected tensor, or
-        the first tensor whose shape does not match.
+        Tensors in GGUF blocks (`BlockRows`) stay in them, and with
+        ``quantize="int8"`` the projections and the LM head are quantized as
+        they arrive (engine/models/quantized_weights.py); `int8_activations`
+        is kernels/quant.py's option for them. Raises
+        WeightLoadError naming every missing or unexpected tensor, or the
+        first tensor whose shape does not match.
         """
         params = dict(self.named_parameters())
         expected = set(hf_parameter_names(self.spec))
         loaded: set[str] = set()
         unexpected: list[str] = []
+        quantized = QuantizedLoad(self, quantize, int8_activations)
         with torch.no_grad():
             for name, tensor in weights:
                 if _ignored(name, self.spec):
@@ -459,18 +501,46 @@ class LlamaForCausalLM(nn.Module):
                 if dest is None or name not in expected:
                     unexpected.append(name)
                     continue
-                if dest.shape != tensor.shape:
+                if tuple(dest.shape) != tuple(tensor.shape):
                     raise WeightLoadError(
                         f"tensor {name!r} has shape {tuple(tensor.shape)}: "
                         f"expected {tuple(dest.shape)}"
                     )
-                dest.copy_(tensor)
+                if not quantized.offer(name, tensor):
+                    assert isinstance(tensor, torch.Tensor)  # offer takes every BlockRows
+                    dest.copy_(tensor)
                 loaded.add(name)
         _check_complete(expected - loaded, unexpected)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         self.decode_stack = build_decode_stack(self)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in memory (quantized ones in their blocks;
+        tied weights once): what a single-stream decode step reads."""
+        seen: dict[int, int] = {}
+        for module in self.modules():
+            for packed in (getattr(module, "packed", None), getattr(module, "quant", None)):
+                if isinstance(packed, QuantizedWeight):
+                    seen[id(packed)] = packed.nbytes
+        for param in self.parameters():
+            seen[id(param)] = param.numel() * param.element_size()
+        return sum(seen.values())
+
+    @property
+    def weight_format(self) -> str:
+        """The linear layers' weight formats, most parameters first: e.g.
+        'float32' or 'q4_1+q8_0' (see kernels/quant.py)."""
+        seen: dict[int, QuantizedWeight | torch.Tensor] = {}
+        for module in self.modules():
+            if isinstance(module, Linear):
+                weight = (
+                    module.packed if isinstance(module.packed, QuantizedWeight) else module.weight
+                )
+                seen[id(weight)] = weight
+        return format_summary(list(seen.values()))
 
 
 def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
@@ -496,7 +566,7 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
             (lin.weight, lin.bias if lin.bias is not None else none) for lin in linears
         )
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        packed = [lin.packed if lin.packed is not None else none for lin in linears]
+        packed = [_packed_tensor(lin.packed, none) for lin in linears]
         layers.append([norms[0], *qkv, *o, norms[1], *gate_up, *down, *packed])
     return module.DecodeStack(
         layers,
@@ -508,7 +578,20 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
         spec.head_dim**-0.5,
         SMALL_LINEAR_ROWS,
         PACKED_LINEAR_MAX_ROWS,
+        any(isinstance(p, QuantizedWeight) and p.int8_activations for p in _linears(model)),
     )
+
+
+def _linears(model: LlamaForCausalLM) -> list[Packed]:
+    return [m.packed for m in model.modules() if isinstance(m, Linear)]
+
+
+def _packed_tensor(packed: Packed, none: torch.Tensor) -> torch.Tensor:
+    """What DecodeStack takes for a linear's packed form: MKL's float copy,
+    the quantized tiles (uint8), or an empty tensor."""
+    if isinstance(packed, QuantizedWeight):
+        return packed.packed
+    return packed if packed is not None else none
 
 
 # HF projection name -> (fused parameter name, which shard of it).

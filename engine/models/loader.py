@@ -29,9 +29,11 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped]
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from engine.models.gguf_weights import BlockRows, iter_gguf
 from engine.models.llama import AttentionOps, LlamaForCausalLM, hf_parameter_names
 from engine.models.registry import model_class
 from engine.models.spec import ModelSpec, architecture_of
+from engine.models.weight_plan import FLOAT_WEIGHTS, WeightPlan
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class LoadedModel:
     hf_config: PretrainedConfig
     path: Path
     name: str
+    weight_format: str  # e.g. 'float32', 'q4_1+q8_0' (LlamaForCausalLM.weight_format)
 
 
 def cache_dir() -> Path:
@@ -102,6 +105,14 @@ def resolve_model(model: str | None) -> Path:
         f"model directory with config.json, a .gguf file, or {DEFAULT_MODEL!r} "
         "(Tandem does not download models from the Hub)"
     )
+
+
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file `model` (as resolve_model takes it) comes from, if any."""
+    if model is None or model == DEFAULT_MODEL:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def default_gguf_path() -> Path:
@@ -304,9 +315,15 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    path: Path, *, dtype: torch.dtype, device: torch.device, ops: AttentionOps
+    path: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: AttentionOps,
+    plan: WeightPlan = FLOAT_WEIGHTS,
 ) -> LoadedModel:
-    """Build the model for `path`'s config and load its weights, in eval mode."""
+    """Build the model for `path`'s config and load its weights, in eval
+    mode: from `path`'s checkpoint, or `plan`'s GGUF blocks (weight_plan.py)."""
     if dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"dtype={dtype} is not supported: expected one of {_SUPPORTED_DTYPES}")
     if not (path / "config.json").is_file():
@@ -319,10 +336,20 @@ def load_model(
     spec = ModelSpec.from_hf_config(hf_config)
     with torch.inference_mode():
         model = cls(spec, ops, dtype=dtype, device=device)
-        model.load_weights(iter_checkpoint(path))
+        weights: Iterator[tuple[str, torch.Tensor | BlockRows]] = (
+            iter_gguf(plan.gguf, spec) if plan.gguf is not None else iter_checkpoint(path)
+        )
+        model.load_weights(weights, plan.quantize, int8_activations=plan.int8_activations)
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(model=model, spec=spec, hf_config=hf_config, path=path, name=path.name)
+    return LoadedModel(
+        model=model,
+        spec=spec,
+        hf_config=hf_config,
+        path=path,
+        name=path.name,
+        weight_format=model.weight_format,
+    )
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from engine.config import CacheConfig, ConfigError, LoRAConfig, ModelConfig, SpeculativeConfig
 from engine.lora.slots import LoRASlots
-from engine.models.loader import LoadedModel, load_model, resolve_model
+from engine.models.loader import LoadedModel, gguf_source, load_model, resolve_model
 from engine.models.spec import ModelSpec
+from engine.models.weight_plan import QuantizationName, plan_weights
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.spec_decode.draft_model import DraftModelProposer
@@ -51,6 +53,8 @@ class WorkerInfo:
     num_blocks: int
     eos_token_id: int | None
     spec: ModelSpec | None = None
+    # The weights' format in memory, e.g. 'float32' or 'q4_1+q8_0'.
+    weight_format: str = "float32"
     # None: LoRA is off.
     lora: LoRAConfig | None = None
 
@@ -67,10 +71,7 @@ class Worker:
         torch.manual_seed(model_config.seed)
         self.device = resolve_device(model_config.device)
         self.backend = select_backend(self.device, model_config.attention_backend)
-        path = resolve_model(model_config.model)
-        self.loaded: LoadedModel = load_model(
-            path, dtype=_DTYPES[model_config.dtype], device=self.device, ops=self.backend
-        )
+        self.loaded: LoadedModel = self._load(model_config.model, model_config)
         spec = self.loaded.spec
         # Before the KV budget is taken: the slots' memory is not the cache's.
         lora_slots = LoRASlots(lora, self.loaded.model) if lora is not None else None
@@ -121,8 +122,9 @@ class Worker:
         # Requests stop on the first EOS id; configs listing several are rare.
         eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
         self.info = WorkerInfo(
-            model_path=path,
+            model_path=self.loaded.path,
             model_name=self.loaded.name,
+            weight_format=self.loaded.weight_format,
             architecture=spec.architecture,
             vocab_size=spec.vocab_size,
             max_model_len=max_model_len,
@@ -146,6 +148,19 @@ class Worker:
         caches = allocate_kv_caches(shape, num_blocks, self.device)
         return DraftModelProposer(model.model, caches, block_size, k, self.device)
 
+    def _load(self, model: str | None, model_config: ModelConfig) -> LoadedModel:
+        dtype = _DTYPES[model_config.dtype]
+        plan = plan_weights(
+            cast(QuantizationName, model_config.quantization),
+            gguf_source(model),
+            dtype,
+            self.device,
+            int8_activations=model_config.int8_activations,
+        )
+        return load_model(
+            resolve_model(model), dtype=dtype, device=self.device, ops=self.backend, plan=plan
+        )
+
     def _load_draft(
         self,
         speculative: SpeculativeConfig,
@@ -154,16 +169,14 @@ class Worker:
         block_size: int,
     ) -> tuple[LoadedModel, KVCacheShape]:
         assert speculative.model is not None  # checked by SpeculativeConfig
-        dtype = _DTYPES[model_config.dtype]
-        draft = load_model(
-            resolve_model(speculative.model), dtype=dtype, device=self.device, ops=self.backend
-        )
+        draft = self._load(speculative.model, model_config)
         if draft.spec.vocab_size != target.vocab_size:
             raise ConfigError(
                 f"speculative_config.model={speculative.model!r} is invalid: its vocabulary "
                 f"has {draft.spec.vocab_size} tokens, the target's {target.vocab_size}"
             )
         d = draft.spec
+        dtype = _DTYPES[model_config.dtype]
         return draft, KVCacheShape(d.num_layers, d.num_kv_heads, d.head_dim, block_size, dtype)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -16,10 +16,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place at the given positions");
   m.def("small_linear", &small_linear, "out = x @ weight.T + bias for a few rows of x");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, rows in parallel");
+  m.def("pack_gguf_blocks", &pack_gguf_blocks,
+        "GGUF Q4_0/Q4_1/Q8_0 rows [N, bytes] -> Tandem's tiles [tiles, blocks, bytes]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pack_bf16", &pack_bf16, "bfloat16 [N, K] -> Tandem's tiles [tiles, blocks, 512]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_linear", &quant_linear, "out = x @ dequant(packed).T + bias (x in float32 or, opted in, int8)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("dequantize_rows", &dequantize_rows, "float32 rows of a packed weight",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_linear_has_avx2", &quant_linear_has_avx2, "whether quant_linear has its AVX2 path");
   m.def("cache_kv", &cache_kv, "reshape_and_cache for a float32 cache: K/V rows into slots");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, double, int64_t,
-                          int64_t, int64_t, double, int64_t, int64_t>())
+                          int64_t, int64_t, double, int64_t, int64_t, bool>())
       .def_property_readonly("max_rows", &DecodeStack::max_rows)
       // No Python object is touched inside: other threads run meanwhile.
       .def("forward", &DecodeStack::forward,

@@ -18,6 +18,14 @@ void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
                   const c10::optional<at::Tensor>& bias);
 at::Tensor argmax_rows(at::Tensor x);
 
+// quant_pack.cpp, quant_linear.cpp (layout: quant_tiles.h)
+at::Tensor pack_gguf_blocks(at::Tensor raw, int64_t ggml_type);
+at::Tensor pack_bf16(at::Tensor weight);
+void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
+                  const c10::optional<at::Tensor>& bias, bool int8_activations, bool portable);
+at::Tensor dequantize_rows(at::Tensor packed, at::Tensor rows, int64_t in_features);
+bool quant_linear_has_avx2();
+
 // decode_stack.cpp
 void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);
 

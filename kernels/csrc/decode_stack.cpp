@@ -30,6 +30,16 @@ c10::optional<at::Tensor> bias_or_none(const at::Tensor& t) {
 
 at::Tensor undefined_if_empty(const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; }
 
+}  // namespace
+
+// Quantized linears carry their tiles (uint8, kernels/csrc/quant_linear.cpp)
+// where float ones carry MKL's packed copy.
+bool DecodeStack::is_quantized(const Linear& w) {
+  return w.packed.defined() && w.packed.scalar_type() == at::kByte;
+}
+
+namespace {
+
 // torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows): what
 // kernels/layer_ops.py's _packed_linear calls (same op, same result).
 at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -75,7 +85,7 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tenso
 DecodeStack::DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm,
                          double eps, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, double scale, int64_t small_rows,
-                         int64_t packed_rows)
+                         int64_t packed_rows, bool int8_activations)
     : final_norm_(std::move(final_norm)),
       eps_(eps),
       heads_(num_heads),
@@ -83,7 +93,8 @@ DecodeStack::DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor
       head_dim_(head_dim),
       scale_(scale),
       small_rows_(small_rows),
-      max_rows_(std::max(small_rows, packed_rows)) {
+      max_rows_(std::max(small_rows, packed_rows)),
+      int8_activations_(int8_activations) {
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(small_rows >= 1, "small_rows must be >= 1");
   check_weight(final_norm_, "final norm");
@@ -102,12 +113,19 @@ DecodeStack::DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor
                 "qkv weight rows do not match the head counts");
     for (const Linear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
       if (!lin->packed.defined()) max_rows_ = small_rows;  // MKL needs every weight packed
+      // A quantized weight's float tensor is an [out, 0] placeholder.
+      TORCH_CHECK(is_quantized(*lin) || lin->weight.size(1) > 0, "a float weight is empty");
     }
     layers_.push_back(std::move(layer));
   }
 }
 
 at::Tensor DecodeStack::linear(at::Tensor& buffer, const at::Tensor& x, const Linear& w) const {
+  if (is_quantized(w)) {
+    at::Tensor out = buffer.defined() ? buffer : at::empty({x.size(0), w.weight.size(0)}, x.options());
+    quant_linear(out, x, w.packed, w.bias, int8_activations_, /*portable=*/false);
+    return out;
+  }
   if (x.size(0) <= small_rows_) {
     small_linear(buffer, x, w.weight, w.bias);
     return buffer;
@@ -133,7 +151,7 @@ at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::T
   TORCH_CHECK(T <= max_rows_, "decode batch of ", T, " rows: the stack takes at most ",
               max_rows_);
   const int64_t qkv_width = (heads_ + 2 * kv_heads_) * head_dim_;
-  const int64_t inter = layers_.empty() ? 0 : layers_[0].down.weight.size(1);
+  const int64_t inter = layers_.empty() ? 0 : layers_[0].gate_up.weight.size(0) / 2;
   const auto opts = residual.options();
   // Buffers shared by every layer: each is fully rewritten before it is read
   // (the small_linear outputs only for batches it serves).

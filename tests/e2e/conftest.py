@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model, converted once, and its tokenizer."""
+"""Shared fixtures: transformers' own model as the reference (the default
+model's path and tokenizer are session fixtures of tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.models.loader import load_tokenizer, resolve_model
-
-
-@pytest.fixture(scope="session")
-def default_model_path() -> Path:
-    return resolve_model(None)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(default_model_path: Path):
-    return load_tokenizer(default_model_path)
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,13 @@
 """LoRA adapters on the default model against transformers + peft.
 
-Four adapters made here with peft (ranks 8 and 16, attention-only, MLP-only,
-all seven projections, rsLoRA scaling): Tandem's greedy output under each
-equals peft's generate() token for token; one batch mixing three adapters
-and base-model requests gives each request its own reference; with
-max_loras = 2 (and a host cache of 2, so adapters are read from disk again)
-no step runs more than two adapters and every request still gets its
-reference; and the prefix cache never serves one adapter's KV to another.
+Four adapters made with peft, once a session (tests/lora_adapters.py; ranks
+8 and 16, attention-only, MLP-only, all seven projections, rsLoRA scaling):
+Tandem's greedy output under each equals peft's generate() token for token;
+one batch mixing three adapters and base-model requests gives each request
+its own reference; with max_loras = 2 (and a host cache of 2, so adapters
+are read from disk again) no step runs more than two adapters and every
+request still gets its reference; and the prefix cache never serves one
+adapter's KV to another.
 """
 
 from __future__ import annotations
@@ -20,26 +21,28 @@ from engine.config import LoRAConfig
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.lora_adapters import make_adapters, peft_generate
+from tests.lora_adapters import MAX_TOKENS
 
-MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-TEXTS = ["The capital of France is", "Write a haiku about the sea.", "def fib(n):"]
+
+
+# The adapters, prompts and reference are the session's (tests/conftest.py):
+# tests/integration/test_lora.py serves the same ones.
+@pytest.fixture(scope="module")
+def adapters(lora_adapters: dict[str, Path]) -> dict[str, Path]:
+    return lora_adapters
 
 
 @pytest.fixture(scope="module")
-def adapters(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_adapters(default_model_path, tmp_path_factory.mktemp("adapters"))
+def prompts(lora_prompts: list[list[int]]) -> list[list[int]]:
+    return lora_prompts
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    return [tokenizer.encode(t) for t in TEXTS]
-
-
-@pytest.fixture(scope="module")
-def reference(default_model_path, adapters, prompts) -> dict[str | None, list[list[int]]]:
-    return peft_generate(default_model_path, adapters, prompts, MAX_TOKENS)
+def reference(
+    lora_reference: dict[str | None, list[list[int]]],
+) -> dict[str | None, list[list[int]]]:
+    return lora_reference
 
 
 def _loaded(config: LoRAConfig, adapters: dict[str, Path]) -> LLM:

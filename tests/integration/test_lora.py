@@ -1,9 +1,10 @@
 """LoRA adapters over gRPC, against one real `tandem serve --enable-lora`.
 
-The server starts with one adapter (`--lora-modules qv8=...`, written here
-in PEFT's format) while transformers + peft compute the reference: greedy output
-under it equals peft's token for token, and the base model's equals the
-base reference. At run time an adapter is loaded, listed (ListLoraAdapters,
+The server starts with one adapter (`--lora-modules qv8=...`: the session's
+adapters, made with peft by tests/conftest.py, whose transformers + peft
+reference is computed while the server starts): greedy output under it
+equals peft's token for token, and the base model's equals the base
+reference. At run time an adapter is loaded, listed (ListLoraAdapters,
 status, model info), served, and unloaded; unknown names and bad
 directories are INVALID_ARGUMENT naming what is wrong; an adapter unloaded
 while a stream uses it finishes that stream whole. The session's server
@@ -14,7 +15,6 @@ both sends adapter requests only to the pod that has the adapter.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,90 +22,49 @@ from typing import TypeVar
 
 import grpc
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from engine.models.loader import load_tokenizer, resolve_model
 from service.client import TandemClient
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.servers import ServerProcess
 from tests.integration.test_router import _wait_pods_healthy
-from tests.lora_adapters import peft_generate
+from tests.lora_adapters import MAX_TOKENS, TEXTS
 
 T = TypeVar("T")
 
-MAX_TOKENS = 8
-# The adapters' seeds (below) are such that qv8 and attn16 both change this
-# prompt's greedy answer within MAX_TOKENS, and qv8's has no EOS there (peft's
-# reference stops at EOS; the server's requests ignore it).
-TEXT = "Write a haiku about the sea."
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The prompt sent: every adapter changes its greedy answer within
+# MAX_TOKENS, and qv8's has no EOS there (peft's reference stops at EOS;
+# the server's requests ignore it).
+PROMPT = TEXTS.index("Write a haiku about the sea.")
 
 
 @dataclass(frozen=True)
 class LoraServer:
     server: ServerProcess
-    adapters: dict[str, Path]  # qv8 (loaded at start), attn16 (loaded by tests)
+    adapters: dict[str, Path]  # qv8 (loaded at start), attn16 (loaded by tests), ...
     prompt: list[int]
-    reference: dict[str | None, list[list[int]]]  # peft's greedy tokens, None: base
+    reference: dict[str | None, list[int]]  # peft's greedy tokens for prompt, None: base
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraServer]:
-    model = resolve_model(None)
-    out = tmp_path_factory.mktemp("adapters")
-    adapters = {
-        "qv8": _write_adapter(model, out / "qv8", 8, ("q_proj", "v_proj"), seed=5),
-        "attn16": _write_adapter(model, out / "attn16", 16, ATTENTION, seed=7),
-    }
+def lora(
+    request: pytest.FixtureRequest,
+    lora_adapters: dict[str, Path],
+    lora_prompts: list[list[int]],
+) -> Iterator[LoraServer]:
     small = ["--max-num-seqs", "8", "--max-model-len", "1024", "--kv-cache-memory", "128M"]
     args = [*small, "--enable-lora", "--max-loras", "2"]
-    server = ServerProcess([*args, "--lora-modules", f"qv8={adapters['qv8']}"])
+    server = ServerProcess([*args, "--lora-modules", f"qv8={lora_adapters['qv8']}"])
     server.start()  # its start-up overlaps the reference's computation
     try:
-        prompt = load_tokenizer(model).encode(TEXT)
-        reference = peft_generate(model, {"qv8": adapters["qv8"]}, [prompt], MAX_TOKENS)
+        # The session's reference: computed here (overlapping the start-up)
+        # unless an earlier module asked for it.
+        reference = request.getfixturevalue("lora_reference")
     except BaseException:
         server.kill()
         raise
+    rows = {name: outs[PROMPT] for name, outs in reference.items()}
     with server:  # waits for SERVING; drains it (exit code 0) at the end
-        yield LoraServer(server, adapters, prompt, reference)
-
-
-def _write_adapter(model: Path, out: Path, rank: int, targets: tuple[str, ...], seed: int) -> Path:
-    """A PEFT adapter directory as peft saves one, written directly (in a
-    fraction of tests.lora_adapters.make_adapters' time, which loads the
-    model to save each): random A and B, B small enough that the adapted
-    model still writes text (greedy choices are no near-ties)."""
-    hf = json.loads((model / "config.json").read_text())
-    hidden, head_dim = hf["hidden_size"], hf["head_dim"]
-    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
-    shapes = {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-    }
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(hf["num_hidden_layers"]):
-        for target in targets:
-            fan_in, fan_out = shapes[target]
-            key = f"base_model.model.model.layers.{layer}.self_attn.{target}"
-            tensors[f"{key}.lora_A.weight"] = (
-                torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
-            )
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.04
-    out.mkdir()
-    save_file(tensors, out / "adapter_model.safetensors")
-    config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": rank,
-        "target_modules": list(targets),
-    }
-    (out / "adapter_config.json").write_text(json.dumps(config))
-    return out
+        yield LoraServer(server, lora_adapters, lora_prompts[PROMPT], rows)
 
 
 def _run(fn: Callable[[TandemClient], Awaitable[T]], target: str) -> T:
@@ -150,8 +109,8 @@ def test_an_adapter_loaded_at_start_equals_peft(lora: LoraServer) -> None:
         )
 
     adapted, base, info = _run(go, lora.server.target)
-    assert adapted == lora.reference["qv8"][0]
-    assert base == lora.reference[None][0] != adapted
+    assert adapted == lora.reference["qv8"]
+    assert base == lora.reference[None] != adapted
     assert info.HasField("lora") and info.lora.max_loras == 2
     assert [a.lora_name for a in info.lora_adapters] == ["qv8"]
 
@@ -190,7 +149,7 @@ def test_load_list_serve_and_unload_at_run_time(lora: LoraServer) -> None:
     assert loaded.cache_key.startswith("lora:")
     assert seen.listed == seen.status == ["attn16", "qv8"]
     first, second = seen.runs
-    assert first == second != lora.reference[None][0]  # the adapter applies, the same each time
+    assert first == second != lora.reference[None]  # the adapter applies, the same each time
     assert seen.again.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "already loaded" in (seen.again.details() or "")
     assert seen.unloaded.lora_name == "attn16"
@@ -291,7 +250,7 @@ def test_the_router_sends_adapter_requests_only_where_the_adapter_is(
 
         runs, unknown, listed, load = _run(go, router.target)
     after = _run(lambda c: c.list_loras(), lora.server.target)
-    assert runs == [lora.reference["qv8"][0]] * 2
+    assert runs == [lora.reference["qv8"]] * 2
     assert isinstance(unknown, grpc.aio.AioRpcError)
     assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert unknown.details() == "lora_name: unknown LoRA adapter 'nope': loaded are ['qv8']"

@@ -157,9 +157,8 @@ def test_prefill_frees_blocks_nobody_reads(nixl_pd: Stack) -> None:
 
 @dataclass(frozen=True)
 class LonePrefills:
-    """Pods of their own for the tests that kill, mismatch or restart them (see `lone_prefills`)."""
+    """Pods of their own for the tests that mismatch or restart them (see `lone_prefills`)."""
 
-    killed: ServerProcess  # killed, not drained
     mismatched: ServerProcess  # 32-token blocks
     # test_restarted_peers_are_handshaken_again's fresh pair
     fresh_decode: ServerProcess
@@ -171,38 +170,12 @@ def lone_prefills() -> Iterator[LonePrefills]:
     """Launched together, so their start-ups overlap (with each other and
     with the tests before the last of them)."""
     pods = LonePrefills(
-        killed=ServerProcess(["--role", "prefill", *SMALL, *PRODUCER]),
         mismatched=ServerProcess(["--role", "prefill", *SMALL, "--block-size", "32", *PRODUCER]),
         fresh_decode=ServerProcess(["--role", "decode", *DECODE_SMALL, *CONSUMER]),
         fresh_prefill=ServerProcess(["--role", "prefill", *SMALL, *PRODUCER]),
     )
-    with launched(pods.killed, pods.mismatched, pods.fresh_decode, pods.fresh_prefill):
+    with launched(pods.mismatched, pods.fresh_decode, pods.fresh_prefill):
         yield pods
-
-
-def test_prefill_pod_killed_before_the_read(
-    server: ServerProcess, nixl_pd: Stack, lone_prefills: LonePrefills
-) -> None:
-    """The decode pod cannot reach the prefill pod's blocks: it recomputes,
-    and the answer is unchanged."""
-    decode = nixl_pd[2].target
-    ids, want = _want(server, FRESH[1])
-    before = asyncio.run(_status(decode))
-    pre = lone_prefills.killed  # not a `with`: it is killed, not drained
-    pre.wait_started()
-    first, params = _prefill_leg(pre.target, ids)
-    pre.kill()
-    rest = _decode_leg(decode, ids, first, params)
-    assert first + list(rest.token_ids) == want
-    assert rest.usage.cached_tokens == 0  # all recomputed
-    assert f"NIXL peer {pre.target} refused" in nixl_pd[2].log()
-    _idle(decode)
-    # Counted on the decode pod: a failed load by kind, and its tokens.
-    after = asyncio.run(_status(decode))
-    assert after.kv_recomputed_tokens - before.kv_recomputed_tokens == len(ids)
-    failures = Counter(after.kv_transfer_failures)
-    failures.subtract(before.kv_transfer_failures)
-    assert +failures == {"peer_unreachable": 1}
 
 
 def test_mismatched_block_size_is_refused(
@@ -339,11 +312,6 @@ def test_a_prefill_drain_waits_for_the_reads(server: ServerProcess, nixl_pd: Sta
     side channel still answering; so the decode pod recomputes nothing, and
     it ends idle, its counters agreeing."""
     decode = nixl_pd[2]
-    held_ids, held_want = _want(server, HELD_PROMPT)
-    want = asyncio.run(_generate_each(server.target, DRAIN_PROMPTS))
-    # The case under test: no prompt fills its last block.
-    assert all(w.usage.prompt_tokens % 16 for w in want) and len(held_ids) % 16
-    before = asyncio.run(_status(decode.target))
     # Lease and grace well past the burst's length on a busy machine: only
     # the decode pod's READ should end the drain.
     patient = ["--kv-lease-seconds", "300", "--drain-grace", "300"]
@@ -352,19 +320,25 @@ def test_a_prefill_drain_waits_for_the_reads(server: ServerProcess, nixl_pd: Sta
         ["--prefill", pre.target, "--decode", decode.target, "--poll-seconds", "0.2"],
         command="router",
     )
-    with serving(pre, router):
-        first, params = _prefill_leg(pre.target, held_ids)  # held: nobody reads it yet
-        got = asyncio.run(_burst(router.target, DRAIN_PROMPTS, pre.signal_drain))
-        pairs = zip(got, want, strict=True)
-        answered = [(g, w) for g, w in pairs if isinstance(g, pb.GenerateResponse)]
-        assert answered, f"every request failed: {got}"
-        _check_parity([g for g, _ in answered], [w for _, w in answered])
-        assert pre.proc is not None and pre.proc.poll() is None, "the drain did not wait"
-        assert _health(pre) == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert _refused_while_draining(pre.target)
-        assert fetch_peer_info(pre.target, 30).agent_name == params["remote_agent"]
-        rest = _decode_leg(decode.target, held_ids, first, params)
-        assert pre.proc.wait(timeout=120) == 0
+    with launched(pre, router):  # their start-ups overlap the colocated answers
+        held_ids, held_want = _want(server, HELD_PROMPT)
+        want = asyncio.run(_generate_each(server.target, DRAIN_PROMPTS))
+        # The case under test: no prompt fills its last block.
+        assert all(w.usage.prompt_tokens % 16 for w in want) and len(held_ids) % 16
+        before = asyncio.run(_status(decode.target))
+        with pre, router:  # as `serving(pre, router)`: waits for both, drains both
+            first, params = _prefill_leg(pre.target, held_ids)  # held: nobody reads it yet
+            got = asyncio.run(_burst(router.target, DRAIN_PROMPTS, pre.signal_drain))
+            pairs = zip(got, want, strict=True)
+            answered = [(g, w) for g, w in pairs if isinstance(g, pb.GenerateResponse)]
+            assert answered, f"every request failed: {got}"
+            _check_parity([g for g, _ in answered], [w for _, w in answered])
+            assert pre.proc is not None and pre.proc.poll() is None, "the drain did not wait"
+            assert _health(pre) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert _refused_while_draining(pre.target)
+            assert fetch_peer_info(pre.target, 30).agent_name == params["remote_agent"]
+            rest = _decode_leg(decode.target, held_ids, first, params)
+            assert pre.proc.wait(timeout=120) == 0
     assert first + list(rest.token_ids) == held_want
     assert rest.usage.cached_tokens == len(held_ids)  # read, not recomputed
     after = asyncio.run(_wait_idle(decode.target))
@@ -388,7 +362,8 @@ LONG = "Refused. " + "A long preamble about serving language models in two pools
 
 @pytest.fixture(scope="module")
 def nixl_short_decode() -> Iterator[Stack]:
-    """Prefill pod with the default 30 s lease; decode pod with max-model-len 64."""
+    """Prefill pod with the default 30 s lease; decode pod with max-model-len
+    64. The module's last test kills the prefill pod."""
     yield from _nixl_stack(SMALL, SHORT_DECODE)
 
 
@@ -449,3 +424,33 @@ def test_pd_over_nixl_behind_smg(
         "Count from one to fifty.",
         partial_blocks=True,
     )
+
+
+# --- a prefill pod killed before the read ---------------------------------------
+# Last in the module: the pod killed is nixl_short_decode's prefill pod
+# (SMALL, a producer, never seen by nixl_pd's decode pod), done with by then,
+# rather than one more start-up for a pod that serves a single request.
+
+
+def test_prefill_pod_killed_before_the_read(
+    server: ServerProcess, nixl_pd: Stack, nixl_short_decode: Stack
+) -> None:
+    """The decode pod cannot reach the prefill pod's blocks: it recomputes,
+    and the answer is unchanged."""
+    decode = nixl_pd[2].target
+    ids, want = _want(server, FRESH[1])
+    before = asyncio.run(_status(decode))
+    pre = nixl_short_decode[1]  # killed, not drained (see ServerProcess.kill)
+    first, params = _prefill_leg(pre.target, ids)
+    pre.kill()
+    rest = _decode_leg(decode, ids, first, params)
+    assert first + list(rest.token_ids) == want
+    assert rest.usage.cached_tokens == 0  # all recomputed
+    assert f"NIXL peer {pre.target} refused" in nixl_pd[2].log()
+    _idle(decode)
+    # Counted on the decode pod: a failed load by kind, and its tokens.
+    after = asyncio.run(_status(decode))
+    assert after.kv_recomputed_tokens - before.kv_recomputed_tokens == len(ids)
+    failures = Counter(after.kv_transfer_failures)
+    failures.subtract(before.kv_transfer_failures)
+    assert +failures == {"peer_unreachable": 1}

@@ -704,18 +704,22 @@ def test_fail_policy_ends_a_failed_load_with_unavailable(
 def test_router_forwards_tokenize_and_model_info(shm_pd: tuple[str, str, str]) -> None:
     router, _, decode = shm_pd
 
-    async def ask() -> tuple[pb.ModelInfo, list[int], list[int]]:
+    async def ask() -> tuple[pb.ModelInfo, list[int], list[int], str, str]:
         async with TandemClient(router) as via_router, TandemClient(decode) as direct:
             info = await via_router.model_info()
             return (
                 info,
                 await via_router.tokenize("Hello there"),
                 await direct.tokenize("Hello there"),
+                (await direct.model_info()).weight_format,
+                (await via_router.status()).weight_format,
             )
 
-    info, routed, direct = asyncio.run(ask())
+    info, routed, direct, pod_format, status_format = asyncio.run(ask())
     assert info.role == "router" and info.model_name
     assert routed == direct and routed
+    # Both pods load the same model alike: their one format, as a pod says it.
+    assert pod_format and info.weight_format == status_format == pod_format
 
 
 def test_router_resolves_pool_names_into_pods(server: ServerProcess) -> None:

@@ -11,11 +11,13 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from kernels import cpu_kernels
 from service.client import TandemClient, make_request
 from service.convert import dict_to_struct
 from service.gen.tandem.v1 import generation_pb2 as pb
@@ -131,6 +133,14 @@ def test_stop_string_and_logprobs(server: ServerProcess) -> None:
         assert len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob
 
 
+def _default_weight_format() -> str:
+    """The default model's with --quantization auto: the GGUF's own Q4_1
+    blocks (Q8_0 embedding) where the compiled CPU kernels run it, else float."""
+    if torch.cuda.is_available() or cpu_kernels.load() is None:
+        return "float32"
+    return "q4_1+q8_0"
+
+
 def test_model_info_status_tokenize_and_abort(server: ServerProcess) -> None:
     async def go() -> None:
         async with TandemClient(server.target) as client:
@@ -139,6 +149,7 @@ def test_model_info_status_tokenize_and_abort(server: ServerProcess) -> None:
             assert info.architecture == "LlamaForCausalLM"
             assert info.vocab_size == 49152 and info.block_size == 16 and info.role == "both"
             assert info.num_kv_blocks > 0 and info.dtype == "float32"
+            assert info.weight_format == _default_weight_format()
             assert await client.tokenize("Hello") == [19556]
             # A long request, aborted by id from another call.
             call = client.generate_call(
@@ -153,6 +164,7 @@ def test_model_info_status_tokenize_and_abort(server: ServerProcess) -> None:
             assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
             status = await client.status()
             assert status.uptime_seconds > 0 and not status.draining
+            assert status.weight_format == info.weight_format
             assert status.prefix_cache_queries > 0
 
     asyncio.run(go())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
+from engine.config import ConfigError, EngineConfig
+from engine.llm import LLM, _apply_overrides
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.outputs import EngineCoreOutputs
 from engine.sampling_params import SamplingParams
@@ -46,3 +47,14 @@ def test_a_call_after_an_interrupted_one_waits_only_for_its_own() -> None:
         llm.generate([5, 6], SamplingParams(max_tokens=2), use_tqdm=False)
     (out,) = llm.generate([7, 8], SamplingParams(max_tokens=2), use_tqdm=False)
     assert out.request_id == "offline-1" and out.token_ids == [42, 42]
+
+
+def test_quantization_options_reach_the_model_config() -> None:
+    """LLM(quantization=..., int8_activations=...) routes them to ModelConfig."""
+    config = _apply_overrides(
+        EngineConfig(), None, {"quantization": "int8", "int8_activations": True}
+    )
+    assert (config.model.quantization, config.model.int8_activations) == ("int8", True)
+    assert EngineConfig().model.quantization == "auto"
+    with pytest.raises(ConfigError, match="quantization='q4' is invalid"):
+        _apply_overrides(EngineConfig(), None, {"quantization": "q4"})

@@ -64,7 +64,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "logLevel": "debug",
         "engine": {
             "drainGraceSeconds": 12.5,
-            "dtype": "bfloat16",
+            "dtype": "float32",
+            "quantization": "int8",
+            "int8Activations": True,
             "device": "cpu",
             "maxModelLen": 2048,
             "kvCacheMemory": "2G",
@@ -84,7 +86,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
         "decode": {
             "replicas": 3,
-            "engine": {"port": 50061, "maxNumSeqs": 512},
+            "engine": {"port": 50061, "maxNumSeqs": 512, "int8Activations": False},
             "autoscaling": {
                 "enabled": True,
                 "maxReplicas": 8,

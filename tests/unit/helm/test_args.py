@@ -107,8 +107,13 @@ def test_engine_values_reach_the_flags() -> None:
     pools = _pools("everything")
     prefill = cli.engine_config_from_args(pools["prefill"][2])
     decode = cli.engine_config_from_args(pools["decode"][2])
-    for config in (prefill, decode):
-        assert config.model.dtype == "bfloat16" and config.model.device == "cpu"
+    objects = render(VARIANTS["everything"])
+    for name, config in (("prefill", prefill), ("decode", decode)):
+        args = expanded_args(objects, pools[name][1])
+        # float32, the CLI's default too (int8 weights need it): given all the same.
+        assert args[args.index("--dtype") + 1] == "float32"
+        assert config.model.dtype == "float32" and config.model.device == "cpu"
+        assert config.model.quantization == "int8"
         assert config.model.max_model_len == 2048
         assert config.model.kv_cache_memory == 2 * 2**30
         assert config.cache.block_size == 32
@@ -123,6 +128,10 @@ def test_engine_values_reach_the_flags() -> None:
     assert decode.scheduler.enable_chunked_prefill
     assert decode.scheduler.max_num_batched_tokens == 1_000_000
     assert (prefill.scheduler.max_num_seqs, decode.scheduler.max_num_seqs) == (64, 512)
+    # A switch: the flag alone where true; a pool's false wins over engine's true.
+    assert prefill.model.int8_activations and not decode.model.int8_activations
+    assert "--int8-activations" not in expanded_args(objects, pools["decode"][1])
+    assert "--int8-activations" in expanded_args(objects, pools["prefill"][1])
     assert (pools["prefill"][2].port, pools["decode"][2].port) == (50051, 50061)
     assert pools["decode"][2].log_level == "debug"
 

@@ -50,6 +50,14 @@ from tests.unit.helm.chart import CHART_DIR, VARIANTS, render, render_error
             "at '/engine/dtype': value must be one of 'float32', 'bfloat16', 'float16'",
         ),
         (
+            {"engine": {"quantization": "q4"}},
+            "at '/engine/quantization': value must be one of 'auto', 'none', 'gguf', 'int8'",
+        ),
+        (
+            {"prefill": {"engine": {"int8Activations": "yes"}}},
+            "at '/prefill/engine/int8Activations'",
+        ),
+        (
             {"redis": {"auth": {"password": "p@ss/word"}}},
             "at '/redis/auth/password': 'p@ss/word' does not match pattern",
         ),

@@ -42,6 +42,40 @@ def test_serve_defaults() -> None:
     assert args.model is None  # the embedded default model
 
 
+def test_quantization_flags_reach_the_model_config() -> None:
+    model = cli.engine_config_from_args(_serve_args()).model
+    assert (model.quantization, model.int8_activations) == ("auto", False)
+    for choice in ("none", "gguf", "int8"):
+        model = cli.engine_config_from_args(_serve_args("--quantization", choice)).model
+        assert (model.quantization, model.int8_activations) == (choice, False)
+    args = _serve_args("--quantization", "int8", "--int8-activations")
+    model = cli.engine_config_from_args(args).model
+    assert (model.quantization, model.int8_activations) == ("int8", True)
+
+
+def test_an_unknown_quantization_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _serve_args("--quantization", "q4")
+    assert "invalid choice: 'q4'" in capsys.readouterr().err
+
+
+def test_bench_passes_the_quantization_flags_to_its_server() -> None:
+    from service import bench
+
+    args = cli._parser().parse_args(["bench"])
+    assert (args.quantization, args.int8_activations) == ("auto", False)
+    command = bench._server_command(args, 50099)
+    assert command[command.index("--quantization") + 1] == "auto"
+    assert "--int8-activations" not in command and "--model" not in command
+    args = cli._parser().parse_args(
+        ["bench", "--model", "/m", "--quantization", "int8", "--int8-activations"]
+    )
+    served = cli._parser().parse_args(bench._server_command(args, 50099)[3:])
+    assert served.command == "serve" and served.port == 50099 and served.model == "/m"
+    model = cli.engine_config_from_args(served).model
+    assert (model.quantization, model.int8_activations) == ("int8", True)
+
+
 @pytest.mark.parametrize(("text", "value"), [("2G", 2**31), ("1.5k", 1536), ("4096", 4096)])
 def test_sizes(text: str, value: int) -> None:
     assert cli._bytes(text) == value
@@ -364,8 +398,9 @@ def test_generate_sampling_flags_reach_the_request(
 class _StatusClient:
     """Stands in for TandemClient: answers `tandem status`'s two calls."""
 
-    def __init__(self, status: pb.ServerStatus) -> None:
+    def __init__(self, status: pb.ServerStatus, info: pb.ModelInfo | None = None) -> None:
         self._status = status
+        self._info = info or pb.ModelInfo(model_name="m", role="both")
 
     async def __aenter__(self) -> _StatusClient:
         return self
@@ -374,7 +409,7 @@ class _StatusClient:
         return None
 
     async def model_info(self) -> pb.ModelInfo:
-        return pb.ModelInfo(model_name="m", role="both")
+        return self._info
 
     async def status(self) -> pb.ServerStatus:
         return self._status
@@ -394,6 +429,33 @@ def test_status_prints_speculation_only_when_the_server_speculates(
     assert any(line.startswith("requests   1 running") for line in lines)
     speculate = [line for line in lines if line.startswith("speculate")]
     assert len(speculate) == int(speculating)
+
+
+@pytest.mark.parametrize(
+    ("weight_format", "line"),
+    [
+        ("q4_1+q8_0", "model      m (LlamaForCausalLM, float32; weights q4_1+q8_0)"),
+        ("", "model      m (LlamaForCausalLM, float32)"),  # an older server says none
+    ],
+)
+def test_status_prints_the_weight_format(
+    weight_format: str,
+    line: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    info = pb.ModelInfo(
+        model_name="m",
+        architecture="LlamaForCausalLM",
+        dtype="float32",
+        role="both",
+        weight_format=weight_format,
+    )
+    status = pb.ServerStatus(weight_format=weight_format)
+    monkeypatch.setattr(cli, "_client", lambda args: _StatusClient(status, info))
+    args = cli._parser().parse_args(["status"])
+    assert args.run(args) == 0
+    assert capsys.readouterr().out.splitlines()[0] == line
 
 
 # --- LoRA --------------------------------------------------------------------------

@@ -487,5 +487,14 @@ def test_model_info_and_status_list_the_adapters() -> None:
     assert list(convert.server_status(EngineStatus(), [ADAPTER]).lora_adapters) == [wire]
 
 
+def test_model_info_and_status_carry_the_weight_format() -> None:
+    info = WorkerInfo(Path("m"), "m", "LlamaForCausalLM", 100, 64, 8, 2, weight_format="q4_1+q8_0")
+    wire = convert.model_info(info, block_size=16, role="both", connector="", dtype="float32")
+    assert (wire.weight_format, wire.dtype) == ("q4_1+q8_0", "float32")
+    status = convert.server_status(EngineStatus(), weight_format="int8+float32")
+    assert status.weight_format == "int8+float32"
+    assert convert.server_status(EngineStatus()).weight_format == ""
+
+
 def test_lora_off_is_a_failed_precondition_for_loads() -> None:
     assert status_for(LoRADisabledError("x"))[0] == grpc.StatusCode.FAILED_PRECONDITION

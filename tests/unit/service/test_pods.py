@@ -259,3 +259,30 @@ def test_a_status_asked_before_the_routers_own_load_does_not_undo_it() -> None:
             await pool.close()
 
     asyncio.run(go())
+
+
+class _FormatStub:
+    async def GetServerStatus(self, request: object, **_: object) -> pb.ServerStatus:
+        return pb.ServerStatus(weight_format="int8+float32")
+
+    async def GetModelInfo(self, request: object, **_: object) -> pb.ModelInfo:
+        return pb.ModelInfo(block_size=16, max_model_len=64)
+
+
+def test_a_pods_status_says_its_weight_format_and_only_healthy_pods_count() -> None:
+    async def go() -> None:
+        pool = _pool(["127.0.0.1:9", "127.0.0.1:10"], FakeDns({}))
+        pod, other = pool.pods
+        pod.stub = _FormatStub()  # type: ignore[assignment]
+        poll = asyncio.create_task(pool._poll(pod))
+        try:
+            await _until(lambda: pod.state == PodState.UP)
+            assert pod.weight_format == "int8+float32"
+            other.weight_format = "float32"  # said before it went down
+            other.state = PodState.DOWN
+            assert pool.weight_formats() == {"int8+float32"}
+        finally:
+            poll.cancel()
+            await pool.close()
+
+    asyncio.run(go())

@@ -344,3 +344,49 @@ def test_a_load_one_pod_refuses_is_undone_on_the_others() -> None:
     assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
     assert refused.details == "decode pod: start it with --enable-lora"
     assert stubs[0].loras == {}  # loaded there, then unloaded again
+
+
+# --- weight formats -------------------------------------------------------------------
+
+
+class _FormatPodStub:
+    """A pod's model info and status, with this weight format."""
+
+    def __init__(self, weight_format: str) -> None:
+        self.weight_format = weight_format
+
+    async def GetModelInfo(self, request: object, **_: object) -> pb.ModelInfo:
+        return pb.ModelInfo(model_name="m", role="both", weight_format=self.weight_format)
+
+    async def GetServerStatus(self, request: object, **_: object) -> pb.ServerStatus:
+        return pb.ServerStatus(num_running=1, weight_format=self.weight_format)
+
+
+def _format_pool(name: str, formats: list[str]) -> PodPool:
+    pool = _up_pool(name, [[] for _ in formats])
+    for pod, weight_format in zip(pool.pods, formats, strict=True):
+        pod.stub = _FormatPodStub(weight_format)  # type: ignore[assignment]
+        pod.weight_format = weight_format  # as its last poll said
+    return pool
+
+
+def test_the_router_reports_its_pods_weight_format() -> None:
+    context = cast(grpc.aio.ServicerContext, _Context())
+
+    async def ask(prefill: list[str], decode: list[str]) -> tuple[str, str, int]:
+        pools = _format_pool("prefill", prefill), _format_pool("decode", decode)
+        try:
+            router = RouterServicer(*pools)
+            info = await router.GetModelInfo(pb.GetModelInfoRequest(), context)
+            status = await router.GetServerStatus(pb.GetServerStatusRequest(), context)
+            return info.weight_format, status.weight_format, status.num_running
+        finally:
+            for pool in pools:
+                await pool.close()
+
+    # Pods that agree: their format, as a pod would report it.
+    same = asyncio.run(ask(["q4_1+q8_0"], ["q4_1+q8_0", "q4_1+q8_0"]))
+    assert same == ("q4_1+q8_0", "q4_1+q8_0", 3)
+    # Pods that differ: the distinct formats, joined with ",".
+    mixed = asyncio.run(ask(["float32"], ["q4_1+q8_0", "int8+float32"]))
+    assert mixed[:2] == ("float32,int8+float32,q4_1+q8_0",) * 2

@@ -1,0 +1,118 @@
+"""A GGUF file's tensors under HF names, the quantized ones left in their blocks.
+
+The float32 conversion (engine/models/loader.py) goes through transformers
+and expands every block; this reader hands the model the GGUF's own bytes
+for the block formats the CPU kernels multiply (`kernels.quant`), so a Q4_1
+model stays 0.625 bytes a weight in memory. Other tensors (norms in F32,
+F16, or block formats the kernels lack, such as the K-quants) are expanded
+to float32 with the `gguf` package's own dequantizer.
+
+llama.cpp's converter permutes the rows of Llama's q and k projections (its
+RoPE pairs adjacent dimensions, HF's rotates halves); the reader undoes that
+on whole rows, which block-quantized rows allow, exactly as transformers'
+GGUF loader does on the float values.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, quants
+
+from engine.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+_BLOCK_FORMATS = {
+    GGMLQuantizationType.Q4_0: "q4_0",
+    GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q8_0: "q8_0",
+}
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IN_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    """A 2-d GGUF tensor kept in its blocks: `rows` is uint8 [out, bytes per
+    row], standing for a float [out, in] weight in `format`."""
+
+    format: str
+    rows: torch.Tensor
+    shape: tuple[int, int]
+
+    def to_float(self) -> torch.Tensor:
+        """The float32 values, by the gguf package's dequantizer."""
+        ggml_type = next(t for t, f in _BLOCK_FORMATS.items() if f == self.format)
+        values = quants.dequantize(self.rows.numpy(), ggml_type).astype(np.float32, copy=False)
+        return torch.from_numpy(np.ascontiguousarray(values)).reshape(self.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor name, or None if unknown."""
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _IN_LAYER:
+        return f"model.layers.{parts[1]}.{_IN_LAYER[parts[2]]}.{parts[3]}"
+    return None
+
+
+def iter_gguf(path: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor | BlockRows]]:
+    """(HF name, tensor or BlockRows) for every tensor of the GGUF at `path`;
+    a name it cannot map is yielded as-is, for the model to refuse."""
+    reader = GGUFReader(path)
+    field = reader.get_field("general.architecture")
+    architecture = field.contents() if field is not None else ""
+    expanded: set[str] = set()
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name) or tensor.name
+        # GGUF lists dimensions innermost first.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        rows = _heads_permutation(name, shape[0], spec) if architecture == "llama" else None
+        fmt = _BLOCK_FORMATS.get(tensor.tensor_type)
+        if fmt is not None and len(shape) == 2:
+            data = torch.from_numpy(np.array(tensor.data)).view(shape[0], -1)
+            if rows is not None:
+                data = data[rows].contiguous()
+            yield name, BlockRows(fmt, data, (shape[0], shape[1]))
+            continue
+        if tensor.tensor_type != GGMLQuantizationType.F32:
+            expanded.add(tensor.tensor_type.name)
+        values = quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        out = torch.from_numpy(np.ascontiguousarray(values)).reshape(shape)
+        yield name, (out[rows].contiguous() if rows is not None else out)
+    if expanded:
+        logger.info("GGUF tensors in %s expanded to float32 (no kernel)", sorted(expanded))
+
+
+def _heads_permutation(name: str, rows: int, spec: ModelSpec) -> torch.Tensor | None:
+    """The row order undoing llama.cpp's q/k permutation, for q and k tensors."""
+    if ".self_attn.q_proj." in name:
+        heads = spec.num_heads
+    elif ".self_attn.k_proj." in name:
+        heads = spec.num_kv_heads
+    else:
+        return None
+    # GGUF row (head, d, pair) holds HF row (head, pair, d).
+    order = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2)
+    return order.reshape(-1)

@@ -1,0 +1,233 @@
+// quant_linear with int8 activations, as llama.cpp computes Q4/Q8 weights:
+// each input row is quantized on the fly in blocks of 32 (dx = absmax / 127)
+// and each (row, weight block) pair is one integer dot product and one
+// float multiply-add:
+//
+//   y[m, n] = sum_b  dw[n, b] * dx[m, b] * sum_k qw[n, k] qx[m, k]
+//                  + mw[n, b] * sx[m, b]            sx = dx * sum_k qx[m, k]
+//
+// About 4x fewer instructions a weight than the float path, at the cost of
+// the activations' rounding (up to absmax / 254 per input): on the default
+// model that moves logits by ~0.1 on average, enough to change greedy
+// choices within a few dozen tokens, so it is opt-in (kernels/quant.py).
+// AVX2: maddubs (u8 x s8 pairs into s16); portable: the same sums in C++.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TANDEM_QUANT_AVX2 1
+#endif
+
+#include "quant_tiles.h"
+
+namespace tandem_quant {
+namespace {
+
+// Each row of x quantized in blocks of 32: q int8 [M, nb * 32] (zero past
+// K), d and s float [M, nb].
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t nb;
+};
+
+void quantize_row(const float* x, int64_t K, int64_t nb, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t k0 = b * kBlock, n = std::min(kBlock, K - k0);
+    float amax = 0.f;
+    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k0 + k]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int v = k < n ? static_cast<int>(std::nearbyint(x[k0 + k] * inv)) : 0;
+      q[k0 + k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = amax / 127.f;
+    s[b] = d[b] * static_cast<float>(sum);
+  }
+}
+
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t nb) {
+  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
+  QuantizedRows r{std::vector<int8_t>(M * nb * kBlock), std::vector<float>(M * nb),
+                  std::vector<float>(M * nb), nb};
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row(xp + m * xs, K, nb, r.q.data() + m * nb * kBlock, r.d.data() + m * nb,
+                   r.s.data() + m * nb);
+  });
+  return r;
+}
+
+template <Kind K>
+void tiles_portable(const uint8_t* base, int64_t nb, const QuantizedRows& x, int64_t t0,
+                    int64_t t1, int64_t M, const OutTile& o) {
+  constexpr int64_t bytes = tile_block_bytes(K);
+  float acc[kTile];
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* qx = x.q.data() + m * nb * kBlock;
+      std::fill(acc, acc + kTile, 0.f);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = base + (t * nb + b) * bytes;
+        const float dx = x.d[m * nb + b], sx = x.s[m * nb + b];
+        for (int64_t j = 0; j < kTile; ++j) {
+          int dot = 0;
+          for (int64_t k = 0; k < kBlock; ++k) dot += tile_q(blk, K, j, k) * qx[b * kBlock + k];
+          acc[j] = std::fma(static_cast<float>(dot), tile_d(blk, K, j) * dx, acc[j]);
+          if (K == Kind::Q4) acc[j] = std::fma(tile_m(blk, K, j), sx, acc[j]);
+        }
+      }
+      o.store(m, t, acc);
+    }
+}
+
+#ifdef TANDEM_QUANT_AVX2
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// MR input rows x NV tiles from tile t; acc[m][v]: tile v's 8 outputs for row m.
+template <Kind K, int MR, int NV>
+void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, int64_t m0,
+           const OutTile& o) {
+  constexpr int64_t bytes = tile_block_bytes(K);
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk[NV];
+    for (int v = 0; v < NV; ++v) blk[v] = base + ((t + v) * nb + b) * bytes;
+    const int8_t* qx[MR];
+    for (int m = 0; m < MR; ++m) qx[m] = x.q.data() + ((m0 + m) * nb + b) * kBlock;
+    __m256i dot[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_setzero_si256();
+    if constexpr (K == Kind::Q4) {
+      // s16 sums: 8 groups x 2 x 15 x 127 = 30480 fits, so one madd a block.
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo[NV], hi[NV];
+        for (int v = 0; v < NV; ++v) {
+          const __m256i raw =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[v] + c * 32));
+          lo[v] = _mm256_and_si256(raw, low4);
+          hi[v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m256i xl = broadcast4(qx[m] + 4 * c), xh = broadcast4(qx[m] + 16 + 4 * c);
+          for (int v = 0; v < NV; ++v) {
+            dot[m][v] = _mm256_add_epi16(dot[m][v], _mm256_maddubs_epi16(lo[v], xl));
+            dot[m][v] = _mm256_add_epi16(dot[m][v], _mm256_maddubs_epi16(hi[v], xh));
+          }
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_madd_epi16(dot[m][v], ones);
+    } else {
+      // int8 x int8: maddubs takes one unsigned side, so |w| times x with w's sign.
+      for (int g = 0; g < 8; ++g) {
+        __m256i w[NV], aw[NV];
+        for (int v = 0; v < NV; ++v) {
+          w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[v] + g * 32));
+          aw[v] = _mm256_sign_epi8(w[v], w[v]);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m256i xb = broadcast4(qx[m] + 4 * g);
+          for (int v = 0; v < NV; ++v) {
+            const __m256i p = _mm256_maddubs_epi16(aw[v], _mm256_sign_epi8(xb, w[v]));
+            dot[m][v] = _mm256_add_epi32(dot[m][v], _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const uint8_t* scales = blk[v] + scales_offset(K);
+      const __m256 dw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+      for (int m = 0; m < MR; ++m) {
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[(m0 + m) * nb + b]));
+        acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][v]), scale, acc[m][v]);
+      }
+      if constexpr (K == Kind::Q4) {
+        const __m256 mw =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)));
+        for (int m = 0; m < MR; ++m)
+          acc[m][v] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[(m0 + m) * nb + b]), acc[m][v]);
+      }
+    }
+  }
+  alignas(32) float row[kTile];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) {
+      _mm256_store_ps(row, acc[m][v]);
+      o.store(m0 + m, t + v, row);
+    }
+}
+
+// Rows m0.. (fewer than 4) over tiles [t0, t1), several tiles at once so
+// the few rows still have independent accumulators to hide latency.
+template <Kind K, int MR>
+void few_rows(const uint8_t* base, int64_t nb, int64_t t0, int64_t t1, const QuantizedRows& x,
+              int64_t m0, const OutTile& o) {
+  constexpr int NV = 4 / MR;
+  int64_t t = t0;
+  for (; t + NV <= t1; t += NV) micro<K, MR, NV>(base, nb, t, x, m0, o);
+  for (; t < t1; ++t) micro<K, MR, 1>(base, nb, t, x, m0, o);
+}
+
+template <Kind K>
+void tiles_avx2(const uint8_t* base, int64_t nb, const QuantizedRows& x, int64_t t0, int64_t t1,
+                int64_t M, const OutTile& o) {
+  // Four rows share each weight vector; a tile's weights stay in L1 while
+  // all rows pass over them.
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t m = 0; m + 4 <= M; m += 4) micro<K, 4, 1>(base, nb, t, x, m, o);
+  const int64_t m = M - M % 4;
+  switch (M % 4) {
+    case 3: few_rows<K, 3>(base, nb, t0, t1, x, m, o); break;
+    case 2: few_rows<K, 2>(base, nb, t0, t1, x, m, o); break;
+    case 1: few_rows<K, 1>(base, nb, t0, t1, x, m, o); break;
+    default: break;
+  }
+}
+
+#endif  // TANDEM_QUANT_AVX2
+
+template <Kind K>
+void run(const at::Tensor& packed, const QuantizedRows& x, int64_t M, const OutTile& o,
+         bool portable) {
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  const int64_t nb = packed.size(1);
+  const int64_t grain = std::max<int64_t>(4, 64 / std::max<int64_t>(M, 1));
+  at::parallel_for(0, packed.size(0), grain, [&](int64_t t0, int64_t t1) {
+#ifdef TANDEM_QUANT_AVX2
+    if (!portable) return tiles_avx2<K>(base, nb, x, t0, t1, M, o);
+#endif
+    tiles_portable<K>(base, nb, x, t0, t1, M, o);
+  });
+}
+
+}  // namespace
+
+void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed,
+                       bool portable) {
+  TORCH_CHECK(kind_of(packed) != Kind::BF16, "int8 activations need Q4 or Q8 weights, not BF16");
+  const QuantizedRows q = quantize_rows(x, packed.size(1));
+  if (kind_of(packed) == Kind::Q4)
+    run<Kind::Q4>(packed, q, x.size(0), o, portable);
+  else
+    run<Kind::Q8>(packed, q, x.size(0), o, portable);
+}
+
+}  // namespace tandem_quant

@@ -1,0 +1,111 @@
+// The tiled layout of quantized linear weights, shared by the repacking
+// (quant_pack.cpp) and the kernels (quant_linear*.cpp); kernels/quant.py
+// describes the formats.
+//
+// Weights are repacked at load into tiles of 8 output rows, so that one
+// 32-byte vector holds 4 consecutive k of 8 outputs: lane j (32 bits) holds
+// output j's 4 values, byte i of it k = 4g + i of k-group g.
+//
+//   packed[tile][block of 32 k] =
+//     Q4: 4 x 32 bytes of nibbles (low nibble: group c, high: group c + 4),
+//         then dw[8] and mw[8] (float16): value = dw * q + mw
+//     Q8: 8 x 32 bytes of int8, then dw[8] (float16): value = dw * q
+//     BF16: 32 x 8 bfloat16 (k-major: 16 bytes per k), no scales
+//
+// Q4_1's mw is its block minimum; Q4_0's nibbles are offset by 8, so its
+// mw is -8 dw (exact in float16). Padding rows past the last output are 0.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+
+namespace tandem_quant {
+
+constexpr int64_t kTile = 8;    // output rows per tile
+constexpr int64_t kBlock = 32;  // k per block
+constexpr int64_t kQ4Bytes = 4 * 32 + 2 * 16;
+constexpr int64_t kQ8Bytes = 8 * 32 + 16;
+constexpr int64_t kBF16Bytes = 32 * 8 * 2;
+
+enum class Kind { Q4, Q8, BF16 };
+
+constexpr int64_t tile_block_bytes(Kind k) {
+  return k == Kind::Q4 ? kQ4Bytes : k == Kind::Q8 ? kQ8Bytes : kBF16Bytes;
+}
+constexpr int64_t scales_offset(Kind k) { return k == Kind::Q4 ? 128 : 256; }
+
+inline Kind kind_of(const at::Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
+              "packed weights must be a contiguous uint8 [tiles, blocks, bytes] tensor");
+  const int64_t bytes = packed.size(2);
+  TORCH_CHECK(bytes == kQ4Bytes || bytes == kQ8Bytes || bytes == kBF16Bytes,
+              "packed tile blocks of ", bytes, " bytes: expected ", kQ4Bytes, " (Q4), ", kQ8Bytes,
+              " (Q8) or ", kBF16Bytes, " (BF16)");
+  return bytes == kQ4Bytes ? Kind::Q4 : bytes == kQ8Bytes ? Kind::Q8 : Kind::BF16;
+}
+
+inline float half_to_float(uint16_t bits) { return c10::Half(bits, c10::Half::from_bits()); }
+inline uint16_t float_to_half(float v) { return c10::Half(v).x; }
+
+// bfloat16 weight of output j, k (0..31) in a BF16 tile block.
+inline float tile_bf16(const uint8_t* blk, int64_t j, int64_t k) {
+  uint16_t half;
+  std::memcpy(&half, blk + (k * kTile + j) * 2, 2);
+  const uint32_t bits = static_cast<uint32_t>(half) << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+// The quantized value of output j, k (0..31) in a Q4 or Q8 tile block.
+inline int tile_q(const uint8_t* blk, Kind kind, int64_t j, int64_t k) {
+  const int64_t g = k / 4, i = k % 4;
+  if (kind == Kind::Q4) return (blk[(g % 4) * 32 + j * 4 + i] >> (g < 4 ? 0 : 4)) & 0x0F;
+  return static_cast<int8_t>(blk[g * 32 + j * 4 + i]);
+}
+
+// dw[j] and (Q4) mw[j] of a tile block, as float.
+inline float tile_d(const uint8_t* blk, Kind kind, int64_t j) {
+  return half_to_float(reinterpret_cast<const uint16_t*>(blk + scales_offset(kind))[j]);
+}
+inline float tile_m(const uint8_t* blk, Kind kind, int64_t j) {
+  if (kind == Kind::Q8) return 0.f;
+  return half_to_float(reinterpret_cast<const uint16_t*>(blk + scales_offset(kind))[kTile + j]);
+}
+
+// Where a kernel writes: out rows (stride apart), an optional bias, and the
+// number of valid outputs in the last tile (1..8).
+struct OutTile {
+  float* out;
+  int64_t stride;
+  const float* bias;
+  int64_t cols;
+  int64_t tiles;
+
+  void store(int64_t m, int64_t t, const float* acc) const {
+    float* dst = out + m * stride + t * kTile;
+    const int64_t n = t == tiles - 1 ? cols : kTile;
+    for (int64_t j = 0; j < n; ++j) dst[j] = acc[j] + (bias ? bias[t * kTile + j] : 0.f);
+  }
+};
+
+// Checks the shapes of quant_linear's arguments; the OutTile it writes.
+OutTile check_quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias);
+
+// The float32 value of output j, k (0..31) in a tile block.
+inline float tile_value(const uint8_t* blk, Kind kind, int64_t j, int64_t k) {
+  if (kind == Kind::BF16) return tile_bf16(blk, j, k);
+  // One rounding, as gguf's d * q + m (the product is exact).
+  return std::fma(tile_d(blk, kind, j), static_cast<float>(tile_q(blk, kind, j, k)),
+                  tile_m(blk, kind, j));
+}
+
+// quant_linear_int8.cpp: activations quantized to int8 on the fly (Q4, Q8).
+void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed,
+                       bool portable);
+
+}  // namespace tandem_quant

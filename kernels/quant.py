@@ -1,0 +1,145 @@
+"""Block-quantized linear weights on CPU: GGUF's Q4_0, Q4_1, Q8_0, and int8.
+
+A CPU decode step reads every weight once, so its time is the weights' bytes.
+A quantized weight stays in its blocks (Q4_1: 0.625 bytes a weight against
+float32's 4) and is multiplied by `kernels/csrc/quant_linear.cpp`, which
+quantizes each input row to int8 in blocks of 32 on the fly and does the
+dot products in integers, as llama.cpp does. The blocks are repacked once at
+load into tiles of 8 output rows (same bytes a weight; see the C++ file), so
+one vector of weights serves several input rows at once: batched rows
+(decode batches, prefill chunks) reuse each weight from cache.
+
+Formats (`WEIGHT_FORMATS`):
+
+* ``q4_0``, ``q4_1``, ``q8_0``: a GGUF file's own blocks, bit for bit
+  (`from_gguf_rows`); the float values they stand for are exactly those the
+  float32 conversion of the same file holds.
+* ``int8``: any float weight quantized per output channel (`quantize_int8`):
+  one scale per row (absmax / 127, rounded up to float16), for HF models.
+* ``bf16``: any float weight rounded to bfloat16 (`to_bf16`), expanded to
+  float32 in registers (a shift) by the same kernels.
+
+The only approximation the kernels add is the activations' int8 rounding:
+each product's input is off by at most absmax(its block of 32) / 254.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from kernels import cpu_kernels
+
+# GGML's type ids for the block formats the kernels take (ggml.h).
+GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+WEIGHT_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "bf16")
+BLOCK = 32
+_Q8_0_BLOCK_BYTES = 2 + BLOCK
+
+
+class QuantKernelsUnavailable(RuntimeError):
+    """Quantized weights need Tandem's compiled CPU kernels, which did not load."""
+
+
+def kernels() -> ModuleType:
+    module = cpu_kernels.load()
+    if module is None:
+        raise QuantKernelsUnavailable(
+            "quantized weights need Tandem's compiled CPU kernels, which could not be built "
+            "(a C++ compiler and ninja are needed; see the log) or are turned off "
+            "(TANDEM_CPU_KERNELS=0): use quantization='none'"
+        )
+    return module
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A [out_features, in_features] weight in `format`'s blocks, repacked
+    into the kernels' tiles (`packed`: uint8 [tiles, blocks, bytes])."""
+
+    format: str
+    out_features: int
+    in_features: int
+    packed: torch.Tensor
+    # Quantize the inputs to int8 too (llama.cpp's way; quant_linear_int8.cpp):
+    # fewer instructions, rounded activations. Off: float32 inputs, exact weights.
+    int8_activations: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 values the blocks stand for: all rows, or `rows` (int64)."""
+        if rows is None:
+            rows = torch.arange(self.out_features)
+        out: torch.Tensor = kernels().dequantize_rows(self.packed, rows, self.in_features)
+        return out
+
+
+def from_gguf_rows(
+    rows: torch.Tensor, fmt: str, in_features: int, int8_activations: bool = False
+) -> QuantizedWeight:
+    """A weight from its GGUF bytes: uint8 [out_features, bytes per row]."""
+    if fmt not in GGML_TYPES:
+        raise ValueError(f"GGUF format {fmt!r} is not one the kernels take: {sorted(GGML_TYPES)}")
+    packed = kernels().pack_gguf_blocks(rows.contiguous(), GGML_TYPES[fmt])
+    return QuantizedWeight(fmt, rows.shape[0], in_features, packed, int8_activations)
+
+
+def quantize_int8(weight: torch.Tensor, int8_activations: bool = False) -> QuantizedWeight:
+    """int8 per output channel: q = round(w / s) with s = absmax(row) / 127
+    rounded up to float16 (so |q| <= 127), written as Q8_0 blocks that all
+    share their row's scale."""
+    w = weight.detach().float().cpu()
+    out_features, in_features = w.shape
+    padded = -(-in_features // BLOCK) * BLOCK
+    w = torch.nn.functional.pad(w, (0, padded - in_features))
+    scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float16).tiny)
+    half = scale.half()
+    # Round up where float16 rounded down, so no value exceeds 127 steps.
+    below = half.float() < scale
+    half[below] = torch.nextafter(half[below], torch.tensor(torch.inf, dtype=torch.float16))
+    q = torch.round(w / half.float().unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    blocks = padded // BLOCK
+    raw = np.empty((out_features, blocks, _Q8_0_BLOCK_BYTES), dtype=np.uint8)
+    raw[:, :, :2] = half.numpy().view(np.uint8).reshape(out_features, 1, 2)
+    raw[:, :, 2:] = q.numpy().view(np.uint8).reshape(out_features, blocks, BLOCK)
+    packed = kernels().pack_gguf_blocks(
+        torch.from_numpy(raw.reshape(out_features, -1)), GGML_TYPES["q8_0"]
+    )
+    return QuantizedWeight("int8", out_features, in_features, packed, int8_activations)
+
+
+def to_bf16(weight: torch.Tensor) -> QuantizedWeight:
+    """`weight` rounded to bfloat16 (nearest even), in the kernels' tiles."""
+    w = weight.detach().cpu().to(torch.bfloat16)
+    return QuantizedWeight("bf16", w.shape[0], w.shape[1], kernels().pack_bf16(w))
+
+
+def quant_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, *, portable: bool = False
+) -> torch.Tensor:
+    """x [T, in] float32 @ weight.T + bias -> [T, out]. `portable` takes the
+    scalar C++ path the kernels fall back to on CPUs without AVX2."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = x.new_empty(x.shape[0], weight.out_features)
+    kernels().quant_linear(out, x, weight.packed, bias, weight.int8_activations, portable)
+    return out
+
+
+def format_summary(weights: list[QuantizedWeight | torch.Tensor]) -> str:
+    """The formats of a model's weights, largest share of parameters first,
+    e.g. 'q4_1+q8_0' or 'float32'."""
+    counts: dict[str, int] = {}
+    for w in weights:
+        if isinstance(w, QuantizedWeight):
+            name, n = w.format, w.out_features * w.in_features
+        else:
+            name, n = str(w.dtype).removeprefix("torch."), w.numel()
+        counts[name] = counts.get(name, 0) + n
+    return "+".join(sorted(counts, key=lambda k: -counts[k]))

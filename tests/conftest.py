@@ -1,0 +1,73 @@
+"""The test process's OpenMP setting (below), and session fixtures for
+every test directory: the default model, its tokenizer, and LoRA adapters
+made with peft with transformers + peft's greedy reference under them, made
+once for tests/integration/test_lora.py and tests/e2e/test_lora.py both.
+(Imports inside the fixtures: a run of unit tests alone need not load
+transformers and peft here.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# OpenMP's idle threads (torch's, and the CPU kernels') spin ~300k times
+# before they sleep (libgomp's default): right for the one busy process of a
+# machine, ruinous for the test run's several (the test process, a
+# session's servers, pods starting together) on 2 cores, each spinning on
+# the core another needs. Measured on the 2-core machine beside other busy
+# processes: lora_reference below 50-200 s against 7.5 s, four NIXL pods
+# started together 78-80 s against 28-40 s, a pod's 22 greedy requests
+# 60-220 s against 11-14 s. A short spin still catches the next
+# kernel of a forward pass, and the outputs are the same (the same threads
+# split the same work). Set before torch loads (libgomp reads it then) and
+# inherited by every server and child process; a value set outside wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from engine.models.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_path: Path) -> PreTrainedTokenizerBase:
+    from engine.models.loader import load_tokenizer
+
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(
+    default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """tests.lora_adapters.ADAPTERS, saved by peft: name -> directory."""
+    from tests.lora_adapters import make_adapters
+
+    return make_adapters(default_model_path, tmp_path_factory.mktemp("lora_adapters"))
+
+
+@pytest.fixture(scope="session")
+def lora_prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """tests.lora_adapters.TEXTS, tokenized."""
+    from tests.lora_adapters import TEXTS
+
+    return [tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="session")
+def lora_reference(
+    default_model_path: Path, lora_adapters: dict[str, Path], lora_prompts: list[list[int]]
+) -> dict[str | None, list[list[int]]]:
+    """transformers + peft's greedy tokens (tests.lora_adapters.MAX_TOKENS of
+    them) for each prompt, per adapter (None: the base model)."""
+    from tests.lora_adapters import MAX_TOKENS, peft_generate
+
+    return peft_generate(default_model_path, lora_adapters, lora_prompts, MAX_TOKENS)

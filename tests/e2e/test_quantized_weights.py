@@ -1,0 +1,129 @@
+"""Quantized weights on CPU against float32, on real text.
+
+* The default model in its native Q4_1 (+ Q8_0 embedding) blocks generates
+  what the float32 expansion of the same file generates, greedily.
+* int8 per channel on an HF model directory (the default model's float32
+  conversion) keeps logits and perplexity close to float32. The text is
+  Newton's *Opticks* as shipped by the apache-tvm-ffi package (a dependency
+  of xgrammar): `tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.llm import LLM
+from engine.models.loader import LoadedModel, load_model
+from engine.models.weight_plan import FLOAT_WEIGHTS, WeightPlan
+from engine.sampling_params import SamplingParams
+from kernels import cpu_kernels
+from kernels.backend import select_backend
+from tests.e2e.test_llm_vs_transformers import QUESTIONS, SYSTEM
+from tests.unit.engine.models.paged import allocate, step
+
+MUST_MATCH = 32  # tokens every prompt must share with float32
+GENERATED = 36
+TEXT_TOKENS = 4096
+WINDOW = 1024  # perplexity over four independent windows of the text
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="no C++ toolchain: quantized weights are unavailable"
+)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    out = []
+    for q in QUESTIONS:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer.encode(text))
+    return out
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0, ignore_eos=True)
+    return [list(o.token_ids) for o in llm.generate(prompts, params)]
+
+
+def test_native_q4_1_generates_what_float32_generates(prompts) -> None:
+    runs = {}
+    for quantization in ("none", "auto"):
+        llm = LLM(quantization=quantization, kv_cache_memory=2**26, max_model_len=512)
+        runs[quantization] = (llm.core.info.weight_format, _greedy(llm, prompts))
+        del llm
+    assert runs["none"][0] == "float32"
+    assert runs["auto"][0] == "q4_1+q8_0"  # the GGUF's own blocks, no float copy
+    float32, native = runs["none"][1], runs["auto"][1]
+    for i, (want, got) in enumerate(zip(float32, native, strict=True)):
+        assert got[:MUST_MATCH] == want[:MUST_MATCH], f"prompt {i} diverges before {MUST_MATCH}"
+    later = [
+        next((k for k, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), None)
+        for w, g in zip(float32, native, strict=True)
+    ]
+    print(f"first divergence past {MUST_MATCH} tokens (None: none in {GENERATED}): {later}")
+
+
+@pytest.fixture(scope="module")
+def models(default_model_path: Path) -> dict[str, LoadedModel]:
+    cpu = torch.device("cpu")
+    ops = select_backend(cpu, "torch")
+    plans = {"float32": FLOAT_WEIGHTS, "int8": WeightPlan(gguf=None, quantize="int8")}
+    return {
+        name: load_model(default_model_path, dtype=torch.float32, device=cpu, ops=ops, plan=plan)
+        for name, plan in plans.items()
+    }
+
+
+def _logits(loaded: LoadedModel, tokens: list[list[int]]) -> list[torch.Tensor]:
+    """Full-sequence logits [len, vocab] of each token list, prefilled in one step."""
+    seqs = allocate(loaded.model, tokens)
+    with torch.inference_mode():
+        return list(step(loaded.model, seqs, [(i, 0, len(t)) for i, t in enumerate(tokens)]))
+
+
+def test_int8_logits_stay_close_to_float32(models, prompts) -> None:
+    """Each prompt's logits (all positions, all the vocabulary, as one vector)."""
+    assert models["int8"].weight_format == "int8"
+    float32 = _logits(models["float32"], prompts)
+    int8 = _logits(models["int8"], prompts)
+    cosines = [
+        F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+        for a, b in zip(int8, float32, strict=True)
+    ]
+    print(f"int8 logits' cosine with float32, per prompt: {[round(c, 5) for c in cosines]}")
+    assert min(cosines) >= 0.999
+
+
+def _opticks(tokenizer) -> list[int]:
+    spec = importlib.util.find_spec("tvm_ffi")
+    assert spec is not None and spec.origin is not None, "apache-tvm-ffi (xgrammar's) is missing"
+    path = Path(spec.origin).parent / "3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"
+    text = path.read_text(encoding="utf-8")
+    start = text.index("Advertisement I")  # past the transcribers' header
+    ids: list[int] = tokenizer.encode(text[start:])
+    assert len(ids) >= TEXT_TOKENS
+    return ids[:TEXT_TOKENS]
+
+
+def _perplexity(loaded: LoadedModel, ids: list[int]) -> float:
+    windows = [ids[i : i + WINDOW] for i in range(0, len(ids), WINDOW)]
+    nll, count = 0.0, 0
+    for window, logits in zip(windows, _logits(loaded, windows), strict=True):
+        targets = torch.tensor(window[1:])
+        nll += F.cross_entropy(logits[:-1].float(), targets, reduction="sum").item()
+        count += len(targets)
+    return float(torch.exp(torch.tensor(nll / count)))
+
+
+def test_int8_perplexity_within_two_percent(models, tokenizer) -> None:
+    ids = _opticks(tokenizer)
+    float32 = _perplexity(models["float32"], ids)
+    int8 = _perplexity(models["int8"], ids)
+    print(f"perplexity on {len(ids)} tokens of Opticks: float32 {float32:.3f}, int8 {int8:.3f}")
+    assert abs(int8 - float32) / float32 <= 0.02

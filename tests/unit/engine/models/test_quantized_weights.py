@@ -1,0 +1,232 @@
+"""Quantized weights loaded into a small random model: GGUF blocks and int8.
+
+The reference for GGUF blocks is the float model holding the `gguf`
+package's dequantization of the same blocks; the quantized model must give
+its logits up to float32 rounding. The compiled decode stack must agree
+with the Python layers bit for bit, as it does for float weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from engine.config import ConfigError
+from engine.models.gguf_weights import BlockRows
+from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
+from engine.models.loader import LoadedModel, load_model
+from engine.models.weight_plan import FLOAT_WEIGHTS, WeightPlan, plan_weights
+from kernels import cpu_kernels
+from kernels.backend import select_backend
+from kernels.quant import QuantizedWeight
+from tests.unit.engine.models.paged import PagedSequences, allocate, step
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels did not build")
+
+VOCAB = 256
+CPU = torch.device("cpu")
+_GGML = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+
+
+def _save(path: Path, tie: bool) -> Path:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=192,
+        intermediate_size=320,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.normal_(0.0, 0.3 if param.ndim == 1 else param.shape[-1] ** -0.5)
+    hf.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> Path:
+    return _save(tmp_path_factory.mktemp("untied"), tie=False)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> Path:
+    return _save(tmp_path_factory.mktemp("tied"), tie=True)
+
+
+def _load(path: Path, plan: WeightPlan = FLOAT_WEIGHTS) -> LoadedModel:
+    return load_model(
+        path, dtype=torch.float32, device=CPU, ops=select_backend(CPU, "torch"), plan=plan
+    )
+
+
+def _as_blocks(
+    path: Path, formats: dict[str, str]
+) -> tuple[list[tuple[str, torch.Tensor | BlockRows]], dict[str, torch.Tensor]]:
+    """The checkpoint with its 2-d weights in GGUF blocks (formats: name piece
+    -> format, else q4_1), and the float values those blocks stand for."""
+    blocks: list[tuple[str, torch.Tensor | BlockRows]] = []
+    floats = {}
+    for name, tensor in load_file(str(path / "model.safetensors")).items():
+        if tensor.ndim != 2:
+            blocks.append((name, tensor))
+            floats[name] = tensor
+            continue
+        fmt = next((f for piece, f in formats.items() if piece in name), "q4_1")
+        raw = quants.quantize(tensor.numpy(), _GGML[fmt])
+        rows = BlockRows(fmt, torch.from_numpy(raw.copy()), (tensor.shape[0], tensor.shape[1]))
+        blocks.append((name, rows))
+        floats[name] = rows.to_float()
+    return blocks, floats
+
+
+def _logits(loaded: LoadedModel, tokens: list[list[int]]) -> list[torch.Tensor]:
+    seqs = allocate(loaded.model, tokens, block_size=16)
+    return list(step(loaded.model, seqs, [(i, 0, len(t)) for i, t in enumerate(tokens)]))
+
+
+TOKENS = [[(7 * i + 3) % VOCAB for i in range(n)] for n in (9, 1, 33)]
+
+
+def _reload(path: Path, weights: list[tuple[str, torch.Tensor | BlockRows]]) -> LoadedModel:
+    """A model of `path`'s config holding `weights` instead of its checkpoint."""
+    loaded = _load(path)
+    with torch.inference_mode():
+        model = LlamaForCausalLM(loaded.spec, select_backend(CPU, "torch"))
+        model.load_weights(iter(weights))
+    return dataclasses.replace(loaded, model=model, weight_format=model.weight_format)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_gguf_blocks_give_the_float_models_logits(untied, tied, tie: bool) -> None:
+    path = tied if tie else untied
+    blocks, floats = _as_blocks(path, {"embed_tokens": "q8_0", "lm_head": "q8_0"})
+    native = _reload(path, blocks)
+    reference = _reload(path, list(floats.items()))
+    assert native.model.weight_format == "q4_1+q8_0"
+    assert reference.model.weight_format == "float32"
+    assert native.model.model.embed_tokens.quant is not None
+    if tie:  # one set of blocks serves both
+        assert native.model.lm_head.packed is native.model.model.embed_tokens.quant
+    for got, want in zip(_logits(native, TOKENS), _logits(reference, TOKENS), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_fused_weight_of_mixed_formats_is_expanded(untied) -> None:
+    blocks, floats = _as_blocks(untied, {"k_proj": "q8_0"})
+    native = _reload(untied, blocks)
+    attn = cast(LlamaDecoderLayer, native.model.model.layers[0]).self_attn
+    assert not isinstance(attn.qkv_proj.packed, QuantizedWeight)
+    assert isinstance(attn.o_proj.packed, QuantizedWeight)
+    assert native.model.weight_format.startswith("q4_1+float32")
+    reference = _reload(untied, list(floats.items()))
+    for got, want in zip(_logits(native, TOKENS), _logits(reference, TOKENS), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_quantizes_projections_and_lm_head_only(untied, tied) -> None:
+    plan = WeightPlan(gguf=None, quantize="int8")
+    loose = _load(untied, plan)
+    assert loose.model.model.embed_tokens.quant is None  # looked up, never streamed
+    assert isinstance(loose.model.lm_head.packed, QuantizedWeight)
+    assert loose.weight_format == "int8"
+    bound = _load(tied, plan)
+    assert bound.model.model.embed_tokens.quant is bound.model.lm_head.packed
+    for loaded, path in ((loose, untied), (bound, tied)):
+        float_model = _load(path)
+        for got, want in zip(_logits(loaded, TOKENS), _logits(float_model, TOKENS), strict=True):
+            cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+            assert cosine.item() > 0.999
+
+
+def _quantized_models(path: Path) -> Iterator[LoadedModel]:
+    yield _load(path, WeightPlan(gguf=None, quantize="bf16"))
+    yield _load(path, WeightPlan(gguf=None, quantize="int8"))
+    yield _load(path, WeightPlan(gguf=None, quantize="int8", int8_activations=True))
+
+
+@pytest.mark.parametrize("batch", [1, 9, 37])
+def test_decode_stack_matches_the_python_layers(untied, batch: int) -> None:
+    for loaded in _quantized_models(untied):
+        model = loaded.model
+        stack = model.decode_stack
+        assert stack is not None and stack.max_rows >= 37
+        lens = [3 + (5 * i) % 40 for i in range(batch)]
+        tokens = [[(i + j) % VOCAB for j in range(n + 1)] for i, n in enumerate(lens)]
+        seqs = allocate(model, tokens, block_size=16, seed=batch)
+        step(model, seqs, [(i, 0, n) for i, n in enumerate(lens)])
+        twin = PagedSequences(
+            seqs.tokens, seqs.blocks, seqs.block_size, copy.deepcopy(seqs.kv_caches)
+        )
+        fast = step(model, seqs, [(i, n, n + 1) for i, n in enumerate(lens)])
+        model.decode_stack = None
+        slow = step(model, twin, [(i, n, n + 1) for i, n in enumerate(lens)])
+        model.decode_stack = stack
+        for got, want in zip(fast, slow, strict=True):
+            assert torch.equal(got, want)
+
+
+def test_bf16_weights_give_the_rounded_models_logits(untied) -> None:
+    bf16 = _load(untied, WeightPlan(gguf=None, quantize="bf16"))
+    assert bf16.weight_format == "bf16"
+    rounded: list[tuple[str, torch.Tensor | BlockRows]] = [
+        (name, t.bfloat16().float() if t.ndim == 2 and "embed" not in name else t)
+        for name, t in load_file(str(untied / "model.safetensors")).items()
+    ]
+    reference = _reload(untied, rounded)
+    for got, want in zip(_logits(bf16, TOKENS), _logits(reference, TOKENS), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_every_linear_is_quantized_or_float(untied) -> None:
+    loaded = _load(untied, WeightPlan(gguf=None, quantize="int8"))
+    for module in loaded.model.modules():
+        if isinstance(module, Linear):
+            assert isinstance(module.packed, QuantizedWeight)
+            assert module.weight.shape == (module.packed.out_features, 0)  # a placeholder
+
+
+def test_plans() -> None:
+    gguf = Path("/models/m.gguf")
+    f32 = torch.float32
+    assert plan_weights("auto", gguf, f32, CPU) == WeightPlan(gguf=gguf, quantize=None)
+    assert plan_weights("auto", None, f32, CPU) == FLOAT_WEIGHTS
+    assert plan_weights("auto", gguf, torch.bfloat16, CPU) == FLOAT_WEIGHTS
+    assert plan_weights("auto", gguf, f32, torch.device("cuda")) == FLOAT_WEIGHTS
+    assert plan_weights("none", gguf, f32, CPU) == FLOAT_WEIGHTS
+    assert plan_weights("int8", gguf, f32, CPU, int8_activations=True) == WeightPlan(
+        gguf=None, quantize="int8", int8_activations=True
+    )
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        plan_weights("gguf", None, f32, CPU)
+    with pytest.raises(ConfigError, match="CPU only"):
+        plan_weights("int8", None, f32, torch.device("cuda"))
+    with pytest.raises(ConfigError, match="float32"):
+        plan_weights("gguf", gguf, torch.bfloat16, CPU)
+    assert plan_weights("bf16", gguf, f32, CPU, int8_activations=True) == WeightPlan(
+        gguf=None, quantize="bf16"
+    )
+
+
+def test_block_rows_keep_the_bytes() -> None:
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q4_1)
+    rows = BlockRows("q4_1", torch.from_numpy(raw.copy()), (8, 64))
+    want = quants.dequantize(raw, GGMLQuantizationType.Q4_1).reshape(8, 64)
+    assert torch.equal(rows.to_float(), torch.from_numpy(want))

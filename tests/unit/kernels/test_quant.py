@@ -1,0 +1,173 @@
+"""The block-quantized linear kernels against torch on gguf's own dequantization.
+
+The reference is the `gguf` package's dequantizer (llama.cpp's Python twin)
+followed by F.linear in float32. The float-activation path must match it to
+float32 rounding (its weights are exactly the reference's); the int8-activation
+path within the bound its rounding allows: each input is off by at most
+absmax(its block of 32) / 254, so output n of row m by at most
+sum_b absmax(x[m, b]) / 254 * sum_{k in b} |w[n, k]|.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from kernels import cpu_kernels
+from kernels.quant import (
+    QuantizedWeight,
+    format_summary,
+    from_gguf_rows,
+    quant_linear,
+    quantize_int8,
+    to_bf16,
+)
+
+ROWS = (1, 7, 64, 300)
+# 203 outputs: a ragged last tile of 8. 576 inputs: the default model's width.
+OUT, IN = 203, 576
+_GGML = {
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q8_0": GGMLQuantizationType.Q8_0,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> None:
+    if cpu_kernels.load() is None:
+        pytest.skip("no C++ toolchain here: quantized weights are unavailable")
+
+
+@functools.cache
+def _weights(fmt: str, out: int = OUT, width: int = IN) -> tuple[QuantizedWeight, torch.Tensor]:
+    """(the kernel's weight, the reference: gguf's float32 values, or for
+    int8 the float weight it was quantized from)."""
+    w = np.random.default_rng(3).standard_normal((out, width)).astype(np.float32) * 0.05
+    if fmt == "int8":
+        return quantize_int8(torch.from_numpy(w)), torch.from_numpy(w)
+    if fmt == "bf16":
+        return to_bf16(torch.from_numpy(w)), torch.from_numpy(w).bfloat16().float()
+    raw = quants.quantize(w, _GGML[fmt])
+    ref = quants.dequantize(raw, _GGML[fmt]).reshape(out, width)
+    return from_gguf_rows(torch.from_numpy(raw), fmt, width), torch.from_numpy(ref.copy())
+
+
+def _int8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    blocks = x.shape[1] // 32
+    amax = x.view(x.shape[0], blocks, 32).abs().amax(-1)
+    w_sums = w.abs().view(w.shape[0], blocks, 32).sum(-1)
+    rounding = 1e-5 * (x.abs() @ w.abs().T)
+    return (amax / 254) @ w_sums.T + rounding + 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8", "bf16"])
+def test_dequantize_gives_the_reference_values(fmt: str) -> None:
+    qw, ref = _weights(fmt)
+    got = qw.dequantize()
+    if fmt == "int8":
+        # Within half a step of each row's scale (absmax / 127, float16, rounded up).
+        step = ref.abs().amax(1, keepdim=True) / 127 * (1 + 2**-10)
+        assert bool(((got - ref).abs() <= step / 2).all())
+    else:
+        assert torch.equal(got, ref)  # GGUF's blocks (and bfloat16 values) bit for bit
+    rows = torch.tensor([0, 202, 7, 8])
+    assert torch.equal(qw.dequantize(rows), got[rows])
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8", "bf16"])
+def test_float_activations_match_the_reference(fmt: str, rows: int, portable: bool) -> None:
+    qw, _ = _weights(fmt)
+    ref_w = qw.dequantize()
+    torch.manual_seed(rows)
+    x = torch.randn(rows, IN)
+    bias = torch.randn(OUT)
+    got = quant_linear(x, qw, bias, portable=portable)
+    want = F.linear(x, ref_w, bias)
+    # float32 sums of 576 products in another order: ~1e-6 of their size.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
+def test_int8_activations_stay_within_their_rounding(fmt: str, rows: int, portable: bool) -> None:
+    qw, _ = _weights(fmt)
+    qw = QuantizedWeight(qw.format, qw.out_features, qw.in_features, qw.packed, True)
+    ref_w = qw.dequantize()
+    torch.manual_seed(rows)
+    x = torch.randn(rows, IN)
+    got = quant_linear(x, qw, None, portable=portable)
+    want = F.linear(x, ref_w)
+    err = (got - want).abs()
+    bound = _int8_error_bound(x, ref_w)
+    assert bool((err <= bound).all()), f"worst error / bound {(err / bound).max().item():.3f}"
+    # ... and the rounding is really there (a float path would pass the bound too).
+    assert err.max().item() > 1e-4
+
+
+def test_int8_activations_need_integer_blocks() -> None:
+    qw, _ = _weights("bf16")
+    qw = QuantizedWeight(qw.format, qw.out_features, qw.in_features, qw.packed, True)
+    with pytest.raises(RuntimeError, match="int8 activations need Q4 or Q8"):
+        quant_linear(torch.randn(2, IN), qw, None)
+
+
+def test_int8_weights_take_inputs_of_any_width() -> None:
+    """HF widths need not be multiples of 32: the blocks are zero-padded."""
+    qw, ref = _weights("int8", out=17, width=100)
+    x = torch.randn(5, 100)
+    torch.testing.assert_close(quant_linear(x, qw, None), F.linear(x, qw.dequantize()))
+    step = ref.abs().amax(1, keepdim=True) / 127 * (1 + 2**-10)
+    assert bool(((qw.dequantize() - ref).abs() <= step / 2).all())
+
+
+def test_strided_rows_and_empty_batches() -> None:
+    qw, _ = _weights("q4_1")
+    wide = torch.randn(6, 2 * IN)
+    x = wide[:, :IN]  # rows 2 * IN apart
+    torch.testing.assert_close(
+        quant_linear(x, qw, None), F.linear(x, qw.dequantize()), rtol=1e-5, atol=2e-5
+    )
+    assert quant_linear(torch.empty(0, IN), qw, None).shape == (0, OUT)
+
+
+def test_bad_inputs_name_what_is_wrong() -> None:
+    qw, _ = _weights("q8_0")
+    module = cpu_kernels.load()
+    assert module is not None
+    with pytest.raises(RuntimeError, match="columns"):
+        quant_linear(torch.randn(2, IN + 64), qw, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        quant_linear(torch.randn(2, IN), qw, torch.randn(OUT + 1))
+    with pytest.raises(RuntimeError, match="not a supported block format"):
+        module.pack_gguf_blocks(torch.zeros(8, 36, dtype=torch.uint8), 12)
+    with pytest.raises(RuntimeError, match="not whole blocks"):
+        module.pack_gguf_blocks(torch.zeros(8, 35, dtype=torch.uint8), 8)
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        qw.dequantize(torch.tensor([OUT + 100]))
+    with pytest.raises(ValueError, match="not one the kernels take"):
+        from_gguf_rows(torch.zeros(8, 36, dtype=torch.uint8), "q5_k", 32)
+
+
+def test_kernels_report_their_simd_path() -> None:
+    """Built with -march=native: a CPU torch runs AVX2 code on has the AVX2 path."""
+    module = cpu_kernels.load()
+    assert module is not None
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert module.quant_linear_has_avx2() == (capability in ("AVX2", "AVX512"))
+
+
+def test_format_summary_orders_by_parameters() -> None:
+    big, _ = _weights("q4_1")
+    small, _ = _weights("q8_0", out=8, width=32)
+    assert format_summary([small, big, torch.zeros(3, dtype=torch.float32)]) == (
+        "q4_1+q8_0+float32"
+    )
