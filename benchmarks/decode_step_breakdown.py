@@ -28,6 +28,7 @@ from offline_throughput import read_bandwidth  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from kernels.quant import QuantizedWeight  # noqa: E402
 
 
 def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
@@ -38,6 +39,12 @@ def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
         return out
 
     return wrapper
+
+
+def _in_features(lin: Any) -> int:
+    # A quantized linear's float weight is an [out, 0] placeholder.
+    packed = lin.packed
+    return int(packed.in_features if isinstance(packed, QuantizedWeight) else lin.weight.shape[1])
 
 
 def _linears_alone(model: Any) -> tuple[float, float]:
@@ -53,9 +60,9 @@ def _linears_alone(model: Any) -> tuple[float, float]:
             layer.mlp.down_proj,
         )
     ]
-    inputs = [torch.randn(1, lin.weight.shape[1]) for lin in linears]
+    inputs = [torch.randn(1, _in_features(lin)) for lin in linears]
     head = model.lm_head
-    head_input = torch.randn(1, head.weight.shape[1])
+    head_input = torch.randn(1, _in_features(head))
     layer_times, head_times = [], []
     with torch.inference_mode():
         for _ in range(20):
@@ -73,12 +80,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", default="auto", help="as LLM(quantization=...)")
+    parser.add_argument("--int8-activations", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(max_model_len=1024)
+    llm = LLM(
+        max_model_len=1024,
+        quantization=args.quantization,
+        int8_activations=args.int8_activations,
+    )
     core = llm.core
     model: Any = core.worker.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model.weight_bytes
+    print(f"weights: {model.weight_format}, {weight_bytes / 1e6:.0f} MB")
     forward: list[float] = []
     logits: list[float] = []
     steps: list[float] = []

@@ -1,13 +1,20 @@
-"""Block-quantized linear weights on CPU: GGUF's Q4_0, Q4_1, Q8_0, and int8.
+"""Block-quantized linear weights on CPU: GGUF's Q4_0, Q4_1, Q8_0, int8, bf16.
 
 A CPU decode step reads every weight once, so its time is the weights' bytes.
 A quantized weight stays in its blocks (Q4_1: 0.625 bytes a weight against
-float32's 4) and is multiplied by `kernels/csrc/quant_linear.cpp`, which
-quantizes each input row to int8 in blocks of 32 on the fly and does the
-dot products in integers, as llama.cpp does. The blocks are repacked once at
-load into tiles of 8 output rows (same bytes a weight; see the C++ file), so
-one vector of weights serves several input rows at once: batched rows
-(decode batches, prefill chunks) reuse each weight from cache.
+float32's 4) and is multiplied by Tandem's compiled kernels
+(`kernels/csrc/quant_*`). The blocks are repacked once at load into tiles of
+8 output rows (same bytes a weight; layout in quant_tiles.h):
+
+* fewer than 128 input rows (32 for bf16; decode, decode batches): each
+  vector of 8 outputs' integers is converted to float in registers and
+  multiplied with up to 8 float32 input rows held in registers, each
+  block's sums scaled once (dw * sum q x + mw * sum x);
+* more rows (prefill chunks, big batches): panels of the weight are
+  expanded to float32 and multiplied by ATen's GEMM (MKL).
+
+Both compute the float32 model's dot products up to float32 rounding (the
+order of the additions differs, as between two BLAS libraries).
 
 Formats (`WEIGHT_FORMATS`):
 
@@ -19,8 +26,10 @@ Formats (`WEIGHT_FORMATS`):
 * ``bf16``: any float weight rounded to bfloat16 (`to_bf16`), expanded to
   float32 in registers (a shift) by the same kernels.
 
-The only approximation the kernels add is the activations' int8 rounding:
-each product's input is off by at most absmax(its block of 32) / 254.
+Opt-in ``int8_activations`` (integer formats only) quantizes each input row
+to int8 in blocks of 32 as well and does the dot products in integers, as
+llama.cpp does: faster, but each input is off by up to absmax(its block of
+32) / 254.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, quants
+from gguf import GGMLQuantizationType, quants
 
+from engine.models.gguf_table import read_gguf_table
 from engine.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -80,15 +81,12 @@ def hf_name(gguf_name: str) -> str | None:
 def iter_gguf(path: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor | BlockRows]]:
     """(HF name, tensor or BlockRows) for every tensor of the GGUF at `path`;
     a name it cannot map is yielded as-is, for the model to refuse."""
-    reader = GGUFReader(path)
-    field = reader.get_field("general.architecture")
-    architecture = field.contents() if field is not None else ""
+    table = read_gguf_table(path)
     expanded: set[str] = set()
-    for tensor in reader.tensors:
+    for tensor in table.tensors:
         name = hf_name(tensor.name) or tensor.name
-        # GGUF lists dimensions innermost first.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        rows = _heads_permutation(name, shape[0], spec) if architecture == "llama" else None
+        shape = tensor.shape
+        rows = _heads_permutation(name, shape[0], spec) if table.architecture == "llama" else None
         fmt = _BLOCK_FORMATS.get(tensor.tensor_type)
         if fmt is not None and len(shape) == 2:
             data = torch.from_numpy(np.array(tensor.data)).view(shape[0], -1)
@@ -99,7 +97,7 @@ def iter_gguf(path: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor |
         if tensor.tensor_type != GGMLQuantizationType.F32:
             expanded.add(tensor.tensor_type.name)
         values = quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        out = torch.from_numpy(np.ascontiguousarray(values)).reshape(shape)
+        out = torch.from_numpy(np.array(values)).reshape(shape)
         yield name, (out[rows].contiguous() if rows is not None else out)
     if expanded:
         logger.info("GGUF tensors in %s expanded to float32 (no kernel)", sorted(expanded))

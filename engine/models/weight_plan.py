@@ -54,6 +54,24 @@ def plan_weights(
     int8_activations: bool = False,
 ) -> WeightPlan:
     """The plan for a model whose GGUF source (if any) is `gguf`."""
+    plan = _plan(quantization, gguf, dtype, device, int8_activations)
+    if int8_activations and not plan.int8_activations:
+        # Silently multiplying in float would hide that the option did nothing.
+        raise ConfigError(
+            f"int8_activations needs quantized weights, and quantization={quantization!r} "
+            "loads this model with float weights: use quantization='int8', or a GGUF model "
+            "with quantization='auto' or 'gguf'"
+        )
+    return plan
+
+
+def _plan(
+    quantization: QuantizationName,
+    gguf: Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    int8_activations: bool,
+) -> WeightPlan:
     if quantization == "none":
         return FLOAT_WEIGHTS
     why_not = _why_no_kernels(dtype, device)

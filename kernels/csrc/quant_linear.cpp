@@ -4,28 +4,26 @@
 //
 // A decode step reads every weight once, so its speed is the weights'
 // size: the default model's Q4_1 blocks are 0.625 bytes a weight, its
-// float32 expansion 4. Here the weights stay in their blocks and each
-// vector of 8 outputs' values is expanded in registers, value = dw * q + mw
-// with one rounding (exactly the float32 the GGUF's dequantizer gives),
-// then multiplied with float32 activations: the result is the float32
-// model's up to the order of the additions, as MKL's own is.
+// float32 expansion 4. Here the weights stay in their blocks: each vector
+// of 8 outputs' integers q is converted to float in registers and
+// multiplied with float32 activations, and each block's sums are scaled
+// once: dw * sum q x + mw * sum x, which is sum (dw q + mw) x, the float32
+// model's dot product, regrouped (float32 rounding, as MKL's order is).
 //
-// One expanded vector serves up to 8 input rows held in registers, so
-// batched rows (decode batches, prefill chunks) pay the expansion once per
-// 8 rows and run at the FMA units' rate, reading the weight tile from L1.
-// quant_linear_int8.cpp is the opt-in path that quantizes activations too.
+// One converted vector serves up to 8 input rows held in registers, so a
+// few rows (decode batches) read the weight tile from L1 once per 8 rows;
+// from gemm_rows() rows on, quant_gemm.cpp expands panels of the weight for
+// ATen's GEMM instead. quant_linear_int8.cpp is the opt-in path that
+// quantizes activations too.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TANDEM_QUANT_AVX2 1
-#endif
+#include <vector>
 
 #include "cpu_ops.h"
-#include "quant_tiles.h"
+#include "quant_expand.h"
 
 namespace tandem_quant {
 namespace {
@@ -34,11 +32,18 @@ namespace {
 // the tiles' weights are expanded for them.
 constexpr int64_t kRowChunk = 64;
 
+// From this many rows on, expanding panels for ATen's GEMM beats the
+// register kernels (measured at 16-256 rows: benchmarks/README.md,
+// "quant_kernel_bench.py"). bfloat16's register kernel is the slowest of
+// them (~60 GFLOP/s from 8 rows on), so it hands over sooner.
+constexpr int64_t gemm_rows(Kind kind) { return kind == Kind::BF16 ? 32 : 128; }
+
 // x's rows, readable in whole blocks of 32 (copied and zero-padded when the
 // input width is not a multiple of 32, which only int8 weights allow).
 struct Rows {
   const float* p;
   int64_t stride;
+  const float* sums;  // [rows, blocks]: each row's sum over each block of 32
 };
 
 template <Kind K>
@@ -62,25 +67,6 @@ void tiles_portable(const uint8_t* base, int64_t nb, const Rows& x, int64_t t0, 
 
 #ifdef TANDEM_QUANT_AVX2
 
-// The 8 outputs' quants at k offset I of a lane's 4 bytes, as floats.
-template <int I>
-inline __m256 low_nibbles(__m256i raw) {
-  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 8 * I), _mm256_set1_epi32(15)));
-}
-template <int I>
-inline __m256 high_nibbles(__m256i raw) {
-  return _mm256_cvtepi32_ps(
-      _mm256_and_si256(_mm256_srli_epi32(raw, 8 * I + 4), _mm256_set1_epi32(15)));
-}
-template <int I>
-inline __m256 int8s(__m256i raw) {
-  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24 - 8 * I), 24));
-}
-
-inline __m256 halves(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 // acc[m][v] += w[v] * x[m][k] for the MR rows and NV tiles.
 template <int MR, int NV>
 inline void fma_rows(__m256 (&acc)[MR][NV], const __m256 (&w)[NV], const float* const* xr,
@@ -91,24 +77,48 @@ inline void fma_rows(__m256 (&acc)[MR][NV], const __m256 (&w)[NV], const float* 
   }
 }
 
-// 8 outputs' bfloat16 weights at one k (16 bytes), as floats.
-inline __m256 bf16s(const uint8_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+// Q4/Q8 blocks are summed as  dw * sum_k q x  +  mw * sum_k x  (the second
+// sum is the row's, shared by every output): the integers q are converted
+// but not scaled, one multiply-add a weight fewer than expanding dw * q + mw
+// first. P = 2 splits a block's sums in two (low/high nibbles, even/odd
+// k-groups) where MR * NV sums alone are too few independent chains to
+// hide the multiply-add's latency (the 1-row decode's case).
+template <Kind K, int MR, int NV>
+constexpr int kSplit = MR * NV <= 4 ? 2 : 1;
 
 template <Kind K, int MR, int NV, int I>
-inline void step(__m256 (&acc)[MR][NV], const __m256i (&raw)[NV], const __m256 (&d)[NV],
-                 const __m256 (&mn)[NV], const float* const* xr, int64_t c) {
+inline void step(__m256 (&sums)[kSplit<K, MR, NV>][MR][NV], const __m256i (&raw)[NV],
+                 const float* const* xr, int64_t c) {
+  constexpr int P = kSplit<K, MR, NV>;
   __m256 w[NV];
   if constexpr (K == Kind::Q4) {
-    for (int v = 0; v < NV; ++v) w[v] = _mm256_fmadd_ps(low_nibbles<I>(raw[v]), d[v], mn[v]);
-    fma_rows<MR, NV>(acc, w, xr, 4 * c + I);
-    for (int v = 0; v < NV; ++v) w[v] = _mm256_fmadd_ps(high_nibbles<I>(raw[v]), d[v], mn[v]);
-    fma_rows<MR, NV>(acc, w, xr, 16 + 4 * c + I);
+    for (int v = 0; v < NV; ++v) w[v] = low_nibbles<I>(raw[v]);
+    fma_rows<MR, NV>(sums[0], w, xr, 4 * c + I);
+    for (int v = 0; v < NV; ++v) w[v] = high_nibbles<I>(raw[v]);
+    fma_rows<MR, NV>(sums[P - 1], w, xr, 16 + 4 * c + I);
   } else {
-    for (int v = 0; v < NV; ++v) w[v] = _mm256_mul_ps(int8s<I>(raw[v]), d[v]);
-    fma_rows<MR, NV>(acc, w, xr, 4 * c + I);
+    for (int v = 0; v < NV; ++v) w[v] = int8s<I>(raw[v]);
+    fma_rows<MR, NV>(sums[I % P], w, xr, 4 * c + I);
+  }
+}
+
+// acc += dw * (the block's sums) + mw * (the rows' sums of x over the block).
+template <Kind K, int MR, int NV>
+inline void scale_block(__m256 (&acc)[MR][NV], __m256 (&sums)[kSplit<K, MR, NV>][MR][NV],
+                        const uint8_t* const* blk, const Rows& x, int64_t m0, int64_t nb,
+                        int64_t b) {
+  for (int v = 0; v < NV; ++v) {
+    const __m256 d = halves(blk[v] + scales_offset(K));
+    for (int m = 0; m < MR; ++m) {
+      __m256 s = sums[0][m][v];
+      if constexpr (kSplit<K, MR, NV> == 2) s = _mm256_add_ps(s, sums[1][m][v]);
+      acc[m][v] = _mm256_fmadd_ps(d, s, acc[m][v]);
+    }
+    if constexpr (K == Kind::Q4) {
+      const __m256 mn = halves(blk[v] + scales_offset(K) + 16);
+      for (int m = 0; m < MR; ++m)
+        acc[m][v] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(x.sums + (m0 + m) * nb + b), acc[m][v]);
+    }
   }
 }
 
@@ -118,13 +128,14 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const Rows& x, int64_t m0
            const OutTile& o) {
   constexpr int64_t bytes = tile_block_bytes(K);
   constexpr int vectors = K == Kind::Q4 ? 4 : 8;
+  constexpr int P = kSplit<K, MR, NV>;
   __m256 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    const float* xr[MR];
+    for (int m = 0; m < MR; ++m) xr[m] = x.p + (m0 + m) * x.stride + b * kBlock;
     if constexpr (K == Kind::BF16) {
-      const float* xr[MR];
-      for (int m = 0; m < MR; ++m) xr[m] = x.p + (m0 + m) * x.stride + b * kBlock;
       for (int64_t k = 0; k < kBlock; ++k) {
         __m256 w[NV];
         for (int v = 0; v < NV; ++v) w[v] = bf16s(base + ((t + v) * nb + b) * bytes + k * 16);
@@ -133,23 +144,21 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const Rows& x, int64_t m0
       continue;
     }
     const uint8_t* blk[NV];
-    __m256 d[NV], mn[NV];
-    for (int v = 0; v < NV; ++v) {
-      blk[v] = base + ((t + v) * nb + b) * bytes;
-      d[v] = halves(blk[v] + scales_offset(K));
-      mn[v] = K == Kind::Q4 ? halves(blk[v] + scales_offset(K) + 16) : _mm256_setzero_ps();
-    }
-    const float* xr[MR];
-    for (int m = 0; m < MR; ++m) xr[m] = x.p + (m0 + m) * x.stride + b * kBlock;
+    for (int v = 0; v < NV; ++v) blk[v] = base + ((t + v) * nb + b) * bytes;
+    __m256 sums[P][MR][NV];
+    for (int p = 0; p < P; ++p)
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) sums[p][m][v] = _mm256_setzero_ps();
     for (int c = 0; c < vectors; ++c) {
       __m256i raw[NV];
       for (int v = 0; v < NV; ++v)
         raw[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[v] + c * 32));
-      step<K, MR, NV, 0>(acc, raw, d, mn, xr, c);
-      step<K, MR, NV, 1>(acc, raw, d, mn, xr, c);
-      step<K, MR, NV, 2>(acc, raw, d, mn, xr, c);
-      step<K, MR, NV, 3>(acc, raw, d, mn, xr, c);
+      step<K, MR, NV, 0>(sums, raw, xr, c);
+      step<K, MR, NV, 1>(sums, raw, xr, c);
+      step<K, MR, NV, 2>(sums, raw, xr, c);
+      step<K, MR, NV, 3>(sums, raw, xr, c);
     }
+    scale_block<K, MR, NV>(acc, sums, blk, x, m0, nb, b);
   }
   alignas(32) float row[kTile];
   for (int m = 0; m < MR; ++m)
@@ -203,6 +212,22 @@ void run(const at::Tensor& packed, const Rows& x, int64_t M, const OutTile& o, b
   });
 }
 
+// Each row's sum over each block of 32 inputs: Q4's mw multiplies it (see
+// scale_block). Computed here rather than by ATen: a decode step makes ~120
+// of these calls, and an ATen op's dispatch costs more than the sums.
+std::vector<float> block_sums(const at::Tensor& x, int64_t nb) {
+  const int64_t M = x.size(0);
+  std::vector<float> sums(M * nb);
+  const float* p = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.f;
+      for (int64_t k = 0; k < kBlock; ++k) s += p[m * x.stride(0) + b * kBlock + k];
+      sums[m * nb + b] = s;
+    }
+  return sums;
+}
+
 }  // namespace
 
 OutTile check_quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
@@ -239,7 +264,9 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
   if (int8_activations) return quant_linear_int8(o, x, packed, portable);
   const int64_t padded = packed.size(1) * kBlock;
   if (x.size(1) != padded) x = at::constant_pad_nd(x, {0, padded - x.size(1)});
-  const Rows rows{x.data_ptr<float>(), x.stride(0)};
+  if (x.size(0) >= gemm_rows(kind_of(packed))) return quant_gemm(out, x, packed, bias, portable);
+  const std::vector<float> sums = block_sums(x, packed.size(1));
+  const Rows rows{x.data_ptr<float>(), x.stride(0), sums.data()};
   switch (kind_of(packed)) {
     case Kind::Q4: return run<Kind::Q4>(packed, rows, x.size(0), o, portable);
     case Kind::Q8: return run<Kind::Q8>(packed, rows, x.size(0), o, portable);

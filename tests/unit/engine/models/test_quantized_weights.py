@@ -25,7 +25,7 @@ from engine.config import ConfigError
 from engine.models.gguf_weights import BlockRows
 from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.loader import LoadedModel, load_model
-from engine.models.weight_plan import FLOAT_WEIGHTS, WeightPlan, plan_weights
+from engine.models.weight_plan import FLOAT_WEIGHTS, QuantizationName, WeightPlan, plan_weights
 from kernels import cpu_kernels
 from kernels.backend import select_backend
 from kernels.quant import QuantizedWeight
@@ -219,9 +219,18 @@ def test_plans() -> None:
         plan_weights("int8", None, f32, torch.device("cuda"))
     with pytest.raises(ConfigError, match="float32"):
         plan_weights("gguf", gguf, torch.bfloat16, CPU)
-    assert plan_weights("bf16", gguf, f32, CPU, int8_activations=True) == WeightPlan(
-        gguf=None, quantize="bf16"
+    assert plan_weights("auto", gguf, f32, CPU, int8_activations=True) == WeightPlan(
+        gguf=gguf, quantize=None, int8_activations=True
     )
+    # int8 activations where the weights end up float (or bfloat16) are refused.
+    refused: list[tuple[QuantizationName, Path | None]] = [
+        ("bf16", gguf),
+        ("none", gguf),
+        ("auto", None),
+    ]
+    for quantization, path in refused:
+        with pytest.raises(ConfigError, match=f"int8_activations needs quantized.*{quantization}"):
+            plan_weights(quantization, path, f32, CPU, int8_activations=True)
 
 
 def test_block_rows_keep_the_bytes() -> None:

@@ -1,0 +1,86 @@
+// Tile blocks (quant_tiles.h) expanded to float32 in registers, shared by
+// the few-row kernels (quant_linear.cpp), which multiply each expanded
+// vector at once, and the many-row path (quant_gemm.cpp), which stores it.
+//
+// Every expanded value is what the GGUF dequantizer gives: dw * q + mw with
+// one rounding (the product of a float16 and a small integer is exact).
+#pragma once
+#include <cstdint>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TANDEM_QUANT_AVX2 1
+#endif
+
+#include "quant_tiles.h"
+
+namespace tandem_quant {
+
+#ifdef TANDEM_QUANT_AVX2
+
+// The 8 outputs' quants at k offset I of a lane's 4 bytes, as floats.
+template <int I>
+inline __m256 low_nibbles(__m256i raw) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 8 * I), _mm256_set1_epi32(15)));
+}
+template <int I>
+inline __m256 high_nibbles(__m256i raw) {
+  return _mm256_cvtepi32_ps(
+      _mm256_and_si256(_mm256_srli_epi32(raw, 8 * I + 4), _mm256_set1_epi32(15)));
+}
+template <int I>
+inline __m256 int8s(__m256i raw) {
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24 - 8 * I), 24));
+}
+
+inline __m256 halves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 8 outputs' bfloat16 weights at one k (16 bytes), as floats.
+inline __m256 bf16s(const uint8_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+template <Kind K, int I>
+inline void store_group(__m256i raw, __m256 d, __m256 mn, float* dst, int64_t ld, int c) {
+  if constexpr (K == Kind::Q4) {
+    _mm256_storeu_ps(dst + (4 * c + I) * ld, _mm256_fmadd_ps(low_nibbles<I>(raw), d, mn));
+    _mm256_storeu_ps(dst + (16 + 4 * c + I) * ld, _mm256_fmadd_ps(high_nibbles<I>(raw), d, mn));
+  } else {
+    _mm256_storeu_ps(dst + (4 * c + I) * ld, _mm256_mul_ps(int8s<I>(raw), d));
+  }
+}
+
+#endif  // TANDEM_QUANT_AVX2
+
+// A tile block's 32 k x 8 outputs as float32, k-major: dst[k * ld + j].
+template <Kind K>
+inline void expand_block(const uint8_t* blk, float* dst, int64_t ld, bool portable) {
+#ifdef TANDEM_QUANT_AVX2
+  if (!portable) {
+    if constexpr (K == Kind::BF16) {
+      for (int64_t k = 0; k < kBlock; ++k) _mm256_storeu_ps(dst + k * ld, bf16s(blk + k * 16));
+    } else {
+      const __m256 d = halves(blk + scales_offset(K));
+      const __m256 mn = K == Kind::Q4 ? halves(blk + scales_offset(K) + 16) : _mm256_setzero_ps();
+      for (int c = 0; c < (K == Kind::Q4 ? 4 : 8); ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
+        store_group<K, 0>(raw, d, mn, dst, ld, c);
+        store_group<K, 1>(raw, d, mn, dst, ld, c);
+        store_group<K, 2>(raw, d, mn, dst, ld, c);
+        store_group<K, 3>(raw, d, mn, dst, ld, c);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < kBlock; ++k)
+    for (int64_t j = 0; j < kTile; ++j) dst[k * ld + j] = tile_value(blk, K, j, k);
+}
+
+// quant_gemm.cpp: many rows at once, through ATen's GEMM on expanded panels.
+void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                const c10::optional<at::Tensor>& bias, bool portable);
+
+}  // namespace tandem_quant

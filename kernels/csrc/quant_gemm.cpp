@@ -1,0 +1,65 @@
+// quant_linear for many rows (prefill chunks, big decode batches): the
+// weight is expanded to float32 a panel of outputs at a time (k-major, the
+// layout the expansion produces) and multiplied by ATen's GEMM (MKL on x86).
+//
+// The few-row kernels expand each weight vector in registers and reuse it
+// for at most 8 rows; that runs at roughly half the FMA units' rate, which
+// is right when the weights' bytes are the cost (decode) but loses to a
+// tuned GEMM once there are rows enough: here the expansion is one pass over
+// the weight, paid once for all M rows. The values are the same expanded
+// floats, so only the order of the additions differs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "quant_expand.h"
+
+namespace tandem_quant {
+namespace {
+
+// Outputs per panel: 256 x K float32 (0.6-1.5 MB for these models' K) stays
+// in cache between its expansion and its GEMM (32 tiles measured a little
+// ahead of 16 and 64).
+constexpr int64_t kPanelTiles = 32;
+
+template <Kind K>
+void expand_panel(const uint8_t* base, int64_t nb, int64_t t0, int64_t t1, float* dst,
+                  int64_t ld, bool portable) {
+  constexpr int64_t bytes = tile_block_bytes(K);
+  at::parallel_for(t0, t1, 4, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t)
+      for (int64_t blk = 0; blk < nb; ++blk)
+        expand_block<K>(base + (t * nb + blk) * bytes, dst + blk * kBlock * ld + (t - t0) * kTile,
+                        ld, portable);
+  });
+}
+
+}  // namespace
+
+void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                const c10::optional<at::Tensor>& bias, bool portable) {
+  const Kind kind = kind_of(packed);
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  const int64_t tiles = packed.size(0), nb = packed.size(1), N = out.size(1);
+  const int64_t panel_tiles = std::min(tiles, kPanelTiles), ld = panel_tiles * kTile;
+  // x is padded to whole blocks (nb * 32 columns), as the panel's rows are.
+  at::Tensor panel = at::empty({nb * kBlock, ld}, x.options());
+  for (int64_t t0 = 0; t0 < tiles; t0 += panel_tiles) {
+    const int64_t t1 = std::min(tiles, t0 + panel_tiles);
+    float* dst = panel.data_ptr<float>();
+    switch (kind) {
+      case Kind::Q4: expand_panel<Kind::Q4>(base, nb, t0, t1, dst, ld, portable); break;
+      case Kind::Q8: expand_panel<Kind::Q8>(base, nb, t0, t1, dst, ld, portable); break;
+      case Kind::BF16: expand_panel<Kind::BF16>(base, nb, t0, t1, dst, ld, portable); break;
+    }
+    const int64_t n0 = t0 * kTile, n = std::min(N, t1 * kTile) - n0;
+    at::Tensor slice = out.narrow(1, n0, n);
+    if (bias.has_value())
+      at::addmm_out(slice, bias->narrow(0, n0, n), x, panel.narrow(1, 0, n));
+    else
+      at::mm_out(slice, x, panel.narrow(1, 0, n));
+  }
+}
+
+}  // namespace tandem_quant
