@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 EOS = 2
@@ -34,6 +34,8 @@ class TraceConfig:
     policy: str
     long_prefill_token_threshold: int
     connector: bool
+    # Both sides run their AsyncScheduler, one step in flight (replay).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,13 @@ class Trace:
     config: TraceConfig
     requests: list[RequestSpec]
     load_failure_rate: float = 0.15
+
+
+def as_async(trace: Trace) -> Trace:
+    """The trace for asynchronous scheduling: the same requests without a
+    KV connector (the pipelined replay drives no connector)."""
+    config = replace(trace.config, connector=False, async_scheduling=True)
+    return replace(trace, config=config)
 
 
 def make_trace(seed: int) -> Trace:
@@ -200,6 +209,8 @@ class Side(Protocol):
 
     def num_output_tokens(self, request_id: str) -> int: ...
 
+    def num_output_placeholders(self, request_id: str) -> int: ...
+
     def update(
         self,
         sampled: dict[str, list[int]],
@@ -265,7 +276,7 @@ IDLE_STEPS = 40  # idle with nothing pending this long: a deadlock
 
 
 def replay(trace: Trace, side: Side, max_steps: int = MAX_STEPS) -> TraceResult:
-    world = _World(trace, side)
+    world = _PipelinedWorld(trace, side) if trace.config.async_scheduling else _World(trace, side)
     try:
         outcome = world.run(max_steps)
     except Exception as exc:  # the harness reports a crash, it does not stop
@@ -297,13 +308,16 @@ class _World:
                 if spec.arrival_step == step_no:
                     self.side.add(spec)
             scheduled = self.step(step_no)
-            if step_no >= last_arrival and not self.side.has_requests():
+            if step_no >= last_arrival and self.drained():
                 return "done"
             pending = self.pending_recv or self.pending_send
             idle = 0 if scheduled or pending or step_no < last_arrival else idle + 1
             if idle >= IDLE_STEPS:
                 return "deadlock"
         return "livelock"
+
+    def drained(self) -> bool:
+        return not self.side.has_requests()
 
     def step(self, step_no: int) -> bool:
         side = self.side
@@ -336,16 +350,25 @@ class _World:
         for rid in side.script.delayed_frees:
             self.pending_send[rid] = step_no + 1 + self.delay(rid, "send")
         side.script.delayed_frees.clear()
+        self.record(num_scheduled, computed, preempted, finished)
+        return bool(num_scheduled)
+
+    def record(
+        self,
+        num_scheduled: dict[str, int],
+        computed: dict[str, int],
+        preempted: list[str],
+        finished: dict[str, str],
+    ) -> None:
         self.steps.append(
             StepRecord(
                 sorted((r, n, computed[r]) for r, n in num_scheduled.items()),
                 sorted(preempted),
                 sorted(finished.items()),
-                side.num_free_blocks(),
-                side.notes(),
+                self.side.num_free_blocks(),
+                self.side.notes(),
             )
         )
-        return bool(num_scheduled)
 
     def delay(self, request_id: str, kind: str) -> int:
         spec = self.side.script.specs[request_id]
@@ -363,6 +386,47 @@ class _World:
         if end <= first:
             return set()
         return {load.block_ids[rng.randrange(first, end)]}
+
+
+@dataclass
+class _InFlight:
+    scheduled: dict[str, int]
+    sampled: dict[str, list[int]]
+
+
+@dataclass
+class _PipelinedWorld(_World):
+    """Asynchronous scheduling: each step schedules the next before the
+    previous one's tokens are applied, as Tandem's StepPipeline and vLLM's
+    batch queue of two do. Which requests sample (and the index of their
+    token) is known at schedule time from the placeholders."""
+
+    in_flight: _InFlight | None = None
+
+    def drained(self) -> bool:
+        return not self.side.has_requests() and self.in_flight is None
+
+    def step(self, step_no: int) -> bool:
+        side = self.side
+        previous, self.in_flight = self.in_flight, None
+        num_scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+        computed: dict[str, int] = {}
+        if side.has_requests():
+            num_scheduled, preempted = side.schedule()
+            sampled: dict[str, list[int]] = {}
+            for rid, n in num_scheduled.items():
+                done, total = side.computed_and_total(rid)
+                computed[rid] = done - n
+                placeholders = side.num_output_placeholders(rid)
+                sampled[rid] = []
+                if placeholders and done == total + placeholders - 1:
+                    index = side.num_output_tokens(rid) + placeholders - 1
+                    sampled[rid] = [sample_token(self.trace.seed, rid, index)]
+            self.in_flight = _InFlight(num_scheduled, sampled)
+        finished = side.update(previous.sampled, set(), set(), set()) if previous else {}
+        self.record(num_scheduled, computed, preempted, finished)
+        return bool(num_scheduled)
 
 
 def run_traces(

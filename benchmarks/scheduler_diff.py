@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from sched_traces import (  # noqa: E402
     StepRecord,
     Trace,
     TraceResult,
+    as_async,
     make_trace,
     replay,
 )
@@ -51,6 +52,7 @@ from engine.kv_cache.manager import KVCacheBlocks  # noqa: E402
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from engine.request import Request, RequestStatus  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from engine.sched.output import SchedulerOutput  # noqa: E402
 from engine.sched.scheduler import Scheduler  # noqa: E402
 
@@ -110,7 +112,8 @@ class TandemSide:
         cfg = trace.config
         self.script = ConnectorScript(trace)
         self.log = log
-        self.sched = Scheduler(
+        scheduler_class = AsyncScheduler if cfg.async_scheduling else Scheduler
+        self.sched = scheduler_class(
             SchedulerConfig(
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -118,6 +121,7 @@ class TandemSide:
                 enable_chunked_prefill=cfg.chunked_prefill,
                 policy="priority" if cfg.policy == "priority" else "fcfs",
                 long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+                async_scheduling=cfg.async_scheduling,
             ),
             CacheConfig(
                 block_size=cfg.block_size,
@@ -127,7 +131,8 @@ class TandemSide:
             connector=ScriptedConnector(self.script) if cfg.connector else None,
             log_stats=False,
         )
-        self.so: SchedulerOutput | None = None
+        # Scheduled, not yet updated: one, or two with asynchronous scheduling.
+        self.pending: deque[SchedulerOutput] = deque()
 
     def add(self, spec: RequestSpec) -> None:
         params = SamplingParams(
@@ -146,8 +151,9 @@ class TandemSide:
 
     def schedule(self) -> tuple[dict[str, int], list[str]]:
         self.log.notes = []
-        self.so = self.sched.schedule()
-        return dict(self.so.num_scheduled_tokens), list(self.so.preempted_req_ids)
+        so = self.sched.schedule()
+        self.pending.append(so)
+        return dict(so.num_scheduled_tokens), list(so.preempted_req_ids)
 
     def computed_and_total(self, request_id: str) -> tuple[int, int]:
         request = self.sched.requests[request_id]
@@ -156,6 +162,9 @@ class TandemSide:
     def num_output_tokens(self, request_id: str) -> int:
         return len(self.sched.requests[request_id].output_token_ids)
 
+    def num_output_placeholders(self, request_id: str) -> int:
+        return self.sched.requests[request_id].num_output_placeholders
+
     def update(
         self,
         sampled: dict[str, list[int]],
@@ -163,8 +172,8 @@ class TandemSide:
         finished_recving: set[str],
         invalid_block_ids: set[int],
     ) -> dict[str, str]:
-        assert self.so is not None
-        req_ids = list(self.so.num_scheduled_tokens)
+        so = self.pending.popleft()
+        req_ids = list(so.num_scheduled_tokens)
         kv_output = None
         if self.sched.connector is not None:
             kv_output = KVConnectorOutput(
@@ -178,7 +187,7 @@ class TandemSide:
             sampled_token_ids=[sampled[r] for r in req_ids],
             kv_connector_output=kv_output,
         )
-        outputs = self.sched.update_from_output(self.so, output)
+        outputs = self.sched.update_from_output(so, output)
         return {
             o.request_id: str(o.finish_reason)
             for eco in outputs.values()
@@ -211,9 +220,12 @@ def run_tandem(traces: list[Trace]) -> dict[int, TraceResult]:
     return {trace.seed: replay(trace, TandemSide(trace, log)) for trace in traces}
 
 
-def start_vllm(python: str, seeds: list[int], scenarios: bool) -> subprocess.Popen[str]:
+def start_vllm(
+    python: str, seeds: list[int], scenarios: bool, async_scheduling: bool
+) -> subprocess.Popen[str]:
     script = HERE / "baselines" / "vllm_scheduler_diff.py"
     which = ["--scenarios"] if scenarios else ["--first-seed", str(seeds[0])]
+    which += ["--async-scheduling"] if async_scheduling else []
     return subprocess.Popen(
         [python, str(script), *which, "--traces", str(len(seeds))],
         stdout=subprocess.PIPE,
@@ -283,6 +295,11 @@ def main() -> None:
     parser.add_argument(
         "--scenarios", action="store_true", help="the hand-made traces (sched_traces.SCENARIOS)"
     )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="both sides' AsyncScheduler, one step in flight (traces without a connector)",
+    )
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
         # Several frees in one step go in set order (as in vLLM), which
@@ -293,9 +310,15 @@ def main() -> None:
     if args.explain is not None:
         seeds = [args.explain]
     traces = list(SCENARIOS.values()) if args.scenarios else [make_trace(s) for s in seeds]
+    if args.async_scheduling:
+        traces = [as_async(t) for t in traces]
     seeds = [trace.seed for trace in traces]
     t0 = time.monotonic()
-    proc = start_vllm(args.vllm_python, seeds, args.scenarios) if args.vllm_python else None
+    proc = (
+        start_vllm(args.vllm_python, seeds, args.scenarios, args.async_scheduling)
+        if args.vllm_python
+        else None
+    )
     tandem = run_tandem(traces)
     if args.dump is not None:
         # Before/after a refactor of Tandem alone: the dumps must be equal.
@@ -315,7 +338,7 @@ def main() -> None:
             print(f"--- {name}")
             explain(trace, tandem[trace.seed], vllm[trace.seed])
         return
-    report(seeds, tandem, vllm, args.show, args.show_kind)
+    report({t.seed: t for t in traces}, tandem, vllm, args.show, args.show_kind)
     print(f"({time.monotonic() - t0:.0f} s)")
 
 
@@ -343,7 +366,7 @@ def explain(trace: Trace, tandem: TraceResult, vllm: TraceResult) -> None:
 
 
 def report(
-    seeds: list[int],
+    traces: dict[int, Trace],
     tandem: dict[int, TraceResult],
     vllm: dict[int, TraceResult],
     show: int,
@@ -352,8 +375,7 @@ def report(
     kinds: Counter[str] = Counter()
     shown = 0
     num_steps = num_connector = 0
-    for seed in seeds:
-        trace = make_trace(seed)  # seeds of random traces only
+    for seed, trace in traces.items():
         num_steps += len(vllm[seed].steps)
         num_connector += trace.config.connector
         verdict = classify(trace, tandem[seed], vllm[seed])
@@ -363,7 +385,7 @@ def report(
             print(f"seed {seed}: differs at step {verdict.step}: {verdict.detail}")
     outcomes = Counter(r.outcome.split(":")[0] for r in tandem.values())
     print(
-        f"{len(seeds)} traces ({num_steps} vLLM steps; {num_connector} with a KV connector); "
+        f"{len(traces)} traces ({num_steps} vLLM steps; {num_connector} with a KV connector); "
         f"Tandem outcomes: {dict(outcomes)}"
     )
     for kind, count in sorted(kinds.items(), key=lambda kv: -kv[1]):

@@ -45,6 +45,9 @@ class SchedulerConfig:
     # Slots reserved beyond the scheduled tokens for a draft model's KV
     # (vLLM's num_lookahead_tokens for EAGLE-style proposers).
     num_lookahead_tokens: int = 0
+    # Schedule step N+1 while step N runs (output placeholders, vLLM's
+    # --async-scheduling): engine.sched.async_scheduler, engine.step_pipeline.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "> 0")

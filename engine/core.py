@@ -12,10 +12,12 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, KVLayout
 from connectors.factory import create_connector
@@ -24,7 +26,9 @@ from engine.lora.adapter import LoRAAdapter
 from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutputs
 from engine.request import Request, RequestStatus
+from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
+from engine.step_pipeline import StepPipeline
 from engine.structured_output.backend import GrammarBackend
 from engine.structured_output.manager import StructuredOutputManager
 from engine.worker.worker import Worker, WorkerInfo
@@ -47,8 +51,18 @@ class EngineCore:
             # A prefill pod samples one token per request: nothing to verify.
             logger.info("speculative decoding is off on a prefill pod (kv_producer)")
             spec = None
-        self.worker = Worker(
-            config.model, config.cache, config.scheduler.max_num_seqs, spec, config.lora
+        # Asynchronous scheduling: the worker is built on, and steps run on,
+        # the pipeline's runner thread (engine.step_pipeline).
+        self.pipeline: StepPipeline | None = None
+        runner_thread = None
+        if config.scheduler.async_scheduling:
+            runner_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-runner")
+            self.pipeline = StepPipeline(runner_thread, self.IDLE_POLL_SECONDS)
+        self.worker = _call_on(
+            runner_thread,
+            lambda: Worker(
+                config.model, config.cache, config.scheduler.max_num_seqs, spec, config.lora
+            ),
         )
         info = self.worker.info
         scheduler_config = replace(config.scheduler, max_model_len=info.max_model_len)
@@ -70,7 +84,8 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(
             partial(_xgrammar_backend, info.model_path, info.vocab_size)
         )
-        self.scheduler = Scheduler(
+        scheduler_class = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
+        self.scheduler = scheduler_class(
             scheduler_config,
             cache_config,
             connector=connector,
@@ -81,7 +96,7 @@ class EngineCore:
         )
         # Unloaded adapters whose requests still run (see remove_lora).
         self._loras_to_remove: set[int] = set()
-        self.worker.runner.warmup()
+        _call_on(runner_thread, self.worker.runner.warmup)
         # Everything allocated so far lives as long as the engine: keep it
         # out of the cyclic GC's generations so steps don't pay to scan it.
         gc.collect()
@@ -138,6 +153,7 @@ class EngineCore:
         slots = self.worker.runner.lora
         if slots is None:
             raise RuntimeError("LoRA is off: the engine has no adapter slots")
+        self._runner_idle()
         slots.add(request, adapter)
 
     def remove_lora(self, lora_int_id: int) -> None:
@@ -151,15 +167,32 @@ class EngineCore:
         if slots is None:
             return
         in_use = {r.lora_int_id for r in self.scheduler.requests.values()}
-        for lora_int_id in self._loras_to_remove - in_use:
+        idle = self._loras_to_remove - in_use
+        if idle:
+            self._runner_idle()  # a step in flight may still run under them
+        for lora_int_id in idle:
             slots.remove(lora_int_id)
         self._loras_to_remove &= in_use
 
+    def _runner_idle(self) -> None:
+        """Before the engine thread touches the runner's state."""
+        if self.pipeline is not None:
+            self.pipeline.wait_idle()
+
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or (
+            self.pipeline is not None and self.pipeline.has_in_flight
+        )
 
     def step(self) -> dict[int, EngineCoreOutputs]:
-        """Runs one step; returns outputs grouped by client index."""
+        """Runs one step; returns outputs grouped by client index. With
+        asynchronous scheduling: submits the next step and returns the
+        outputs of the one that was in flight."""
+        if self.pipeline is not None:
+            outputs = self.pipeline.step(self.scheduler, self.worker)
+            if self._loras_to_remove:
+                self._remove_idle_loras()
+            return outputs
         if not self.scheduler.has_requests():
             return {}
         scheduler_output = self.scheduler.schedule()
@@ -180,10 +213,20 @@ class EngineCore:
         return {0: EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())}
 
     def shutdown(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
         self.scheduler.shutdown()
         self.structured_output.shutdown()
         if self.worker_connector is not None:
             self.worker_connector.shutdown()
+
+
+_T = TypeVar("_T")
+
+
+def _call_on(thread: ThreadPoolExecutor | None, fn: Callable[[], _T]) -> _T:
+    """``fn()`` on ``thread`` (None: this one)."""
+    return fn() if thread is None else thread.submit(fn).result()
 
 
 def _xgrammar_backend(model_path: Path, vocab_size: int) -> GrammarBackend:

@@ -99,6 +99,13 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     spec_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Asynchronous scheduling: tokens scheduled (sampled or drafted) in a
+    # step whose output has not arrived yet; they count in
+    # num_computed_tokens but not in all_token_ids.
+    num_output_placeholders: int = 0
+    # Asynchronous scheduling: the output of the step in flight is void for
+    # this request (it was rewound while that step ran): drop it.
+    discard_latest_async_tokens: bool = False
     # -1 until the request is first scheduled; then the tokens that came
     # from the local prefix cache or a connector (not recomputed).
     num_cached_tokens: int = -1

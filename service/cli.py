@@ -147,6 +147,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="prefill each prompt in one step instead of chunks",
     )
     s.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule step N+1 while step N runs (output placeholders; off by default)",
+    )
+    s.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=0,
@@ -505,6 +510,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             policy=args.scheduling_policy,
             max_num_partial_prefills=args.max_num_partial_prefills,
             max_long_partial_prefills=args.max_long_partial_prefills,
+            async_scheduling=args.async_scheduling,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

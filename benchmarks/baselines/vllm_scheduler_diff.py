@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ from sched_traces import (
     ConnectorScript,
     RequestSpec,
     Trace,
+    as_async,
     make_trace,
     replay,
 )
@@ -31,6 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm_stub import make_scheduler
@@ -91,11 +95,13 @@ class VllmSide:
             prefix_caching=cfg.prefix_caching,
             structured_output_manager=SimpleNamespace(should_advance=lambda r: False),
             log_stats=False,
+            scheduler_class=AsyncScheduler if cfg.async_scheduling else Scheduler,
         )
         if cfg.connector:
             self.sched.connector = ScriptedConnector(self.script)
         self.hasher = get_request_block_hasher(cfg.block_size, sha256)
-        self.so = None
+        # Scheduled, not yet updated: one, or two with asynchronous scheduling.
+        self.pending = deque()
 
     def add(self, spec: RequestSpec) -> None:
         params = SamplingParams(
@@ -115,8 +121,9 @@ class VllmSide:
         )
 
     def schedule(self):
-        self.so = self.sched.schedule()
-        return dict(self.so.num_scheduled_tokens), list(self.so.preempted_req_ids or ())
+        so = self.sched.schedule()
+        self.pending.append(so)
+        return dict(so.num_scheduled_tokens), list(so.preempted_req_ids or ())
 
     def computed_and_total(self, request_id):
         request = self.sched.requests[request_id]
@@ -125,8 +132,12 @@ class VllmSide:
     def num_output_tokens(self, request_id):
         return self.sched.requests[request_id].num_output_tokens
 
+    def num_output_placeholders(self, request_id):
+        return self.sched.requests[request_id].num_output_placeholders
+
     def update(self, sampled, finished_sending, finished_recving, invalid_block_ids):
-        req_ids = list(self.so.num_scheduled_tokens)
+        so = self.pending.popleft()
+        req_ids = list(so.num_scheduled_tokens)
         kv_output = None
         if self.sched.connector is not None:
             kv_output = KVConnectorOutput(
@@ -143,7 +154,7 @@ class VllmSide:
             pooler_output=[],
             kv_connector_output=kv_output,
         )
-        outputs = self.sched.update_from_output(self.so, output)
+        outputs = self.sched.update_from_output(so, output)
         return {
             o.request_id: str(o.finish_reason)
             for eco in outputs.values()
@@ -173,12 +184,15 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--traces", type=int, default=0)
     parser.add_argument("--scenarios", action="store_true", help="the hand-made traces instead")
+    parser.add_argument("--async-scheduling", action="store_true", help="AsyncScheduler")
     args = parser.parse_args()
     init_none_hash(sha256)
     if args.scenarios:
         traces = list(SCENARIOS.values())
     else:
         traces = [make_trace(s) for s in range(args.first_seed, args.first_seed + args.traces)]
+    if args.async_scheduling:
+        traces = [as_async(t) for t in traces]
     for trace in traces:
         result = replay(trace, VllmSide(trace))
         print(json.dumps(result.to_json()), flush=True)

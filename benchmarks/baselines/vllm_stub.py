@@ -22,6 +22,7 @@ def make_scheduler(
     prefix_caching: bool,
     structured_output_manager: object,
     log_stats: bool,
+    scheduler_class: type[vsched.Scheduler] = vsched.Scheduler,
 ) -> vsched.Scheduler:
     """The scheduler over a stand-in VllmConfig (only the fields it reads)
     and one full-attention KV cache group of `num_blocks` blocks.
@@ -57,7 +58,7 @@ def make_scheduler(
     )
     # No encoder: its budget would be computed from the (absent) model.
     with mock.patch.object(vsched, "compute_encoder_budget", lambda **kw: (0, 0)):
-        return vsched.Scheduler(
+        return scheduler_class(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=structured_output_manager,

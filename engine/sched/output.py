@@ -65,6 +65,10 @@ class CachedRequestData:
     new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
+    # Asynchronous scheduling: requests scheduled while their previous step
+    # was in flight. Their num_computed_tokens counts every draft of that
+    # step as accepted; the runner, which verified them, knows better.
+    in_flight_req_ids: set[str] = field(default_factory=set)
 
     @property
     def num_reqs(self) -> int:
@@ -91,6 +95,10 @@ class SchedulerOutput:
     # Structured output: one mask row per constrained request that samples
     # this step (None when none does).
     grammar_bitmask: GrammarBitmask | None = None
+    # Asynchronous scheduling: constrained requests whose masks wait for the
+    # step in flight (Scheduler.fill_grammar_bitmask); the engine fills them
+    # before this step runs.
+    pending_grammar: list[Request] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -25,8 +25,9 @@ LoRA adapters too: at most ``max_loras`` distinct adapters run in a step; a
 waiting request that would add one more is skipped, not blocking the queue.
 
 Step by step the decisions equal vLLM 0.12.0's scheduler with the same
-config (asynchronous scheduling, pipeline parallelism and multimodal
-encoders aside).
+config (pipeline parallelism and multimodal encoders aside). The running
+loop counts output placeholders, which only AsyncScheduler
+(async_scheduler.py) creates.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from engine.structured_output.request import GrammarState
 if TYPE_CHECKING:
     from connectors.base import KVConnectorBase
     from connectors.kv_transfer_params import KVTransferParams
-    from engine.structured_output.manager import GrammarBitmask, StructuredOutputManager
+    from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class Scheduler(SchedulerInterface):
         self.num_preemptions = 0
         self.deadlock_breaker = DeadlockBreaker(self.kv_transfers)
         self.structured_output = structured_output
+        self.num_spec_tokens = num_spec_tokens
         self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
         self.max_loras = max_loras
         # Requests whose grammar failed to compile, ended during schedule():
@@ -281,16 +283,26 @@ class Scheduler(SchedulerInterface):
         while req_index < len(running) and plan.token_budget > 0:
             request = running[req_index]
             computed = request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if (
+                placeholders
+                and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens
+            ):
+                # Asynchronous scheduling: the step in flight reaches
+                # max_tokens even if all its drafts are rejected.
+                req_index += 1
+                continue
             num_spec = len(request.spec_token_ids)
-            num_new = len(request.all_token_ids) + num_spec - computed
+            num_new = len(request.all_token_ids) + num_spec + placeholders - computed
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > plan.token_budget:
                 num_new = plan.token_budget
-            # Drafts must leave room for the bonus token below max_model_len.
-            # (vLLM applies the -1 to every request, which leaves a prompt of
-            # exactly max_model_len tokens, chunked, unfinishable.)
-            room = max_model_len - computed - (1 if num_spec else 0)
+            # Drafts (and a token in flight) must leave room for the token
+            # sampled after them below max_model_len. (vLLM applies the -1
+            # to every request, which leaves a prompt of exactly
+            # max_model_len tokens, chunked, unfinishable.)
+            room = max_model_len - computed - (1 if num_spec or placeholders else 0)
             if num_new > room:
                 num_new = room
             if chunk_cap and num_new > chunk_cap:
@@ -377,7 +389,12 @@ class Scheduler(SchedulerInterface):
         self.waiting.prepend_request(request)
 
     def _schedule_spec_tokens(self, request: Request, num_new: int, plan: _StepPlan) -> None:
-        num_spec = num_new + request.num_computed_tokens - request.num_tokens
+        num_spec = (
+            num_new
+            + request.num_computed_tokens
+            - request.num_tokens
+            - request.num_output_placeholders
+        )
         if num_spec > 0:
             del request.spec_token_ids[num_spec:]
             plan.spec_decode_tokens[request.request_id] = request.spec_token_ids
@@ -584,7 +601,7 @@ class Scheduler(SchedulerInterface):
         )
         self._prev_step_scheduled = num_scheduled
         if self.structured_output is not None:
-            output.grammar_bitmask = self._grammar_bitmask(num_scheduled, plan.spec_decode_tokens)
+            self._plan_grammar_bitmask(output)
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         # Only now advance progress: the output (and the connector) saw where
@@ -592,25 +609,49 @@ class Scheduler(SchedulerInterface):
         requests = self.requests
         for req_id, num_tokens in num_scheduled.items():
             requests[req_id].num_computed_tokens += num_tokens
+        self._after_schedule(output)
         self.finished_req_ids = set()
         return output
 
-    def _grammar_bitmask(
-        self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]
-    ) -> GrammarBitmask | None:
-        """Masks for the constrained requests that sample this step (a
-        prompt chunk that does not reach the end samples nothing)."""
+    def _after_schedule(self, output: SchedulerOutput) -> None:
+        """Hook for AsyncScheduler: the step's progress has been counted."""
+
+    def _void_in_flight(self, request: Request) -> None:
+        """Hook for AsyncScheduler: ``request`` was rewound for
+        recomputation."""
+
+    def _plan_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The masks for the constrained requests that sample this step. A
+        request whose previous token is still in flight (asynchronous
+        scheduling) has a grammar that has not seen it: the whole mask
+        waits for ``fill_grammar_bitmask`` once that step's output is in."""
         assert self.structured_output is not None
         requests = self.requests
         sampling = [
             r
-            for rid, n in num_scheduled.items()
+            for rid, n in output.num_scheduled_tokens.items()
             if (r := requests[rid]).structured_output_request is not None
-            and r.num_computed_tokens + n >= r.num_tokens
+            and r.num_computed_tokens + n >= r.num_tokens + r.num_output_placeholders
         ]
         if not sampling:
-            return None
-        return self.structured_output.grammar_bitmask(sampling, drafts)
+            return
+        drafts = output.scheduled_spec_decode_tokens
+        if any(r.num_output_placeholders for r in sampling):
+            output.pending_grammar = sampling
+            return
+        output.grammar_bitmask = self.structured_output.grammar_bitmask(sampling, drafts)
+
+    def fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """Asynchronous scheduling: ``output``'s masks, once the output of
+        the step before it has advanced every grammar. Requests that ended
+        meanwhile get no row (their tokens from this step are dropped)."""
+        assert self.structured_output is not None
+        sampling = [r for r in output.pending_grammar if not r.is_finished()]
+        output.pending_grammar = []
+        if sampling:
+            output.grammar_bitmask = self.structured_output.grammar_bitmask(
+                sampling, output.scheduled_spec_decode_tokens
+            )
 
     def _make_cached_request_data(self, plan: _StepPlan) -> CachedRequestData:
         """Deltas for the running (then resumed) requests scheduled."""
@@ -630,7 +671,9 @@ class Scheduler(SchedulerInterface):
             blocks = new_blocks[req_id].blocks
             new_block_ids.append([b.block_id for b in blocks] if blocks else None)
             num_computed.append(req.num_computed_tokens)
-            num_output.append(len(req.output_token_ids))
+            num_output.append(len(req.output_token_ids) + req.num_output_placeholders)
+            if req.num_output_placeholders:
+                data.in_flight_req_ids.add(req_id)
         for req in plan.resumed_reqs:
             req_id = req.request_id
             data.req_ids.append(req_id)
@@ -657,11 +700,12 @@ class Scheduler(SchedulerInterface):
         outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
         # Running requests whose loaded KV was lost: rewound, tokens void.
         recovered = self.kv_transfers.output_received(kv_output, self.running, self.waiting)
+        for req_id in recovered:
+            self._void_in_flight(self.requests[req_id])
 
         stopped_running: set[Request] = set()
         stopped_preempted: set[Request] = set()
         requests = self.requests
-        max_model_len = self.max_model_len
         preempted = RequestStatus.PREEMPTED
         # The other hot loop: one pass per scheduled request per step.
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -674,7 +718,7 @@ class Scheduler(SchedulerInterface):
             new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
             if spec_tokens:
                 drafts = spec_tokens.get(req_id)
-                if drafts:
+                if drafts and not request.discard_latest_async_tokens:
                     self._rewind_rejected_drafts(request, len(drafts), len(new_token_ids))
                     if self.spec_stats is not None and new_token_ids:
                         self.spec_stats.observe_draft(len(drafts), len(new_token_ids) - 1)
@@ -691,11 +735,9 @@ class Scheduler(SchedulerInterface):
                     )
                 continue
             status_before = request.status
-            if len(new_token_ids) == 1:
-                request.append_output_token_id(new_token_ids[0])
-                stopped = check_stop(request, max_model_len)
-            else:
-                new_token_ids, stopped = self._append_tokens(request, new_token_ids, max_model_len)
+            new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+            if not new_token_ids:
+                continue  # discarded (asynchronous scheduling)
             so_request = request.structured_output_request
             if so_request is not None and so_request.grammar is not None:
                 stopped = self._advance_grammar(request, so_request.grammar, new_token_ids, stopped)
@@ -762,12 +804,25 @@ class Scheduler(SchedulerInterface):
             return True
         return False
 
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        """Append the step's tokens; returns those kept (cut after a stop)
+        and whether the request stopped."""
+        if len(new_token_ids) == 1:  # the common case, every request every step
+            request.append_output_token_id(new_token_ids[0])
+            return new_token_ids, check_stop(request, self.max_model_len)
+        return self._append_tokens(request, new_token_ids, self.max_model_len)
+
     @staticmethod
     def _rewind_rejected_drafts(request: Request, num_drafts: int, num_generated: int) -> None:
         # One sampled token per accepted draft, plus one bonus token.
         num_rejected = num_drafts - (num_generated - 1)
         if request.num_computed_tokens > 0:
             request.num_computed_tokens -= num_rejected
+        # Asynchronous scheduling counted the drafts as placeholders too.
+        if request.num_output_placeholders > 0:
+            request.num_output_placeholders -= num_rejected
 
     @staticmethod
     def _append_tokens(
@@ -845,7 +900,13 @@ class Scheduler(SchedulerInterface):
         if reset_running_requests:
             # Last first, so they return to the queue in their running order.
             while self.running:
-                self._preempt_request(self.running.pop())
+                request = self.running.pop()
+                self._preempt_request(request)
+                # Asynchronous scheduling: a step in flight would hand back a
+                # token the recomputation samples again: drop it.
+                if request.num_output_placeholders:
+                    request.num_output_placeholders = 0
+                    request.discard_latest_async_tokens = True
             self._prev_step_scheduled = {}
         ok = self.kv_cache_manager.reset_prefix_cache()
         if reset_running_requests and not ok:

@@ -104,6 +104,10 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         self.num_spec_tokens = 0
         self._drafts: DraftTokenIds | None = None
+        # Asynchronous scheduling: the last step's drafts and rejections per
+        # request, for a step the scheduler planned before seeing them.
+        self._proposed: dict[str, list[int]] = {}
+        self._rejected: dict[str, int] = {}
         # LoRA adapters' device slots (set by attach_lora); None: LoRA off.
         self.lora: LoRASlots | None = None
 
@@ -146,7 +150,14 @@ class ModelRunner:
             batch.group_by_lora()  # before drafts go in past the tokens
         if self.proposer is not None:
             self._reset_proposer(so)
-        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+        spec = so.scheduled_spec_decode_tokens
+        for req_id, drafts in spec.items():
+            if drafts and drafts[0] < 0:
+                # Placeholders (asynchronous scheduling): this runner proposed
+                # them after the last step. Padding is verified (and almost
+                # always rejected) like any draft.
+                own = self._proposed.get(req_id, [])[: len(drafts)]
+                drafts = spec[req_id] = own + [own[-1] if own else 0] * (len(drafts) - len(own))
             batch.set_drafts(batch.req_id_to_index[req_id], drafts)
 
     def _reset_proposer(self, so: SchedulerOutput) -> None:
@@ -185,9 +196,12 @@ class ModelRunner:
 
     def _apply_cached(self, data: CachedRequestData) -> None:
         batch = self.batch
+        rejected = self._rejected
         for i, req_id in enumerate(data.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = data.num_computed_tokens[i]
+            if rejected and req_id in data.in_flight_req_ids:
+                state.num_computed_tokens -= rejected.get(req_id, 0)
             new_blocks = data.new_block_ids[i]
             if req_id in data.resumed_req_ids:
                 state.block_ids = list(new_blocks or [])
@@ -328,6 +342,7 @@ class ModelRunner:
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
+        self._rejected = {}
         if so.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         inputs = self.prepare_inputs(so)
@@ -434,7 +449,12 @@ class ModelRunner:
         assert inputs.drafts is not None
         batch = self.batch
         result = verify_drafts(logits, batch, inputs.sample_rows, inputs.drafts, self.device)
-        for row, tokens in zip(inputs.sample_rows.tolist(), result.tokens, strict=True):
+        rejected = self._rejected
+        for row, tokens, drafts in zip(
+            inputs.sample_rows.tolist(), result.tokens, inputs.drafts.drafts, strict=True
+        ):
+            if len(tokens) <= len(drafts):
+                rejected[batch.req_ids[row]] = len(drafts) + 1 - len(tokens)
             sampled[row] = tokens
             batch.states[row].token_ids.extend(tokens)
             batch.append_tokens(row, tokens)
@@ -452,7 +472,9 @@ class ModelRunner:
         left = max_tokens - (batch.num_tokens[sample_rows] - batch.output_start[sample_rows])
         caps = np.clip(left - 1, 0, self.num_spec_tokens)
         drafts = self.proposer.propose(ProposeInputs(batch, sample_rows, caps))
-        self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
+        req_ids = [s.req_id for s in states]
+        self._drafts = DraftTokenIds(req_ids, drafts)
+        self._proposed = dict(zip(req_ids, drafts, strict=True))
 
     def _sample(
         self,

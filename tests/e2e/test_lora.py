@@ -5,8 +5,8 @@ Four adapters made with peft, once a session (tests/lora_adapters.py; ranks
 Tandem's greedy output under each equals peft's generate() token for token;
 one batch mixing three adapters and base-model requests gives each request
 its own reference; with max_loras = 2 (and a host cache of 2, so adapters
-are read from disk again) no step runs more than two adapters and every
-request still gets its reference; and the prefix cache never serves one
+are read from disk again; with asynchronous scheduling) no step runs more
+than two adapters and every request still gets its reference; and the prefix cache never serves one
 adapter's KV to another.
 """
 
@@ -45,8 +45,10 @@ def reference(
     return lora_reference
 
 
-def _loaded(config: LoRAConfig, adapters: dict[str, Path]) -> LLM:
-    llm = LLM(max_model_len=256, kv_cache_memory=2**26, lora=config)
+def _loaded(config: LoRAConfig, adapters: dict[str, Path], async_scheduling: bool = False) -> LLM:
+    llm = LLM(
+        max_model_len=256, kv_cache_memory=2**26, lora=config, async_scheduling=async_scheduling
+    )
     for name, path in adapters.items():
         llm.load_lora(name, str(path))
     return llm
@@ -81,7 +83,10 @@ def test_one_batch_mixes_adapters_and_base_rows(llm, prompts, reference):
 
 
 def test_max_loras_two_with_four_adapters(adapters, prompts, reference):
-    llm = _loaded(LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=2), adapters)
+    # Asynchronous scheduling too: adapters move into device slots on the
+    # runner thread while the engine thread schedules the next step.
+    config = LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=2)
+    llm = _loaded(config, adapters, async_scheduling=True)
     step_sets: list[set[int]] = []
     schedule = llm.core.scheduler.schedule
 

@@ -147,7 +147,14 @@ def _pd_stack(
 @pytest.fixture(scope="module")
 def redis_pd(redis_server: RedisServer) -> Iterator[tuple[str, str, str]]:
     extra = {"url": redis_server.url, "key_prefix": f"t{uuid.uuid4().hex[:6]}:"}
-    yield from _pd_stack(_kv("redis", "kv_producer", extra), _kv("redis", "kv_consumer", extra))
+    # Both pods schedule asynchronously: every test over this stack checks
+    # outputs equal the colocated (synchronous) server's.
+    yield from _pd_stack(
+        _kv("redis", "kv_producer", extra), _kv("redis", "kv_consumer", extra), ASYNC
+    )
+
+
+ASYNC = ("--async-scheduling",)
 
 
 @pytest.fixture(scope="module")
@@ -616,7 +623,8 @@ def test_pd_faults_over_redis(
     pre = ServerProcess(["--role", "prefill", *SMALL, *_kv("redis", "kv_producer", extra)])
     # Blocks that never come are given up on after 2 s (not the default 10).
     consumer = _kv("redis", "kv_consumer", {**extra, "load_wait_seconds": 2})
-    dec = ServerProcess(["--role", "decode", *SMALL, *consumer])
+    # Asynchronous scheduling: lost loads rewind requests with a step in flight.
+    dec = ServerProcess(["--role", "decode", *SMALL, *consumer, *ASYNC])
     with launched(pre), dec:  # both start at once
         pre.wait_started()
         _faults(pre, dec, redis_server, server, reference, extra)

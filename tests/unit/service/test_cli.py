@@ -24,9 +24,10 @@ def test_serve_flags_reach_the_engine_config() -> None:
     args = _serve_args(
         "--dtype", "bfloat16", "--kv-cache-memory", "512M", "--max-num-seqs", "8",
         "--max-num-batched-tokens", "256", "--block-size", "32", "--no-prefix-caching",
-        "--scheduling-policy", "priority", "--max-model-len", "1024",
+        "--scheduling-policy", "priority", "--max-model-len", "1024", "--async-scheduling",
     )  # fmt: skip
     config = cli.engine_config_from_args(args)
+    assert config.scheduler.async_scheduling
     assert config.model.dtype == "bfloat16"
     assert config.model.kv_cache_memory == 512 * 2**20
     assert config.model.max_model_len == 1024
@@ -40,6 +41,7 @@ def test_serve_defaults() -> None:
     args = _serve_args()
     assert (args.host, args.port, args.role) == ("127.0.0.1", 50051, "both")
     assert args.model is None  # the embedded default model
+    assert not cli.engine_config_from_args(args).scheduler.async_scheduling  # off by default
 
 
 def test_quantization_flags_reach_the_model_config() -> None:

@@ -114,6 +114,36 @@ def check_invariants(sched: Scheduler, scheduled: dict[str, int]) -> None:
     assert pool.get_num_free_blocks() == len(free_ids)
 
 
+def arrive_and_abort(
+    sched: Scheduler,
+    step_no: int,
+    specs: list[Spec],
+    aborts: list[tuple[int, int]],
+    requests: dict[str, Request],
+    aborted: set[str],
+) -> None:
+    """The trace's events before step ``step_no``: arrivals, then aborts
+    (recorded in ``requests`` and ``aborted``)."""
+    for i, spec in enumerate(specs):
+        if spec.arrival == step_no:
+            req = make_request(
+                f"r{i}",
+                spec.prompt,
+                max_tokens=spec.max_tokens,
+                min_tokens=spec.min_tokens,
+                priority=spec.priority,
+                arrival_time=spec.arrival,
+                ignore_eos=spec.ignore_eos,
+            )
+            requests[req.request_id] = req
+            sched.add_request(req)
+    for at, idx in aborts:
+        rid = f"r{idx}"
+        if at == step_no and rid in requests and not requests[rid].is_finished():
+            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            aborted.add(rid)
+
+
 def run_trace(
     config: dict[str, Any],
     specs: list[Spec],
@@ -126,24 +156,7 @@ def run_trace(
     aborted: set[str] = set()
     pending_recv: set[str] = set()
     for step_no in range(1500):
-        for i, spec in enumerate(specs):
-            if spec.arrival == step_no:
-                req = make_request(
-                    f"r{i}",
-                    spec.prompt,
-                    max_tokens=spec.max_tokens,
-                    min_tokens=spec.min_tokens,
-                    priority=spec.priority,
-                    arrival_time=spec.arrival,
-                    ignore_eos=spec.ignore_eos,
-                )
-                requests[req.request_id] = req
-                sched.add_request(req)
-        for at, idx in aborts:
-            rid = f"r{idx}"
-            if at == step_no and rid in requests and not requests[rid].is_finished():
-                sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-                aborted.add(rid)
+        arrive_and_abort(sched, step_no, specs, aborts, requests, aborted)
         kv_out = None
         if connector is not None and faults is not None:
             kv_out = fault_output(sched, faults, pending_recv)
