@@ -396,16 +396,23 @@ def test_api_key_required_except_for_health(own: ServerProcess) -> None:
     assert own.health() == health_pb2.HealthCheckResponse.SERVING
 
 
+DRAIN_TOKENS = 256
+
+
 def test_drain_finishes_in_flight_then_exits_zero(own: ServerProcess) -> None:
     async def go() -> list[pb.GenerateResponse]:
         async with TandemClient(own.target, api_key=KEY) as client:
+            # Long enough to be still running while the checks below run
+            # (48 tokens once ended, and the server with them, in 0.5 s).
             call = client.generate_call(
-                make_request(text="Tell a story.", max_tokens=48, ignore_eos=True)
+                make_request(text="Tell a story.", max_tokens=DRAIN_TOKENS, ignore_eos=True)
             )
             first = await call.read()
             own.signal_drain()
-            await asyncio.sleep(0.5)
-            assert own.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+            deadline = time.monotonic() + 5
+            while own.health() != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "health never turned NOT_SERVING"
+                await asyncio.sleep(0.05)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await _collect(client, text="late", max_tokens=2)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -413,7 +420,7 @@ def test_drain_finishes_in_flight_then_exits_zero(own: ServerProcess) -> None:
 
     chunks = asyncio.run(go())
     assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert sum(len(c.token_ids) for c in chunks) == 48
+    assert sum(len(c.token_ids) for c in chunks) == DRAIN_TOKENS
     assert own.proc is not None
     assert own.proc.wait(timeout=60) == 0
 
