@@ -14,6 +14,12 @@ forward that the pipeline does not hide), as a share of the step.
 
     .venv/bin/python benchmarks/async_scheduling_bench.py --rounds 2
     .venv/bin/python benchmarks/async_scheduling_bench.py --quick
+
+``--serving`` runs the same comparison through the service instead: per
+round and mode a ``tandem serve`` (with or without ``--async-scheduling``)
+and ``tandem bench --server`` against it at rate inf with 1, 16 and 64
+requests; it reports the service's output tokens/s, the ITL p50 and the
+server's step p50.
 """
 
 from __future__ import annotations
@@ -92,6 +98,64 @@ def _child(mode: str, concurrencies: list[int], max_tokens: int, threads: int) -
     llm.core.shutdown()
 
 
+def _serve_and_bench(mode: str, args: argparse.Namespace) -> list[RunResult]:
+    """One ``tandem serve`` for ``mode``; ``tandem bench`` against it per
+    concurrency."""
+    import socket
+    import tempfile
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tandem = str(Path(sys.executable).parent / "tandem")
+    flags = ["--async-scheduling"] if mode == "async" else []
+    server = subprocess.Popen(
+        [tandem, "serve", "--port", str(port), "--max-model-len", "1024", *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    target = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            with grpc.insecure_channel(target) as channel:
+                try:
+                    status = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=2
+                    )
+                    if status.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError(f"the {mode} server did not start")
+            time.sleep(0.5)
+        results = []
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "bench.json"
+                cmd = [tandem, "bench", "--server", target, "--rates", "inf", "--no-offline"]
+                cmd += ["--num-requests", str(c), "--max-tokens", str(args.max_tokens)]
+                subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True)
+                rate = json.loads(out.read_text())["rates"][0]
+            results.append(
+                RunResult(
+                    concurrency=c,
+                    tokens_per_s=rate["throughput_tok_s"],
+                    itl_ms=rate["itl_p50_ms"],
+                    step_ms=rate["server_step_p50_ms"],
+                    gap_ms=float("nan"),  # the service does not report it
+                )
+            )
+        return results
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def _load() -> str:
     one, five, _ = os.getloadavg()
     return f"load {one:.2f} (5 min {five:.2f})"
@@ -116,6 +180,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 round, concurrency 1,4, 16 tokens")
+    parser.add_argument("--serving", action="store_true", help="through tandem serve/bench")
     parser.add_argument("--child", choices=["sync", "async"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -128,7 +193,7 @@ def main() -> None:
     for r in range(args.rounds):
         for mode in runs:
             before = _load()
-            res = _run(mode, args)
+            res = _serve_and_bench(mode, args) if args.serving else _run(mode, args)
             runs[mode].append(res)
             for x in res:
                 print(
