@@ -178,7 +178,15 @@ class ModelConfig:
     quantization: str = "auto"
     # Quantized weights multiply int8-rounded activations (faster, less exact).
     int8_activations: bool = False
+    # The KV cache's element type: "auto" is the model's dtype; a narrower one
+    # holds more tokens in the same memory (rows rounded when written).
+    kv_cache_dtype: str = "auto"
     seed: int = 0
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype name, ``auto`` resolved."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def __post_init__(self) -> None:
         _require(
@@ -188,6 +196,12 @@ class ModelConfig:
             "'float32', 'bfloat16' or 'float16'",
         )
         _require(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto|cpu|cuda")
+        _require(
+            self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            "'auto', 'float32', 'bfloat16' or 'float16'",
+        )
         _require(
             self.quantization in ("auto", "none", "gguf", "int8", "bf16"),
             "quantization",

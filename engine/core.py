@@ -110,7 +110,7 @@ class EngineCore:
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             block_size=self.config.cache.block_size,
-            dtype=self.config.model.dtype,
+            dtype=self.config.model.cache_dtype,
         )
         return ConnectorContext(
             self.config.kv_transfer, self.worker.info.model_name, layout, self.engine_id

@@ -8,8 +8,9 @@ ops per call because it runs for every layer of every step:
   `[num_seqs, max_len, num_kv_heads, head_dim]` K and V, and a single
   `scaled_dot_product_attention` call masks each sequence to its own length.
   Query heads are viewed as `[num_kv_heads, group]` rows of one KV head, so
-  GQA needs no repeated K/V. For float32 caches the compiled kernel of
-  `kernels.cpu_kernels` replaces both when it builds: it reads each K/V row
+  GQA needs no repeated K/V. For float32 queries over float32 or bfloat16
+  caches the compiled kernel of `kernels.cpu_kernels` replaces both when it
+  builds: it reads each K/V row
   once, in place, instead of gathering first.
 * prefill chunks (few per step, many tokens each) go one sequence at a time,
   each over exactly its own context with a causal mask shifted by its cached
@@ -39,6 +40,9 @@ import torch.nn.functional as F
 
 from kernels import cpu_kernels
 from kernels.metadata import AttentionMetadata
+
+# Caches the compiled CPU kernels read and write (queries and keys float32).
+COMPILED_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def reshape_and_cache(
@@ -268,21 +272,38 @@ def _decode(
     kv = _gather_blocks(kv_cache, plan.gather_rows)
     kv = kv.view(2, plan.num_seqs, plan.padded_len, num_kv_heads, head_dim)
     # [seqs, kv_heads, group, dim]: a KV head's query heads become its rows.
-    q = query.to(kv_cache.dtype).reshape(plan.num_seqs, num_kv_heads, -1, head_dim)
+    dtype = torch.promote_types(query.dtype, kv_cache.dtype)
+    kv = kv.to(dtype)
+    q = query.to(dtype).reshape(plan.num_seqs, num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
-        q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=plan.mask, scale=scale
+        q,
+        kv[0].transpose(1, 2),
+        kv[1].transpose(1, 2),
+        attn_mask=_mask_as(plan.mask, dtype),
+        scale=scale,
     )
     return out.reshape(plan.num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _mask_as(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A plan's additive mask (built in the cache's dtype) in the dtype
+    attention computes in: they differ when the cache is narrower than the
+    model (--kv-cache-dtype). Boolean masks pass as they are."""
+    if mask is None or mask.dtype in (dtype, torch.bool):
+        return mask
+    return mask.to(dtype)
 
 
 def _compiled_cache_write(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor
 ) -> ModuleType | None:
-    """The compiled module when its cache write applies: float32 on CPU, each
-    token's heads adjacent in key and value (views of one qkv buffer)."""
+    """The compiled module when its cache write applies: float32 rows into a
+    float32 or bfloat16 CPU cache, each token's heads adjacent in key and
+    value (views of one qkv buffer)."""
     if not (
         kv_cache.device.type == "cpu"
-        and kv_cache.dtype == key.dtype == value.dtype == torch.float32
+        and key.dtype == value.dtype == torch.float32
+        and kv_cache.dtype in COMPILED_CACHE_DTYPES
         and kv_cache.is_contiguous()
         and key.stride(-1) == 1
         and key.stride(1) == key.shape[2]
@@ -296,7 +317,8 @@ def _compiled_cache_write(
 def _compiled_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> ModuleType | None:
     if not (
         kv_cache.device.type == "cpu"
-        and kv_cache.dtype == query.dtype == torch.float32
+        and query.dtype == torch.float32
+        and kv_cache.dtype in COMPILED_CACHE_DTYPES
         and kv_cache.is_contiguous()
         and query.stride(-1) == 1
         and query.shape[-1] in cpu_kernels.HEAD_DIMS
@@ -314,15 +336,18 @@ def _prefill(
     kv = _gather_blocks(kv_cache, plan.gather_rows)
     kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : plan.seq_len]
     # 4-d [1, heads, len, dim]: 3-d inputs miss the CPU flash kernel and fall
-    # back to materialising the whole score matrix.
-    q = query.to(kv_cache.dtype).transpose(0, 1)[None]
+    # back to materialising the whole score matrix. A cache narrower than the
+    # model (--kv-cache-dtype) is widened: attention runs in the model's dtype.
+    dtype = torch.promote_types(query.dtype, kv_cache.dtype)
+    kv = kv.to(dtype)
+    q = query.to(dtype).transpose(0, 1)[None]
     k, v = kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None]
     gqa = num_heads != num_kv_heads
     out = F.scaled_dot_product_attention(
         q,
         k,
         v,
-        attn_mask=plan.mask,
+        attn_mask=_mask_as(plan.mask, dtype),
         is_causal=plan.mask is None,
         scale=scale,
         enable_gqa=gqa,

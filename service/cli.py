@@ -120,6 +120,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--gpu-memory-utilization of free memory on CUDA)",
     )
     m.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the KV cache's element type; auto: the model's --dtype (bfloat16 holds twice "
+        "the tokens of float32 in the same memory; default: auto)",
+    )
+    m.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -495,6 +502,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             dtype=args.dtype,
             quantization=args.quantization,
             int8_activations=args.int8_activations,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,

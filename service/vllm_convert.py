@@ -337,6 +337,7 @@ class ServerFacts:
     block_size: int
     dtype: str
     max_num_seqs: int
+    kv_cache_dtype: str = "auto"  # as --kv-cache-dtype says (vLLM's spelling)
 
 
 # The role names vLLM's kv_transfer_config uses.
@@ -354,7 +355,7 @@ def server_info(facts: ServerFacts, status: EngineStatus) -> vpb.GetServerInfoRe
         kv_role=KV_ROLES[facts.role] if connected else "",
         kv_engine_id=facts.engine_id if connected else "",
         data_parallel_size=1,
-        kv_cache_dtype="auto",
+        kv_cache_dtype=facts.kv_cache_dtype,
         block_size=facts.block_size,
         model_dtype=f"torch.{facts.dtype}",
         max_num_seqs=facts.max_num_seqs,

@@ -205,6 +205,7 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
             block_size=config.cache.block_size,
             dtype=config.model.dtype,
             max_num_seqs=config.scheduler.max_num_seqs,
+            kv_cache_dtype=config.model.kv_cache_dtype,
         )
         return convert.server_info(facts, engine.status())
 

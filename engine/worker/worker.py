@@ -57,6 +57,8 @@ class WorkerInfo:
     weight_format: str = "float32"
     # None: LoRA is off.
     lora: LoRAConfig | None = None
+    # The KV cache's element type ('float32', 'bfloat16', 'float16').
+    kv_cache_dtype: str = "float32"
 
 
 class Worker:
@@ -78,12 +80,9 @@ class Worker:
         max_model_len = spec.max_position_embeddings
         if model_config.max_model_len is not None:
             max_model_len = min(max_model_len, model_config.max_model_len)
+        cache_dtype = _DTYPES[model_config.cache_dtype]
         shape = KVCacheShape(
-            spec.num_layers,
-            spec.num_kv_heads,
-            spec.head_dim,
-            cache_config.block_size,
-            _DTYPES[model_config.dtype],
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, cache_config.block_size, cache_dtype
         )
         # A draft model loads before the budget is taken, and its KV cache
         # shares it: every block has the target's KV and the draft's.
@@ -98,10 +97,11 @@ class Worker:
             budget = budget * per_block // (per_block + draft[1].bytes_per_block)
         num_blocks = cache_config.num_blocks_override or num_blocks_for_budget(shape, budget)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB) on %s, attention backend %s",
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %s) on %s, attention backend %s",
             num_blocks,
             cache_config.block_size,
             num_blocks * shape.bytes_per_block / 2**20,
+            model_config.cache_dtype,
             self.device,
             self.backend.name,
         )
@@ -132,6 +132,7 @@ class Worker:
             eos_token_id=eos,
             spec=spec,
             lora=lora,
+            kv_cache_dtype=model_config.cache_dtype,
         )
 
     def _proposer(
@@ -176,7 +177,7 @@ class Worker:
                 f"has {draft.spec.vocab_size} tokens, the target's {target.vocab_size}"
             )
         d = draft.spec
-        dtype = _DTYPES[model_config.dtype]
+        dtype = _DTYPES[model_config.cache_dtype]
         return draft, KVCacheShape(d.num_layers, d.num_kv_heads, d.head_dim, block_size, dtype)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -57,27 +57,54 @@ void check_weight(const at::Tensor& t, const char* what) {
               what, " must be a contiguous float32 CPU tensor");
 }
 
-// Each token's new K and V rows (row_floats each, at key/value + t * stride)
-// into the cache's slot for it: a plain copy, as index_copy_ would do.
-void copy_into_slots(float* k_cache, float* v_cache, int64_t num_slots, int64_t row_floats,
-                     const float* key, const float* value, int64_t stride,
-                     const int64_t* slot, int64_t T) {
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache");
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(k_cache + slot[t] * row_floats, key + t * stride, row_floats * sizeof(float));
-    std::memcpy(v_cache + slot[t] * row_floats, value + t * stride, row_floats * sizeof(float));
+// One float32 row into a cache row of element type T: a copy for float, a
+// round-to-nearest-even narrowing for bfloat16 (as Tensor.to does).
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
   }
+}
+
+// Each token's new K and V rows (row_floats each, at key/value + t * stride)
+// into the cache's slot for it, as index_copy_ would do.
+template <typename T>
+void copy_into_slots(T* k_cache, T* v_cache, int64_t num_slots, int64_t row_floats,
+                     const float* key, const float* value, int64_t stride, const int64_t* slot,
+                     int64_t num_tokens) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache");
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    store_row(k_cache + slot[t] * row_floats, key + t * stride, row_floats);
+    store_row(v_cache + slot[t] * row_floats, value + t * stride, row_floats);
+  }
+}
+
+// K and V rows (float32, token t's at key/value + t * stride) into a float32
+// or bfloat16 cache [2, blocks, block_size, heads, dim].
+void copy_rows_into_cache(const at::Tensor& kv_cache, const float* key, const float* value,
+                          int64_t stride, const int64_t* slot, int64_t num_tokens) {
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    auto* k_cache = static_cast<c10::BFloat16*>(kv_cache.data_ptr());
+    copy_into_slots(k_cache, k_cache + num_slots * row, num_slots, row, key, value, stride, slot,
+                    num_tokens);
+    return;
+  }
+  float* k_cache = kv_cache.data_ptr<float>();
+  copy_into_slots(k_cache, k_cache + num_slots * row, num_slots, row, key, value, stride, slot,
+                  num_tokens);
 }
 
 void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tensor& slots,
               int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
   const int64_t row = kv_heads * head_dim;
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  float* k_cache = kv_cache.data_ptr<float>();
   const float* key = qkv.data_ptr<float>() + q_heads * head_dim;
-  copy_into_slots(k_cache, k_cache + num_slots * row, num_slots, row, key, key + row,
-                  qkv.stride(0), slots.data_ptr<int64_t>(), qkv.size(0));
+  copy_rows_into_cache(kv_cache, key, key + row, qkv.stride(0), slots.data_ptr<int64_t>(),
+                       qkv.size(0));
 }
 
 }  // namespace
@@ -188,12 +215,15 @@ at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::T
   return out;
 }
 
-// The torch backend's reshape_and_cache for float32 CPU caches: one call per
-// layer instead of two index_copy_ calls (~40 us each at decode batch 64).
+// The torch backend's reshape_and_cache for float32 keys into float32 or
+// bfloat16 CPU caches: one call per layer instead of two index_copy_ calls
+// (~40 us each at decode batch 64).
 void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping) {
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() &&
-                  kv_cache.dim() == 5,
-              "kv_cache must be a contiguous float32 [2, blocks, block_size, heads, dim] tensor");
+  TORCH_CHECK((kv_cache.scalar_type() == at::kFloat ||
+               kv_cache.scalar_type() == at::kBFloat16) &&
+                  kv_cache.is_contiguous() && kv_cache.dim() == 5,
+              "kv_cache must be a contiguous float32 or bfloat16 [2, blocks, block_size, heads, "
+              "dim] tensor");
   const int64_t T = key.size(0), heads = kv_cache.size(3), dim = kv_cache.size(4);
   for (const at::Tensor* t : {&key, &value})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == T &&
@@ -203,8 +233,6 @@ void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == T,
               "slot_mapping must be contiguous int64, one per token");
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), row = heads * dim;
-  float* k_cache = kv_cache.data_ptr<float>();
-  copy_into_slots(k_cache, k_cache + num_slots * row, num_slots, row, key.data_ptr<float>(),
-                  value.data_ptr<float>(), key.stride(0), slot_mapping.data_ptr<int64_t>(), T);
+  copy_rows_into_cache(kv_cache, key.data_ptr<float>(), value.data_ptr<float>(), key.stride(0),
+                       slot_mapping.data_ptr<int64_t>(), T);
 }

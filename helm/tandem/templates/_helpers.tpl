@@ -157,7 +157,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- /* Values are float64 in templates: integers are printed through int64. */}}
 {{- $intFlags := dict "maxModelLen" "--max-model-len" "blockSize" "--block-size" "maxNumSeqs" "--max-num-seqs" "maxNumBatchedTokens" "--max-num-batched-tokens" "maxWaitingRequests" "--max-waiting-requests" }}
-{{- $flags := dict "dtype" "--dtype" "quantization" "--quantization" "device" "--device" "kvCacheMemory" "--kv-cache-memory" "gpuMemoryUtilization" "--gpu-memory-utilization" "attentionBackend" "--attention-backend" "kvEventsEndpoint" "--kv-events-endpoint" "kvEventsReplayEndpoint" "--kv-events-replay-endpoint" "kvEventsTopic" "--kv-events-topic" }}
+{{- $flags := dict "dtype" "--dtype" "quantization" "--quantization" "device" "--device" "kvCacheMemory" "--kv-cache-memory" "kvCacheDtype" "--kv-cache-dtype" "gpuMemoryUtilization" "--gpu-memory-utilization" "attentionBackend" "--attention-backend" "kvEventsEndpoint" "--kv-events-endpoint" "kvEventsReplayEndpoint" "--kv-events-replay-endpoint" "kvEventsTopic" "--kv-events-topic" }}
 {{- range $key := keys $intFlags | sortAlpha }}
 {{- if hasKey $e $key }}
 {{- $args = concat $args (list (get $intFlags $key) (toString (int64 (get $e $key)))) }}
@@ -169,7 +169,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 {{- /* Switches: the flag alone when true. */}}
-{{- $switches := dict "int8Activations" "--int8-activations" }}
+{{- $switches := dict "int8Activations" "--int8-activations" "asyncScheduling" "--async-scheduling" }}
 {{- range $key := keys $switches | sortAlpha }}
 {{- if get $e $key }}
 {{- $args = concat $args (list (get $switches $key)) }}

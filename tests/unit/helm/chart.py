@@ -70,6 +70,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "device": "cpu",
             "maxModelLen": 2048,
             "kvCacheMemory": "2G",
+            "kvCacheDtype": "bfloat16",
+            "asyncScheduling": True,
             "blockSize": 32,
             "maxNumSeqs": 64,
             "maxNumBatchedTokens": 1_000_000,

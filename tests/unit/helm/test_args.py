@@ -116,6 +116,8 @@ def test_engine_values_reach_the_flags() -> None:
         assert config.model.quantization == "int8"
         assert config.model.max_model_len == 2048
         assert config.model.kv_cache_memory == 2 * 2**30
+        assert config.model.kv_cache_dtype == "bfloat16"
+        assert config.scheduler.async_scheduling
         assert config.cache.block_size == 32
         assert not config.cache.enable_kv_events  # engine.extraArgs
         kv = config.kv_transfer

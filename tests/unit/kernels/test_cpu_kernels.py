@@ -44,6 +44,34 @@ def test_decode_kernel_matches_reference(kernel, shape: Shape) -> None:
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: s.label)
+def test_decode_kernel_over_a_bfloat16_cache(kernel, shape: Shape) -> None:
+    """--kv-cache-dtype bfloat16: float32 queries over bfloat16 K/V rows,
+    widened as they are read; the reference attends over the same rows
+    widened to float32 first."""
+    torch.manual_seed(7)
+    batch = make_batch(shape, dtype=torch.bfloat16)
+    scale = shape.head_dim**-0.5
+    query = batch.query.float()
+    want = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, scale)
+    got = torch.empty_like(query)
+    meta = batch.meta
+    kernel.decode_attention(got, query, batch.kv_cache, meta.block_table, meta.seq_lens, scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_cache_kv_into_a_bfloat16_cache_rounds_as_torch(kernel) -> None:
+    heads, kv_heads, dim, tokens = 3, 1, 64, 5
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)
+    key, value = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    cache = torch.zeros(2, 4, 16, kv_heads, dim, dtype=torch.bfloat16)
+    slots = torch.tensor([3, 17, 63, 0, 40])
+    want = cache.clone()
+    reference.reshape_and_cache(key, value, want, slots)  # index_copy_ of .to(bfloat16)
+    kernel.cache_kv(cache, key, value, slots)
+    assert torch.equal(cache, want)
+
+
 def test_strided_query_rows_as_the_model_passes_them(kernel) -> None:
     # The model hands attention a view into the fused qkv output.
     shape = DECODE_SHAPES[-2]

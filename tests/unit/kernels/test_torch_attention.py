@@ -30,6 +30,21 @@ def test_paged_attention_matches_reference(shape: Shape, dtype: torch.dtype) -> 
     assert err <= TOLERANCES[dtype], err
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.label)
+def test_float32_queries_over_a_narrower_cache(shape: Shape, cache_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype: attention computes in float32 over the cache's rows
+    widened, decodes and prefill chunks alike (masks follow the compute
+    dtype)."""
+    batch = make_batch(shape, dtype=cache_dtype, seed=11)
+    query = batch.query.float()
+    scale = shape.head_dim**-0.5
+    want = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, scale)
+    got = torch_attention.paged_attention(query, batch.kv_cache, batch.meta, scale)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
 def test_all_decode_batch_not_flagged_decode_only() -> None:
     batch = make_batch(SHAPES[1])
     meta = dataclasses.replace(batch.meta, decode_only=False)

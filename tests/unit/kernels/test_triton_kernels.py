@@ -35,6 +35,8 @@ class AttentionCase:
     poisoned: bool = False
     # Query as a head slice of a fused QKV projection (token stride > heads * dim).
     strided_query: bool = False
+    # A float32 model over a cache of `dtype` (--kv-cache-dtype); None: the same.
+    query_dtype: torch.dtype | None = None
 
 
 ATTENTION_CASES = (
@@ -49,6 +51,14 @@ ATTENTION_CASES = (
     AttentionCase("strided-query", SHAPES[4], strided_query=True),
     AttentionCase("bf16", SHAPES[3], dtype=torch.bfloat16, tol=3e-2),
     AttentionCase("fp16", SHAPES[4], dtype=torch.float16, tol=4e-3),
+    # The kernel computes in the cache's dtype: bf16 precision on GPU.
+    AttentionCase(
+        "fp32-query-bf16-cache",
+        SHAPES[3],
+        dtype=torch.bfloat16,
+        tol=3e-2,
+        query_dtype=torch.float32,
+    ),
 )
 
 RESHAPE_CASES = ("fp32", "strided-key", "bf16", "negative-slot")
@@ -60,14 +70,16 @@ def _attention_error(case: AttentionCase) -> float:
     pad, fill = (2**30, float("nan")) if case.poisoned else (-1, 0.0)
     batch = make_batch(case.shape, dtype=case.dtype, seed=5, block_table_pad=pad, unused_fill=fill)
     scale = case.shape.head_dim**-0.5
-    want = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, scale)
-    query = batch.query
+    query, cache = batch.query, batch.kv_cache
+    if case.query_dtype is not None:
+        query, cache = query.to(case.query_dtype), cache.to(case.query_dtype)
+    want = reference.paged_attention(query, cache, batch.meta, scale)
     if case.strided_query:
         query = torch.cat([query, torch.zeros_like(query)], dim=1)[:, : query.shape[1]]
     got = triton_attention.paged_attention(
         query, batch.kv_cache, batch.meta, scale, num_kv_splits=case.splits
     )
-    assert got.dtype == case.dtype and got.shape == want.shape
+    assert got.dtype == (case.query_dtype or case.dtype) and got.shape == want.shape
     return (got.float() - want.float()).abs().max().item()
 
 
