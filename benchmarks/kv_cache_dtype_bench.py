@@ -1,0 +1,76 @@
+"""The KV cache in bfloat16 against float32 (``--kv-cache-dtype``).
+
+Decode over long contexts, where attention reads the most cache: 1 and 16
+requests with prompts of ``--prompt`` random tokens, 128 output tokens each
+(greedy, EOS ignored), on the default model. Both engines live in this
+process and run alternately (float32, bfloat16, float32, ...); the prefix
+cache is reset before each run. Reports decode tokens/s (the output tokens
+after the first, over the time after the first token) and the ratio per
+round.
+
+    .venv/bin/python benchmarks/kv_cache_dtype_bench.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+
+from engine.llm import LLM  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    """Decode tokens/s: the run's output tokens after the first, over its time
+    less that of a separate run to the first token (the prefill)."""
+    llm.core.scheduler.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    prefill = time.perf_counter() - start
+    llm.core.scheduler.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start - prefill
+    return sum(len(o.token_ids) - 1 for o in outs) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=1536)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    engines = {
+        dtype: LLM(max_model_len=2048, kv_cache_dtype=dtype, max_num_batched_tokens=8192)
+        for dtype in ("float32", "bfloat16")
+    }
+    vocab = engines["float32"].core.info.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt)] for _ in range(16)]
+    for n in (1, 16):
+        rates: dict[str, list[float]] = {d: [] for d in engines}
+        for r in range(args.rounds):
+            for dtype, llm in engines.items():
+                load = os.getloadavg()[0]
+                rate = decode_rate(llm, prompts[:n], args.max_tokens)
+                rates[dtype].append(rate)
+                print(f"  {n:>2} req round {r + 1} {dtype:<8} {rate:7.1f} tok/s  (load {load:.2f})")
+        ratios = [b / a for a, b in zip(rates["float32"], rates["bfloat16"], strict=True)]
+        for dtype, values in rates.items():
+            print(
+                f"{n:>2} req {dtype:<8} median {statistics.median(values):7.1f} tok/s "
+                f"(min {min(values):.1f}, max {max(values):.1f})"
+            )
+        print(f"{n:>2} req bfloat16 / float32 per round: {[f'{x:.3f}' for x in ratios]}")
+
+
+if __name__ == "__main__":
+    main()
