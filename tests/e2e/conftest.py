@@ -1,5 +1,6 @@
-"""Shared fixtures: transformers' own model as the reference (the default
-model's path and tokenizer are session fixtures of tests/conftest.py)."""
+"""Shared fixtures: transformers' own model as the reference and eight chat
+prompts (the default model's path and tokenizer are session fixtures of
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,35 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerBase
+
+CHAT_SYSTEM = (
+    "You are a careful assistant for a small bakery. Answer in one or two short "
+    "sentences, name prices in euros, and never invent opening hours."
+)
+CHAT_QUESTIONS = [
+    "Hi!",
+    "What is bread made of?",
+    "Give me three names for a sourdough starter.",
+    "Explain, step by step and in detail, how to fold croissant dough so that the "
+    "layers of butter stay separate, and what goes wrong when the kitchen is too warm.",
+    "Count from one to ten.",
+    "Is rye flour gluten free?",
+    "Write a haiku about an oven at dawn, then explain the imagery you chose, the "
+    "season it evokes, and why bakers start so early in the morning.",
+    "What is 12 times 7?",
+]
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """Eight chat prompts of mixed length sharing one system prompt."""
+    out = []
+    for q in CHAT_QUESTIONS:
+        messages = [{"role": "system", "content": CHAT_SYSTEM}, {"role": "user", "content": q}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer.encode(text))
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,6 @@ from engine.models.weight_plan import FLOAT_WEIGHTS, WeightPlan
 from engine.sampling_params import SamplingParams
 from kernels import cpu_kernels
 from kernels.backend import select_backend
-from tests.e2e.test_llm_vs_transformers import QUESTIONS, SYSTEM
 from tests.unit.engine.models.paged import allocate, step
 
 MUST_MATCH = 32  # tokens every prompt must share with float32
@@ -36,26 +35,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    out = []
-    for q in QUESTIONS:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        out.append(tokenizer.encode(text))
-    return out
-
-
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(max_tokens=GENERATED, temperature=0.0, ignore_eos=True)
     return [list(o.token_ids) for o in llm.generate(prompts, params)]
 
 
-def test_native_q4_1_generates_what_float32_generates(prompts) -> None:
+def test_native_q4_1_generates_what_float32_generates(chat_prompts) -> None:
     runs = {}
     for quantization in ("none", "auto"):
         llm = LLM(quantization=quantization, kv_cache_memory=2**26, max_model_len=512)
-        runs[quantization] = (llm.core.info.weight_format, _greedy(llm, prompts))
+        runs[quantization] = (llm.core.info.weight_format, _greedy(llm, chat_prompts))
         del llm
     assert runs["none"][0] == "float32"
     assert runs["auto"][0] == "q4_1+q8_0"  # the GGUF's own blocks, no float copy
@@ -87,11 +76,11 @@ def _logits(loaded: LoadedModel, tokens: list[list[int]]) -> list[torch.Tensor]:
         return list(step(loaded.model, seqs, [(i, 0, len(t)) for i, t in enumerate(tokens)]))
 
 
-def test_int8_logits_stay_close_to_float32(models, prompts) -> None:
+def test_int8_logits_stay_close_to_float32(models, chat_prompts) -> None:
     """Each prompt's logits (all positions, all the vocabulary, as one vector)."""
     assert models["int8"].weight_format == "int8"
-    float32 = _logits(models["float32"], prompts)
-    int8 = _logits(models["int8"], prompts)
+    float32 = _logits(models["float32"], chat_prompts)
+    int8 = _logits(models["int8"], chat_prompts)
     cosines = [
         F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
         for a, b in zip(int8, float32, strict=True)
