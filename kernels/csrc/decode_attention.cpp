@@ -15,11 +15,35 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <limits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+// One KV head's n rows of a block as float32, with their row stride: the
+// cache itself, or bfloat16 rows widened into `buf` (once per block, not
+// once per query head of the group).
+template <int64_t D>
+inline std::pair<const float*, int64_t> rows_as_float(const float* rows, int64_t stride,
+                                                      int64_t /*n*/, float* /*buf*/) {
+  return {rows, stride};
+}
+
+template <int64_t D>
+inline std::pair<const float*, int64_t> rows_as_float(const c10::BFloat16* rows, int64_t stride,
+                                                      int64_t n, float* buf) {
+  for (int64_t t = 0; t < n; ++t) {
+    const auto* bits = reinterpret_cast<const uint16_t*>(rows + t * stride);
+    auto* out = reinterpret_cast<uint32_t*>(buf + t * D);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+  }
+  return {buf, D};
+}
 
 // query [S, H, D] float32 (one decode token per sequence; any row stride),
 // kv_cache [2, num_blocks, block_size, Hkv, D] contiguous, of element type T
@@ -45,6 +69,7 @@ void decode_attention_d(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
 
   at::parallel_for(0, S * HKV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(G * D), m(G), l(G), q(G * D), scores(G * BS);
+    std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : BS * D), vbuf(kbuf.size());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / HKV, h = task % HKV;
       const int64_t len = lens[s];
@@ -58,16 +83,18 @@ void decode_attention_d(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
       for (int64_t start = 0; start < len; start += BS) {
         const int64_t block = bt[s * bt_s0 + start / BS];
         const int64_t n = std::min(BS, len - start);
-        const T* kb = k_base + (block * BS * HKV + h) * D;
-        const T* vb = v_base + (block * BS * HKV + h) * D;
+        const auto [kb, k_stride] =
+            rows_as_float<D>(k_base + (block * BS * HKV + h) * D, HKV * D, n, kbuf.data());
+        const auto [vb, v_stride] =
+            rows_as_float<D>(v_base + (block * BS * HKV + h) * D, HKV * D, n, vbuf.data());
         for (int64_t g = 0; g < G; ++g) {
           const float* __restrict qg = q.data() + g * D;
           float block_max = m[g];
           for (int64_t t = 0; t < n; ++t) {
-            const T* __restrict k = kb + t * HKV * D;
+            const float* __restrict k = kb + t * k_stride;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
             scores[g * BS + t] = dot;
             block_max = std::max(block_max, dot);
           }
@@ -86,9 +113,9 @@ void decode_attention_d(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
           for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
           for (int64_t t = 0; t < n; ++t) {
             const float p = pg[t];
-            const T* __restrict v = vb + t * HKV * D;
+            const float* __restrict v = vb + t * v_stride;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
           }
           m[g] = block_max;
           l[g] = sum;
