@@ -63,8 +63,8 @@ class AsyncScheduler(Scheduler):
         return new_token_ids, stopped
 
     def _void_in_flight(self, request: Request) -> None:
-        """``request`` was rewound (a failed KV load) while a step ran for
-        it: that step's tokens were computed on lost KV."""
+        """``request`` was rewound (a failed KV load, a forced reset) while a
+        step ran for it: that step's tokens are void."""
         if request.num_output_placeholders:
             request.num_output_placeholders = 0
             request.discard_latest_async_tokens = True

@@ -618,7 +618,7 @@ class Scheduler(SchedulerInterface):
 
     def _void_in_flight(self, request: Request) -> None:
         """Hook for AsyncScheduler: ``request`` was rewound for
-        recomputation."""
+        recomputation (a failed KV load, a forced reset)."""
 
     def _plan_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """The masks for the constrained requests that sample this step. A
@@ -633,25 +633,24 @@ class Scheduler(SchedulerInterface):
             if (r := requests[rid]).structured_output_request is not None
             and r.num_computed_tokens + n >= r.num_tokens + r.num_output_placeholders
         ]
-        if not sampling:
-            return
-        drafts = output.scheduled_spec_decode_tokens
         if any(r.num_output_placeholders for r in sampling):
             output.pending_grammar = sampling
-            return
-        output.grammar_bitmask = self.structured_output.grammar_bitmask(sampling, drafts)
+        else:
+            self._set_grammar_bitmask(output, sampling)
 
     def fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """Asynchronous scheduling: ``output``'s masks, once the output of
         the step before it has advanced every grammar. Requests that ended
         meanwhile get no row (their tokens from this step are dropped)."""
-        assert self.structured_output is not None
         sampling = [r for r in output.pending_grammar if not r.is_finished()]
         output.pending_grammar = []
+        self._set_grammar_bitmask(output, sampling)
+
+    def _set_grammar_bitmask(self, output: SchedulerOutput, sampling: list[Request]) -> None:
+        assert self.structured_output is not None
         if sampling:
-            output.grammar_bitmask = self.structured_output.grammar_bitmask(
-                sampling, output.scheduled_spec_decode_tokens
-            )
+            drafts = output.scheduled_spec_decode_tokens
+            output.grammar_bitmask = self.structured_output.grammar_bitmask(sampling, drafts)
 
     def _make_cached_request_data(self, plan: _StepPlan) -> CachedRequestData:
         """Deltas for the running (then resumed) requests scheduled."""
@@ -902,11 +901,9 @@ class Scheduler(SchedulerInterface):
             while self.running:
                 request = self.running.pop()
                 self._preempt_request(request)
-                # Asynchronous scheduling: a step in flight would hand back a
-                # token the recomputation samples again: drop it.
-                if request.num_output_placeholders:
-                    request.num_output_placeholders = 0
-                    request.discard_latest_async_tokens = True
+                # A step in flight would hand back a token the recomputation
+                # samples again.
+                self._void_in_flight(request)
             self._prev_step_scheduled = {}
         ok = self.kv_cache_manager.reset_prefix_cache()
         if reset_running_requests and not ok:

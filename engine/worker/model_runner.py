@@ -104,9 +104,8 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         self.num_spec_tokens = 0
         self._drafts: DraftTokenIds | None = None
-        # Asynchronous scheduling: the last step's drafts and rejections per
+        # Asynchronous scheduling: the last step's rejected drafts per
         # request, for a step the scheduler planned before seeing them.
-        self._proposed: dict[str, list[int]] = {}
         self._rejected: dict[str, int] = {}
         # LoRA adapters' device slots (set by attach_lora); None: LoRA off.
         self.lora: LoRASlots | None = None
@@ -151,12 +150,19 @@ class ModelRunner:
         if self.proposer is not None:
             self._reset_proposer(so)
         spec = so.scheduled_spec_decode_tokens
+        proposed: dict[str, list[int]] | None = None
         for req_id, drafts in spec.items():
             if drafts and drafts[0] < 0:
                 # Placeholders (asynchronous scheduling): this runner proposed
-                # them after the last step. Padding is verified (and almost
-                # always rejected) like any draft.
-                own = self._proposed.get(req_id, [])[: len(drafts)]
+                # them after the last step (``_drafts``, which nobody takes
+                # then). Padding is verified (and almost always rejected) like
+                # any draft.
+                if proposed is None:
+                    last = self._drafts
+                    proposed = (
+                        dict(zip(last.req_ids, last.draft_token_ids, strict=True)) if last else {}
+                    )
+                own = list(proposed.get(req_id, ()))[: len(drafts)]
                 drafts = spec[req_id] = own + [own[-1] if own else 0] * (len(drafts) - len(own))
             batch.set_drafts(batch.req_id_to_index[req_id], drafts)
 
@@ -472,9 +478,7 @@ class ModelRunner:
         left = max_tokens - (batch.num_tokens[sample_rows] - batch.output_start[sample_rows])
         caps = np.clip(left - 1, 0, self.num_spec_tokens)
         drafts = self.proposer.propose(ProposeInputs(batch, sample_rows, caps))
-        req_ids = [s.req_id for s in states]
-        self._drafts = DraftTokenIds(req_ids, drafts)
-        self._proposed = dict(zip(req_ids, drafts, strict=True))
+        self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
 
     def _sample(
         self,

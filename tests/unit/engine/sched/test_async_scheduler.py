@@ -259,16 +259,14 @@ def test_reset_prefix_cache_with_running_requests_discards_the_token_in_flight()
     assert driver.tokens["r0"] == [token_at("r0", i) for i in range(8)]
 
 
-def test_structured_output_masks_wait_for_the_token_in_flight():
-    """A constrained request with a token in flight: its mask is left for
-    fill_grammar_bitmask, which the pipeline calls after that token
-    advanced the grammar; the mask then allows the grammar's next token."""
+def _scheduler_with_a_constrained_request() -> tuple[AsyncScheduler, Request]:
+    """An AsyncScheduler whose grammar backend allows SEQUENCE then EOS
+    (test_scheduler_structured_output's double), and one constrained
+    request whose grammar has compiled."""
     from engine.structured_output.manager import StructuredOutputManager
     from tests.unit.engine.sched.test_scheduler_structured_output import (
-        SEQUENCE,
         Backend,
         _constrained,
-        _grammar,
         _wait_compiled,
     )
 
@@ -278,6 +276,16 @@ def test_structured_output_masks_wait_for_the_token_in_flight():
     request = _constrained("r0", max_tokens=5)
     sched.add_request(request)
     _wait_compiled(request)
+    return sched, request
+
+
+def test_structured_output_masks_wait_for_the_token_in_flight():
+    """A constrained request with a token in flight: its mask is left for
+    fill_grammar_bitmask, which the pipeline calls after that token
+    advanced the grammar; the mask then allows the grammar's next token."""
+    from tests.unit.engine.sched.test_scheduler_structured_output import SEQUENCE, _grammar
+
+    sched, request = _scheduler_with_a_constrained_request()
     first = sched.schedule()
     assert first.grammar_bitmask is not None and not first.pending_grammar
     second = sched.schedule()  # the prefill's token is still in flight
@@ -291,3 +299,55 @@ def test_structured_output_masks_wait_for_the_token_in_flight():
     row = second.grammar_bitmask.bitmask[0]
     allowed = [t for t in range(2048) if row[t // 32] >> (t % 32) & 1]
     assert allowed == [SEQUENCE[1]]
+
+
+def test_a_request_that_ended_meanwhile_gets_no_mask_row():
+    """fill_grammar_bitmask after the constrained request was aborted while
+    its token was in flight: no row (its tokens from that step are dropped)."""
+    sched, request = _scheduler_with_a_constrained_request()
+    sched.schedule()
+    second = sched.schedule()
+    assert second.pending_grammar == [request]
+    sched.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+    sched.fill_grammar_bitmask(second)
+    assert second.grammar_bitmask is None and not second.pending_grammar
+
+
+def test_a_failed_load_voids_the_step_in_flight():
+    """A sync KV load reports a lost block while the request's next step is
+    already scheduled: both steps' tokens are void (placeholders cleared,
+    the in-flight output discarded), the request recomputes from the
+    block, and its output is what it would have been without the loss."""
+    from engine.outputs import KVConnectorOutput
+    from tests.unit.engine.sched.test_scheduler_connector import FakeConnector
+
+    sched = AsyncScheduler(
+        SchedulerConfig(max_num_batched_tokens=256, max_model_len=256, async_scheduling=True),
+        CacheConfig(block_size=16, num_blocks=100),
+        connector=FakeConnector({"r0": 32}),
+    )
+    sched.add_request(make_request("r0", 50))
+    r0 = sched.requests["r0"]
+    first = sched.schedule()  # 18 computed after 32 loaded: samples
+    second = sched.schedule()  # the sampled token's step, in flight
+    assert r0.num_output_placeholders == 2
+
+    def output(so: SchedulerOutput, invalid: set[int]) -> ModelRunnerOutput:
+        return ModelRunnerOutput(
+            ["r0"],
+            {"r0": 0},
+            [[token_at("r0", 0)]],  # both void: the request's first token
+            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
+        )
+
+    sched.update_from_output(first, output(first, {2}))  # r0's second, loaded block
+    assert r0.num_output_placeholders == 0 and r0.discard_latest_async_tokens
+    assert r0.num_computed_tokens == 16
+    outs = sched.update_from_output(second, output(second, set()))
+    assert not any(o.new_token_ids for eco in outs.values() for o in eco.outputs)
+    assert not r0.discard_latest_async_tokens and r0.output_token_ids == []
+    driver = PipelinedDriver(sched)
+    while sched.has_requests() or driver.in_flight is not None:
+        driver.step()
+    assert r0.output_token_ids == [token_at("r0", i) for i in range(4)]
+    assert driver.tokens["r0"] == r0.output_token_ids
