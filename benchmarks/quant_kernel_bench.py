@@ -4,14 +4,18 @@ For each row count, one decoder layer's four linear shapes of the default
 model (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536), called in
 layer order: float32 `F.linear` (MKL) as the baseline, then
 `kernels.quant.quant_linear` on the same weights in q4_1, q8_0, int8 and
-bf16. Configurations interleaved within each round (A, B, C, ... A, B, C),
+bf16, and the integer formats with int8 activations on each SIMD path the
+build has (`--isas`: avx2, and avx512 where the CPU has AVX-512 VNNI).
+Configurations interleaved within each round (A, B, C, ... A, B, C),
 medians over rounds with min/max of the per-round ratios; the 1-minute load
 average is printed before and after (the machine has 2 cores: one foreign
 busy process halves everything).
 
 Below 128 rows the kernels convert each vector of weights in registers for
 up to 8 rows; from 128 on they expand panels for ATen's GEMM
-(kernels/csrc/quant_gemm.cpp). The weights are small enough to stay in
+(kernels/csrc/quant_gemm.cpp). bf16 hands over from 32 rows: to the GEMM,
+or where the CPU has AVX512_BF16 to bfloat16 dot products (then "bf16
+[avx2]" times the float32-input path as well). The weights are small enough to stay in
 cache here, so this measures compute, not memory: the single-stream decode
 step (memory) is benchmarks/decode_step_breakdown.py's.
 
@@ -35,7 +39,15 @@ from gguf import GGMLQuantizationType, quants
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.quant import QuantizedWeight, from_gguf_rows, quant_linear, quantize_int8, to_bf16
+from kernels.quant import (
+    QuantizedWeight,
+    available_isas,
+    bf16_dot_rows,
+    from_gguf_rows,
+    quant_linear,
+    quantize_int8,
+    to_bf16,
+)
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 GGML = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
@@ -50,7 +62,7 @@ def quantized(fmt: str, w: torch.Tensor) -> QuantizedWeight:
     return from_gguf_rows(torch.from_numpy(np.ascontiguousarray(raw)), fmt, w.shape[1])
 
 
-def layer_calls(rows: int, seed: int = 0) -> dict[str, Callable[[], None]]:
+def layer_calls(rows: int, isas: list[str], seed: int = 0) -> dict[str, Callable[[], None]]:
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(n, k, generator=gen) / k**0.5 for n, k in SHAPES]
     inputs = [torch.randn(rows, k, generator=gen) for _, k in SHAPES]
@@ -63,13 +75,29 @@ def layer_calls(rows: int, seed: int = 0) -> dict[str, Callable[[], None]]:
     calls["float32 (MKL)"] = float32
     for fmt in ("q4_1", "q8_0", "int8", "bf16"):
         qws = [quantized(fmt, w) for w in weights]
-
-        def run(qws: list[QuantizedWeight] = qws) -> None:
-            for qw, x in zip(qws, inputs, strict=True):
-                quant_linear(x, qw, None)
-
-        calls[fmt] = run
+        calls[fmt] = _quant_call(qws, inputs, None)
+        if fmt == "bf16":
+            # Where the best path multiplies bfloat16 inputs (AVX512_BF16),
+            # the float32-input path too.
+            if bf16_dot_rows() is not None:
+                calls["bf16 [avx2]"] = _quant_call(qws, inputs, "avx2")
+            continue
+        acts = [
+            QuantizedWeight(q.format, q.out_features, q.in_features, q.packed, True) for q in qws
+        ]
+        for isa in isas:
+            calls[f"{fmt} + int8 act [{isa}]"] = _quant_call(acts, inputs, isa)
     return calls
+
+
+def _quant_call(
+    qws: list[QuantizedWeight], inputs: list[torch.Tensor], isa: str | None
+) -> Callable[[], None]:
+    def run() -> None:
+        for qw, x in zip(qws, inputs, strict=True):
+            quant_linear(x, qw, None, isa=isa)
+
+    return run
 
 
 def timed(fn: Callable[[], None], repeat: int) -> float:
@@ -84,12 +112,17 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32,64,128,512")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--isas",
+        default=",".join(available_isas()[1:]),
+        help="code paths to time the int8-activation kernels on (default: the SIMD ones built)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     flops_per_row = sum(2 * n * k for n, k in SHAPES)
     for rows in (int(r) for r in args.rows.split(",")):
-        calls = layer_calls(rows)
+        calls = layer_calls(rows, args.isas.split(","))
         repeat = max(1, 256 // rows)
         times: dict[str, list[float]] = {name: [] for name in calls}
         for fn in calls.values():
@@ -103,7 +136,7 @@ def main() -> None:
             ratios = [b / v for b, v in zip(base, values, strict=True)]
             gflops = flops_per_row * rows / statistics.median(values) / 1e9
             print(
-                f"  {name:<14} {statistics.median(values) * 1e6:8.0f} us  {gflops:6.1f} GFLOP/s"
+                f"  {name:<26} {statistics.median(values) * 1e6:8.0f} us  {gflops:6.1f} GFLOP/s"
                 f"  x{statistics.median(ratios):.2f} float32 (min {min(ratios):.2f}, "
                 f"max {max(ratios):.2f})",
                 flush=True,

@@ -19,15 +19,19 @@ Sources live in `kernels/csrc/`:
   connector frames, optionally with the frames' xxh3-64 checksums computed
   in the same pass (xxHash's single header, vendored under
   `csrc/third_party/xxhash/`, BSD-2-Clause).
-* `quant_pack.cpp`, `quant_linear.cpp`, `quant_linear_int8.cpp`: linear
-  layers over GGUF Q4_0/Q4_1/Q8_0 blocks, int8 and bfloat16 weights in
-  tiles of 8 output rows (`quant_tiles.h`; see `kernels.quant`), with float32
-  or (opted in) int8 activations; an AVX2 path and a portable fallback.
+* `quant_pack.cpp`, `quant_linear.cpp`, `quant_gemm.cpp`,
+  `quant_linear_int8.cpp`, `quant_linear_bf16.cpp`: linear layers over GGUF
+  Q4_0/Q4_1/Q8_0 blocks, int8 and bfloat16 weights in tiles of 8 output rows
+  (`quant_tiles.h`; see `kernels.quant`), with float32 or (opted in) int8
+  activations; AVX2 paths (with AVX-512 VNNI's integer dot products and
+  AVX512_BF16's bfloat16 ones where the CPU has them) and a portable
+  fallback.
 * `shm_index.cpp`: the slot index of the shared-memory KV pool (lookup,
   LRU touches, victim choice, publishing), which `connectors.shm_pool`
   otherwise runs in numpy.
 
-All compute in float32. The extension is built with torch's C++ extension
+Compute is float32 except where a weight format opts out (`kernels.quant`: int8
+activations, bfloat16 dot products). The extension is built with torch's C++ extension
 tooling (a compiler and ninja are needed; about a minute, then cached under
 torch's extension directory, keyed by the sources). If it cannot be built,
 `load()` returns None once, logs why, and the torch paths run as before.
@@ -57,6 +61,7 @@ _SOURCES = (
     "quant_linear.cpp",
     "quant_gemm.cpp",
     "quant_linear_int8.cpp",
+    "quant_linear_bf16.cpp",
     "quant_pack.cpp",
     "shm_index.cpp",
 )

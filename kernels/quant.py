@@ -24,12 +24,21 @@ Formats (`WEIGHT_FORMATS`):
 * ``int8``: any float weight quantized per output channel (`quantize_int8`):
   one scale per row (absmax / 127, rounded up to float16), for HF models.
 * ``bf16``: any float weight rounded to bfloat16 (`to_bf16`), expanded to
-  float32 in registers (a shift) by the same kernels.
+  float32 in registers (a shift) by the same kernels. On CPUs with
+  AVX512_BF16, from `bf16_dot_rows()` input rows on (prefill chunks, big
+  batches) the inputs are rounded to bfloat16 too and multiplied by the
+  CPU's bfloat16 dot products (float32 sums; quant_linear_bf16.cpp): about
+  2.7x float32's GEMM there, each input off by up to 2^-9 of itself.
 
 Opt-in ``int8_activations`` (integer formats only) quantizes each input row
 to int8 in blocks of 32 as well and does the dot products in integers, as
 llama.cpp does: faster, but each input is off by up to absmax(its block of
-32) / 254.
+32) / 254. With AVX-512 VNNI the integer dot products are vpdpbusd.
+
+Code paths (`ISAS`): "portable" C++, "avx2", "avx512" (AVX2's kernels plus
+VNNI dot products and, where present, AVX512_BF16's). The kernels are built
+for the machine they run on (-march=native); `quant_linear(isa=...)` caps
+the path, so tests run every one the CPU has.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ from kernels import cpu_kernels
 # GGML's type ids for the block formats the kernels take (ggml.h).
 GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 WEIGHT_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "bf16")
+# The kernels' code paths, plainest first; a build has a prefix of them.
+ISAS = ("portable", "avx2", "avx512")
 BLOCK = 32
 _Q8_0_BLOCK_BYTES = 2 + BLOCK
 
@@ -129,15 +140,33 @@ def to_bf16(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("bf16", w.shape[0], w.shape[1], kernels().pack_bf16(w))
 
 
+def available_isas() -> tuple[str, ...]:
+    """The kernels' code paths this build has, from the plainest (`ISAS`)."""
+    return ISAS[: kernels().quant_linear_best_isa() + 1]
+
+
+def bf16_dot_rows() -> int | None:
+    """From how many input rows `bf16` weights multiply inputs rounded to
+    bfloat16 with AVX512_BF16's dot products (at the "avx512" level); None
+    where this build has no such path (float32 inputs at every row count)."""
+    rows: int = kernels().quant_linear_bf16_dot_rows()
+    return rows if rows >= 0 else None
+
+
 def quant_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, *, portable: bool = False
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, *, isa: str | None = None
 ) -> torch.Tensor:
-    """x [T, in] float32 @ weight.T + bias -> [T, out]. `portable` takes the
-    scalar C++ path the kernels fall back to on CPUs without AVX2."""
+    """x [T, in] float32 @ weight.T + bias -> [T, out]. `isa` caps the code
+    path (one of `ISAS`; None: the best this build has): "portable" is the
+    scalar C++ a CPU without AVX2 runs, "avx2" what one without AVX-512
+    VNNI runs."""
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa {isa!r} is not one of {ISAS}")
+    level = len(ISAS) - 1 if isa is None else ISAS.index(isa)
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = x.new_empty(x.shape[0], weight.out_features)
-    kernels().quant_linear(out, x, weight.packed, bias, weight.int8_activations, portable)
+    kernels().quant_linear(out, x, weight.packed, bias, weight.int8_activations, level)
     return out
 
 

@@ -22,9 +22,12 @@ at::Tensor argmax_rows(at::Tensor x);
 at::Tensor pack_gguf_blocks(at::Tensor raw, int64_t ggml_type);
 at::Tensor pack_bf16(at::Tensor weight);
 void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
-                  const c10::optional<at::Tensor>& bias, bool int8_activations, bool portable);
+                  const c10::optional<at::Tensor>& bias, bool int8_activations, int64_t isa);
 at::Tensor dequantize_rows(at::Tensor packed, at::Tensor rows, int64_t in_features);
-bool quant_linear_has_avx2();
+int64_t quant_linear_best_isa();  // 0 portable, 1 AVX2, 2 AVX-512 (VNNI)
+// From how many rows BF16 weights multiply bfloat16-rounded inputs
+// (AVX512_BF16, at the avx512 level); -1 where the build has no such path.
+int64_t quant_linear_bf16_dot_rows();
 
 // decode_stack.cpp
 void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);

@@ -150,7 +150,7 @@ DecodeStack::DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor
 at::Tensor DecodeStack::linear(at::Tensor& buffer, const at::Tensor& x, const Linear& w) const {
   if (is_quantized(w)) {
     at::Tensor out = buffer.defined() ? buffer : at::empty({x.size(0), w.weight.size(0)}, x.options());
-    quant_linear(out, x, w.packed, w.bias, int8_activations_, /*portable=*/false);
+    quant_linear(out, x, w.packed, w.bias, int8_activations_, quant_linear_best_isa());
     return out;
   }
   if (x.size(0) <= small_rows_) {

@@ -6,10 +6,6 @@
 // one rounding (the product of a float16 and a small integer is exact).
 #pragma once
 #include <cstdint>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TANDEM_QUANT_AVX2 1
-#endif
 
 #include "quant_tiles.h"
 
@@ -36,10 +32,12 @@ inline __m256 halves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// 8 outputs' bfloat16 weights at one k (16 bytes), as floats.
-inline __m256 bf16s(const uint8_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+// 8 outputs' bfloat16 weights at k = 2p + I of a k-pair's 32 bytes, as
+// floats: a bfloat16 is a float32's high half.
+template <int I>
+inline __m256 bf16s(__m256i pair) {
+  if constexpr (I == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+  return _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 template <Kind K, int I>
@@ -56,11 +54,15 @@ inline void store_group(__m256i raw, __m256 d, __m256 mn, float* dst, int64_t ld
 
 // A tile block's 32 k x 8 outputs as float32, k-major: dst[k * ld + j].
 template <Kind K>
-inline void expand_block(const uint8_t* blk, float* dst, int64_t ld, bool portable) {
+inline void expand_block(const uint8_t* blk, float* dst, int64_t ld, Isa isa) {
 #ifdef TANDEM_QUANT_AVX2
-  if (!portable) {
+  if (isa != Isa::Portable) {
     if constexpr (K == Kind::BF16) {
-      for (int64_t k = 0; k < kBlock; ++k) _mm256_storeu_ps(dst + k * ld, bf16s(blk + k * 16));
+      for (int64_t p = 0; p < kBlock / 2; ++p) {
+        const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 32));
+        _mm256_storeu_ps(dst + 2 * p * ld, bf16s<0>(pair));
+        _mm256_storeu_ps(dst + (2 * p + 1) * ld, bf16s<1>(pair));
+      }
     } else {
       const __m256 d = halves(blk + scales_offset(K));
       const __m256 mn = K == Kind::Q4 ? halves(blk + scales_offset(K) + 16) : _mm256_setzero_ps();
@@ -81,6 +83,6 @@ inline void expand_block(const uint8_t* blk, float* dst, int64_t ld, bool portab
 
 // quant_gemm.cpp: many rows at once, through ATen's GEMM on expanded panels.
 void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
-                const c10::optional<at::Tensor>& bias, bool portable);
+                const c10::optional<at::Tensor>& bias, Isa isa);
 
 }  // namespace tandem_quant

@@ -25,20 +25,20 @@ constexpr int64_t kPanelTiles = 32;
 
 template <Kind K>
 void expand_panel(const uint8_t* base, int64_t nb, int64_t t0, int64_t t1, float* dst,
-                  int64_t ld, bool portable) {
+                  int64_t ld, Isa isa) {
   constexpr int64_t bytes = tile_block_bytes(K);
   at::parallel_for(t0, t1, 4, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t)
       for (int64_t blk = 0; blk < nb; ++blk)
         expand_block<K>(base + (t * nb + blk) * bytes, dst + blk * kBlock * ld + (t - t0) * kTile,
-                        ld, portable);
+                        ld, isa);
   });
 }
 
 }  // namespace
 
 void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
-                const c10::optional<at::Tensor>& bias, bool portable) {
+                const c10::optional<at::Tensor>& bias, Isa isa) {
   const Kind kind = kind_of(packed);
   const uint8_t* base = packed.data_ptr<uint8_t>();
   const int64_t tiles = packed.size(0), nb = packed.size(1), N = out.size(1);
@@ -49,9 +49,9 @@ void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
     const int64_t t1 = std::min(tiles, t0 + panel_tiles);
     float* dst = panel.data_ptr<float>();
     switch (kind) {
-      case Kind::Q4: expand_panel<Kind::Q4>(base, nb, t0, t1, dst, ld, portable); break;
-      case Kind::Q8: expand_panel<Kind::Q8>(base, nb, t0, t1, dst, ld, portable); break;
-      case Kind::BF16: expand_panel<Kind::BF16>(base, nb, t0, t1, dst, ld, portable); break;
+      case Kind::Q4: expand_panel<Kind::Q4>(base, nb, t0, t1, dst, ld, isa); break;
+      case Kind::Q8: expand_panel<Kind::Q8>(base, nb, t0, t1, dst, ld, isa); break;
+      case Kind::BF16: expand_panel<Kind::BF16>(base, nb, t0, t1, dst, ld, isa); break;
     }
     const int64_t n0 = t0 * kTile, n = std::min(N, t1 * kTile) - n0;
     at::Tensor slice = out.narrow(1, n0, n);

@@ -136,15 +136,24 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const Rows& x, int64_t m0
     const float* xr[MR];
     for (int m = 0; m < MR; ++m) xr[m] = x.p + (m0 + m) * x.stride + b * kBlock;
     if constexpr (K == Kind::BF16) {
-      for (int64_t k = 0; k < kBlock; ++k) {
+      for (int v = 0; v < NV; ++v)
+        prefetch_block(base + ((t + v) * nb + b) * bytes, NV * nb * bytes, bytes);
+      for (int64_t p = 0; p < kBlock / 2; ++p) {
+        __m256i pair[NV];
         __m256 w[NV];
-        for (int v = 0; v < NV; ++v) w[v] = bf16s(base + ((t + v) * nb + b) * bytes + k * 16);
-        fma_rows<MR, NV>(acc, w, xr, k);
+        for (int v = 0; v < NV; ++v)
+          pair[v] = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(base + ((t + v) * nb + b) * bytes + p * 32));
+        for (int v = 0; v < NV; ++v) w[v] = bf16s<0>(pair[v]);
+        fma_rows<MR, NV>(acc, w, xr, 2 * p);
+        for (int v = 0; v < NV; ++v) w[v] = bf16s<1>(pair[v]);
+        fma_rows<MR, NV>(acc, w, xr, 2 * p + 1);
       }
       continue;
     }
     const uint8_t* blk[NV];
     for (int v = 0; v < NV; ++v) blk[v] = base + ((t + v) * nb + b) * bytes;
+    for (int v = 0; v < NV; ++v) prefetch_block(blk[v], NV * nb * bytes, bytes);
     __m256 sums[P][MR][NV];
     for (int p = 0; p < P; ++p)
       for (int m = 0; m < MR; ++m)
@@ -192,7 +201,7 @@ void tiles_avx2(const uint8_t* base, int64_t nb, const Rows& x, int64_t t0, int6
 #endif  // TANDEM_QUANT_AVX2
 
 template <Kind K>
-void run(const at::Tensor& packed, const Rows& x, int64_t M, const OutTile& o, bool portable) {
+void run(const at::Tensor& packed, const Rows& x, int64_t M, const OutTile& o, Isa isa) {
   const uint8_t* base = packed.data_ptr<uint8_t>();
   const int64_t nb = packed.size(1);
   // Enough tiles a task that a 1-row decode still splits over the threads,
@@ -202,7 +211,7 @@ void run(const at::Tensor& packed, const Rows& x, int64_t M, const OutTile& o, b
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t m1 = std::min(M, m0 + kRowChunk);
 #ifdef TANDEM_QUANT_AVX2
-      if (!portable) {
+      if (isa != Isa::Portable) {
         tiles_avx2<K>(base, nb, x, t0, t1, m0, m1, o);
         continue;
       }
@@ -258,26 +267,37 @@ OutTile check_quant_linear(const at::Tensor& out, const at::Tensor& x, const at:
 using namespace tandem_quant;
 
 void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
-                  const c10::optional<at::Tensor>& bias, bool int8_activations, bool portable) {
+                  const c10::optional<at::Tensor>& bias, bool int8_activations, int64_t isa_level) {
   const OutTile o = check_quant_linear(out, x, packed, bias);
+  const Isa isa = usable_isa(isa_level);
   if (x.size(0) == 0) return;
-  if (int8_activations) return quant_linear_int8(o, x, packed, portable);
+  if (int8_activations) return quant_linear_int8(o, x, packed, isa);
   const int64_t padded = packed.size(1) * kBlock;
   if (x.size(1) != padded) x = at::constant_pad_nd(x, {0, padded - x.size(1)});
-  if (x.size(0) >= gemm_rows(kind_of(packed))) return quant_gemm(out, x, packed, bias, portable);
+  if (x.size(0) >= gemm_rows(kind_of(packed))) {
+#ifdef TANDEM_QUANT_AVX512_BF16
+    if (kind_of(packed) == Kind::BF16 && isa == Isa::Avx512) {
+      quant_linear_bf16_dot(o, x, packed);
+      return;
+    }
+#endif
+    return quant_gemm(out, x, packed, bias, isa);
+  }
   const std::vector<float> sums = block_sums(x, packed.size(1));
   const Rows rows{x.data_ptr<float>(), x.stride(0), sums.data()};
   switch (kind_of(packed)) {
-    case Kind::Q4: return run<Kind::Q4>(packed, rows, x.size(0), o, portable);
-    case Kind::Q8: return run<Kind::Q8>(packed, rows, x.size(0), o, portable);
-    case Kind::BF16: return run<Kind::BF16>(packed, rows, x.size(0), o, portable);
+    case Kind::Q4: return run<Kind::Q4>(packed, rows, x.size(0), o, isa);
+    case Kind::Q8: return run<Kind::Q8>(packed, rows, x.size(0), o, isa);
+    case Kind::BF16: return run<Kind::BF16>(packed, rows, x.size(0), o, isa);
   }
 }
 
-bool quant_linear_has_avx2() {
-#ifdef TANDEM_QUANT_AVX2
-  return true;
+int64_t quant_linear_best_isa() { return static_cast<int64_t>(kBestIsa); }
+
+int64_t quant_linear_bf16_dot_rows() {
+#ifdef TANDEM_QUANT_AVX512_BF16
+  return gemm_rows(Kind::BF16);
 #else
-  return false;
+  return -1;
 #endif
 }

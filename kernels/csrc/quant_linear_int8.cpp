@@ -10,7 +10,8 @@
 // the activations' rounding (up to absmax / 254 per input): on the default
 // model that moves logits by ~0.1 on average, enough to change greedy
 // choices within a few dozen tokens, so it is opt-in (kernels/quant.py).
-// AVX2: maddubs (u8 x s8 pairs into s16); portable: the same sums in C++.
+// AVX2: maddubs (u8 x s8 pairs into s16); AVX-512 VNNI (in 256-bit
+// vectors): vpdpbusd; portable: the same sums in C++.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -18,25 +19,26 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TANDEM_QUANT_AVX2 1
-#endif
 
 #include "quant_tiles.h"
 
 namespace tandem_quant {
 namespace {
 
+// Rows per pass over a task's tiles (kept in L2 meanwhile).
+constexpr int64_t kRowChunk = 64;
+
 // Each row of x quantized in blocks of 32: q int8 [M, nb * 32] (zero past
-// K), d and s float [M, nb].
+// K), d and s float [M, nb], qsum (sum of a block's q) int32 [M, nb].
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> qsum;
   int64_t nb;
 };
 
-void quantize_row(const float* x, int64_t K, int64_t nb, int8_t* q, float* d, float* s) {
+void quantize_row(const float* x, int64_t K, int64_t nb, int8_t* q, float* d, float* s,
+                  int32_t* qsum) {
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t k0 = b * kBlock, n = std::min(kBlock, K - k0);
     float amax = 0.f;
@@ -50,18 +52,19 @@ void quantize_row(const float* x, int64_t K, int64_t nb, int8_t* q, float* d, fl
     }
     d[b] = amax / 127.f;
     s[b] = d[b] * static_cast<float>(sum);
+    qsum[b] = sum;
   }
 }
 
 QuantizedRows quantize_rows(const at::Tensor& x, int64_t nb) {
   const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
   QuantizedRows r{std::vector<int8_t>(M * nb * kBlock), std::vector<float>(M * nb),
-                  std::vector<float>(M * nb), nb};
+                  std::vector<float>(M * nb), std::vector<int32_t>(M * nb), nb};
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       quantize_row(xp + m * xs, K, nb, r.q.data() + m * nb * kBlock, r.d.data() + m * nb,
-                   r.s.data() + m * nb);
+                   r.s.data() + m * nb, r.qsum.data() + m * nb);
   });
   return r;
 }
@@ -97,60 +100,96 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// A block's integer dot products, two ways. Avx2 (maddubs: u8 x s8 pairs
+// into s16, then madd into s32) and, where the CPU has AVX-512 VNNI,
+// vpdpbusd (4 u8 x s8 products added into each s32 lane: one instruction
+// for AVX2's two or three). Both take the weights as the unsigned side.
+template <Kind K, bool Vnni, int MR, int NV>
+inline void block_dots(__m256i (&dot)[MR][NV], const uint8_t* const* blk, const int8_t* const* qx,
+                       const int32_t* offset) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (K == Kind::Q4) {
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo[NV], hi[NV];
+      for (int v = 0; v < NV; ++v) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[v] + c * 32));
+        lo[v] = _mm256_and_si256(raw, low4);
+        hi[v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256i xl = broadcast4(qx[m] + 4 * c), xh = broadcast4(qx[m] + 16 + 4 * c);
+        for (int v = 0; v < NV; ++v) {
+#ifdef TANDEM_QUANT_AVX512
+          if constexpr (Vnni) {
+            dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], lo[v], xl);
+            dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], hi[v], xh);
+            continue;
+          }
+#endif
+          // s16 sums: 8 groups x 2 x 15 x 127 = 30480 fits, so one madd a block.
+          dot[m][v] = _mm256_add_epi16(dot[m][v], _mm256_maddubs_epi16(lo[v], xl));
+          dot[m][v] = _mm256_add_epi16(dot[m][v], _mm256_maddubs_epi16(hi[v], xh));
+        }
+      }
+    }
+    if constexpr (!Vnni) {
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_madd_epi16(dot[m][v], ones);
+    }
+  } else {
+    // Signed weights. VNNI: w + 128 (w ^ 0x80) is unsigned, and the sums
+    // start at -128 * sum qx to take it back out. AVX2: |w| times x with
+    // w's sign.
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v)
+        dot[m][v] = Vnni ? _mm256_set1_epi32(offset[m]) : _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int g = 0; g < 8; ++g) {
+      __m256i w[NV], aw[NV];
+      for (int v = 0; v < NV; ++v) {
+        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[v] + g * 32));
+        aw[v] = Vnni ? _mm256_xor_si256(w[v], flip) : _mm256_sign_epi8(w[v], w[v]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256i xb = broadcast4(qx[m] + 4 * g);
+        for (int v = 0; v < NV; ++v) {
+#ifdef TANDEM_QUANT_AVX512
+          if constexpr (Vnni) {
+            dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], aw[v], xb);
+            continue;
+          }
+#endif
+          const __m256i p = _mm256_maddubs_epi16(aw[v], _mm256_sign_epi8(xb, w[v]));
+          dot[m][v] = _mm256_add_epi32(dot[m][v], _mm256_madd_epi16(p, ones));
+        }
+      }
+    }
+  }
+}
+
 // MR input rows x NV tiles from tile t; acc[m][v]: tile v's 8 outputs for row m.
-template <Kind K, int MR, int NV>
+template <Kind K, bool Vnni, int MR, int NV>
 void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, int64_t m0,
            const OutTile& o) {
   constexpr int64_t bytes = tile_block_bytes(K);
-  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk[NV];
     for (int v = 0; v < NV; ++v) blk[v] = base + ((t + v) * nb + b) * bytes;
+    for (int v = 0; v < NV; ++v) prefetch_block(blk[v], NV * nb * bytes, bytes);
     const int8_t* qx[MR];
-    for (int m = 0; m < MR; ++m) qx[m] = x.q.data() + ((m0 + m) * nb + b) * kBlock;
-    __m256i dot[MR][NV];
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_setzero_si256();
-    if constexpr (K == Kind::Q4) {
-      // s16 sums: 8 groups x 2 x 15 x 127 = 30480 fits, so one madd a block.
-      for (int c = 0; c < 4; ++c) {
-        __m256i lo[NV], hi[NV];
-        for (int v = 0; v < NV; ++v) {
-          const __m256i raw =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[v] + c * 32));
-          lo[v] = _mm256_and_si256(raw, low4);
-          hi[v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-        }
-        for (int m = 0; m < MR; ++m) {
-          const __m256i xl = broadcast4(qx[m] + 4 * c), xh = broadcast4(qx[m] + 16 + 4 * c);
-          for (int v = 0; v < NV; ++v) {
-            dot[m][v] = _mm256_add_epi16(dot[m][v], _mm256_maddubs_epi16(lo[v], xl));
-            dot[m][v] = _mm256_add_epi16(dot[m][v], _mm256_maddubs_epi16(hi[v], xh));
-          }
-        }
-      }
-      for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_madd_epi16(dot[m][v], ones);
-    } else {
-      // int8 x int8: maddubs takes one unsigned side, so |w| times x with w's sign.
-      for (int g = 0; g < 8; ++g) {
-        __m256i w[NV], aw[NV];
-        for (int v = 0; v < NV; ++v) {
-          w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[v] + g * 32));
-          aw[v] = _mm256_sign_epi8(w[v], w[v]);
-        }
-        for (int m = 0; m < MR; ++m) {
-          const __m256i xb = broadcast4(qx[m] + 4 * g);
-          for (int v = 0; v < NV; ++v) {
-            const __m256i p = _mm256_maddubs_epi16(aw[v], _mm256_sign_epi8(xb, w[v]));
-            dot[m][v] = _mm256_add_epi32(dot[m][v], _mm256_madd_epi16(p, ones));
-          }
-        }
-      }
+    int32_t offset[MR];
+    for (int m = 0; m < MR; ++m) {
+      qx[m] = x.q.data() + ((m0 + m) * nb + b) * kBlock;
+      offset[m] = -128 * x.qsum[(m0 + m) * nb + b];
     }
+    __m256i dot[MR][NV];
+    block_dots<K, Vnni, MR, NV>(dot, blk, qx, offset);
     for (int v = 0; v < NV; ++v) {
       const uint8_t* scales = blk[v] + scales_offset(K);
       const __m256 dw =
@@ -177,28 +216,36 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, i
 
 // Rows m0.. (fewer than 4) over tiles [t0, t1), several tiles at once so
 // the few rows still have independent accumulators to hide latency.
-template <Kind K, int MR>
+template <Kind K, bool Vnni, int MR>
 void few_rows(const uint8_t* base, int64_t nb, int64_t t0, int64_t t1, const QuantizedRows& x,
               int64_t m0, const OutTile& o) {
   constexpr int NV = 4 / MR;
   int64_t t = t0;
-  for (; t + NV <= t1; t += NV) micro<K, MR, NV>(base, nb, t, x, m0, o);
-  for (; t < t1; ++t) micro<K, MR, 1>(base, nb, t, x, m0, o);
+  for (; t + NV <= t1; t += NV) micro<K, Vnni, MR, NV>(base, nb, t, x, m0, o);
+  for (; t < t1; ++t) micro<K, Vnni, MR, 1>(base, nb, t, x, m0, o);
 }
 
-template <Kind K>
-void tiles_avx2(const uint8_t* base, int64_t nb, const QuantizedRows& x, int64_t t0, int64_t t1,
+template <Kind K, bool Vnni>
+void tiles_simd(const uint8_t* base, int64_t nb, const QuantizedRows& x, int64_t t0, int64_t t1,
                 int64_t M, const OutTile& o) {
-  // Four rows share each weight vector; a tile's weights stay in L1 while
-  // all rows pass over them.
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t m = 0; m + 4 <= M; m += 4) micro<K, 4, 1>(base, nb, t, x, m, o);
-  const int64_t m = M - M % 4;
-  switch (M % 4) {
-    case 3: few_rows<K, 3>(base, nb, t0, t1, x, m, o); break;
-    case 2: few_rows<K, 2>(base, nb, t0, t1, x, m, o); break;
-    case 1: few_rows<K, 1>(base, nb, t0, t1, x, m, o); break;
-    default: break;
+  // Four rows share each weight vector (eight with AVX-512's 32 vector
+  // registers); a tile's weights stay in L1 while a chunk of rows passes
+  // over them, and the chunk's quantized rows stay in L2 over the tiles.
+  constexpr int64_t wide = Vnni ? 8 : 4;
+  for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+    const int64_t c1 = std::min(M, c0 + kRowChunk);
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t m = c0;
+      for (; m + wide <= c1; m += wide) micro<K, Vnni, wide, 1>(base, nb, t, x, m, o);
+      if (wide == 8 && m + 4 <= c1) micro<K, Vnni, 4, 1>(base, nb, t, x, m, o);
+    }
+    const int64_t m = c1 - (c1 - c0) % 4;
+    switch ((c1 - c0) % 4) {
+      case 3: few_rows<K, Vnni, 3>(base, nb, t0, t1, x, m, o); break;
+      case 2: few_rows<K, Vnni, 2>(base, nb, t0, t1, x, m, o); break;
+      case 1: few_rows<K, Vnni, 1>(base, nb, t0, t1, x, m, o); break;
+      default: break;
+    }
   }
 }
 
@@ -206,13 +253,16 @@ void tiles_avx2(const uint8_t* base, int64_t nb, const QuantizedRows& x, int64_t
 
 template <Kind K>
 void run(const at::Tensor& packed, const QuantizedRows& x, int64_t M, const OutTile& o,
-         bool portable) {
+         Isa isa) {
   const uint8_t* base = packed.data_ptr<uint8_t>();
   const int64_t nb = packed.size(1);
   const int64_t grain = std::max<int64_t>(4, 64 / std::max<int64_t>(M, 1));
   at::parallel_for(0, packed.size(0), grain, [&](int64_t t0, int64_t t1) {
+#ifdef TANDEM_QUANT_AVX512
+    if (isa == Isa::Avx512) return tiles_simd<K, true>(base, nb, x, t0, t1, M, o);
+#endif
 #ifdef TANDEM_QUANT_AVX2
-    if (!portable) return tiles_avx2<K>(base, nb, x, t0, t1, M, o);
+    if (isa != Isa::Portable) return tiles_simd<K, false>(base, nb, x, t0, t1, M, o);
 #endif
     tiles_portable<K>(base, nb, x, t0, t1, M, o);
   });
@@ -220,14 +270,13 @@ void run(const at::Tensor& packed, const QuantizedRows& x, int64_t M, const OutT
 
 }  // namespace
 
-void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed,
-                       bool portable) {
+void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed, Isa isa) {
   TORCH_CHECK(kind_of(packed) != Kind::BF16, "int8 activations need Q4 or Q8 weights, not BF16");
   const QuantizedRows q = quantize_rows(x, packed.size(1));
   if (kind_of(packed) == Kind::Q4)
-    run<Kind::Q4>(packed, q, x.size(0), o, portable);
+    run<Kind::Q4>(packed, q, x.size(0), o, isa);
   else
-    run<Kind::Q8>(packed, q, x.size(0), o, portable);
+    run<Kind::Q8>(packed, q, x.size(0), o, isa);
 }
 
 }  // namespace tandem_quant

@@ -97,12 +97,13 @@ at::Tensor pack_bf16(at::Tensor weight) {
   const at::Tensor w = weight.contiguous();
   at::Tensor packed = at::zeros({tiles, nb, kBF16Bytes}, weight.options().dtype(at::kByte));
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<uint8_t>());
+  uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t j = 0; j < kTile && t * kTile + j < N; ++j)
         for (int64_t k = 0; k < K; ++k)
-          dst[((t * nb + k / kBlock) * kBlock + k % kBlock) * kTile + j] = src[(t * kTile + j) * K + k];
+          std::memcpy(dst + (t * nb + k / kBlock) * kBF16Bytes + bf16_offset(j, k % kBlock),
+                      src + (t * kTile + j) * K + k, 2);
   });
   return packed;
 }

@@ -10,7 +10,9 @@
 //     Q4: 4 x 32 bytes of nibbles (low nibble: group c, high: group c + 4),
 //         then dw[8] and mw[8] (float16): value = dw * q + mw
 //     Q8: 8 x 32 bytes of int8, then dw[8] (float16): value = dw * q
-//     BF16: 32 x 8 bfloat16 (k-major: 16 bytes per k), no scales
+//     BF16: 16 k-pairs x 8 outputs x 2 bfloat16 (32 bytes per pair of k:
+//           lane j holds output j's k = 2p, 2p + 1, the pairs AVX512_BF16's
+//           dot product takes), no scales
 //
 // Q4_1's mw is its block minimum; Q4_0's nibbles are offset by 8, so its
 // mw is -8 dw (exact in float16). Padding rows past the last output are 0.
@@ -18,11 +20,44 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
 
+// The SIMD paths this build has (the kernels are built with -march=native).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TANDEM_QUANT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define TANDEM_QUANT_AVX512 1
+#if defined(__AVX512BF16__)
+#define TANDEM_QUANT_AVX512_BF16 1
+#endif
+#endif
+#endif
+
 namespace tandem_quant {
+
+// Which code a call may use, at most: tests and benchmarks ask for each
+// path this build has; serving takes the best.
+enum class Isa : int64_t { Portable = 0, Avx2 = 1, Avx512 = 2 };
+
+#if defined(TANDEM_QUANT_AVX512)
+constexpr Isa kBestIsa = Isa::Avx512;
+#elif defined(TANDEM_QUANT_AVX2)
+constexpr Isa kBestIsa = Isa::Avx2;
+#else
+constexpr Isa kBestIsa = Isa::Portable;
+#endif
+
+// `requested` (an Isa's number), capped at what this build has.
+inline Isa usable_isa(int64_t requested) {
+  TORCH_CHECK(requested >= 0 && requested <= 2, "isa ", requested,
+              " is not one of 0 (portable), 1 (avx2), 2 (avx512)");
+  return static_cast<Isa>(std::min<int64_t>(requested, static_cast<int64_t>(kBestIsa)));
+}
 
 constexpr int64_t kTile = 8;    // output rows per tile
 constexpr int64_t kBlock = 32;  // k per block
@@ -50,10 +85,13 @@ inline Kind kind_of(const at::Tensor& packed) {
 inline float half_to_float(uint16_t bits) { return c10::Half(bits, c10::Half::from_bits()); }
 inline uint16_t float_to_half(float v) { return c10::Half(v).x; }
 
+// Where output j's bfloat16 weight at k (0..31) lies in a BF16 tile block.
+constexpr int64_t bf16_offset(int64_t j, int64_t k) { return ((k / 2) * kTile + j) * 4 + (k % 2) * 2; }
+
 // bfloat16 weight of output j, k (0..31) in a BF16 tile block.
 inline float tile_bf16(const uint8_t* blk, int64_t j, int64_t k) {
   uint16_t half;
-  std::memcpy(&half, blk + (k * kTile + j) * 2, 2);
+  std::memcpy(&half, blk + bf16_offset(j, k), 2);
   const uint32_t bits = static_cast<uint32_t>(half) << 16;
   float value;
   std::memcpy(&value, &bits, 4);
@@ -75,6 +113,17 @@ inline float tile_m(const uint8_t* blk, Kind kind, int64_t j) {
   if (kind == Kind::Q8) return 0.f;
   return half_to_float(reinterpret_cast<const uint16_t*>(blk + scales_offset(kind))[kTile + j]);
 }
+
+#ifdef TANDEM_QUANT_AVX2
+// A decode step reads each weight once, in short runs (NV tiles' blocks
+// side by side, then the next NV tiles'), which the hardware prefetcher
+// (restarting at every 4 KiB page) follows late. The kernels prefetch the
+// next group's block while they multiply this one's: `ahead` bytes on.
+inline void prefetch_block(const uint8_t* blk, int64_t ahead, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + ahead + off), _MM_HINT_T0);
+}
+#endif
 
 // Where a kernel writes: out rows (stride apart), an optional bias, and the
 // number of valid outputs in the last tile (1..8).
@@ -105,7 +154,13 @@ inline float tile_value(const uint8_t* blk, Kind kind, int64_t j, int64_t k) {
 }
 
 // quant_linear_int8.cpp: activations quantized to int8 on the fly (Q4, Q8).
-void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed,
-                       bool portable);
+void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed, Isa isa);
+
+#ifdef TANDEM_QUANT_AVX512_BF16
+// quant_linear_bf16.cpp: BF16 weights times inputs rounded to bfloat16, by
+// AVX512_BF16's dot products (float32 sums).
+void quant_linear_bf16_dot(const OutTile& o, const at::Tensor& x, const at::Tensor& packed);
+#endif
+
 
 }  // namespace tandem_quant

@@ -1,8 +1,11 @@
 """--kv-cache-dtype on the default model (float32 compute). bfloat16: twice
 the blocks in the same memory, the compiled decode stack still runs (rows
 rounded when written, widened when read), and greedy outputs on 8 prompts
-equal the float32 cache's for 64 tokens (measured: no divergence at all).
-float16 runs on the torch path and agrees too."""
+equal the float32 cache's for their first 32 tokens. A bfloat16 cache is
+lossy: later tokens may part at a near tie (measured: none in 64 tokens on
+an AVX2 machine; one prompt of 8 from token 39 on an AVX-512 one, whose
+float32 kernels round differently). float16 runs on the torch path and
+agrees too."""
 
 from __future__ import annotations
 
@@ -54,7 +57,11 @@ def test_the_decode_stack_runs_over_it(bfloat16_cache: LLM) -> None:
 
 
 def test_greedy_outputs_equal_the_float32_cache(float32_cache: LLM, bfloat16_cache: LLM) -> None:
-    assert _generate(bfloat16_cache) == _generate(float32_cache)
+    got, want = _generate(bfloat16_cache), _generate(float32_cache)
+    assert [g[:32] for g in got] == [w[:32] for w in want]
+    # Most run the whole 64 tokens alike: a cache that were wrong, not lossy,
+    # would part early everywhere.
+    assert sum(g == w for g, w in zip(got, want, strict=True)) >= 6
 
 
 def test_a_float16_cache_takes_the_torch_path(float32_cache: LLM) -> None:

@@ -11,6 +11,7 @@ sum_b absmax(x[m, b]) / 254 * sum_{k in b} |w[n, k]|.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,10 @@ from gguf import GGMLQuantizationType, quants
 
 from kernels import cpu_kernels
 from kernels.quant import (
+    ISAS,
     QuantizedWeight,
+    available_isas,
+    bf16_dot_rows,
     format_summary,
     from_gguf_rows,
     quant_linear,
@@ -80,31 +84,49 @@ def test_dequantize_gives_the_reference_values(fmt: str) -> None:
     assert torch.equal(qw.dequantize(rows), got[rows])
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+def _isa(isa: str) -> str:
+    """`isa` if this build has it (a test of a path the CPU lacks is skipped)."""
+    if isa not in available_isas():
+        pytest.skip(
+            f"this build has no {isa} path (CPU: {torch.backends.cpu.get_cpu_capability()})"
+        )
+    return isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8", "bf16"])
-def test_float_activations_match_the_reference(fmt: str, rows: int, portable: bool) -> None:
+def test_float_activations_match_the_reference(fmt: str, rows: int, isa: str) -> None:
     qw, _ = _weights(fmt)
     ref_w = qw.dequantize()
     torch.manual_seed(rows)
     x = torch.randn(rows, IN)
     bias = torch.randn(OUT)
-    got = quant_linear(x, qw, bias, portable=portable)
+    got = quant_linear(x, qw, bias, isa=_isa(isa))
     want = F.linear(x, ref_w, bias)
+    dot_rows = bf16_dot_rows()
+    if fmt == "bf16" and isa == "avx512" and dot_rows is not None and rows >= dot_rows:
+        # AVX512_BF16's dot products take the inputs rounded to bfloat16:
+        # each off by at most 2^-9 of itself.
+        bound = (x.abs() @ ref_w.abs().T) * 2**-9 * (1 + 1e-3) + 1e-5
+        err = (got - want).abs()
+        assert bool((err <= bound).all()), f"worst error / bound {(err / bound).max().item():.3f}"
+        assert err.max().item() > 1e-4  # ... and the rounding is really there
+        return
     # float32 sums of 576 products in another order: ~1e-6 of their size.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
-def test_int8_activations_stay_within_their_rounding(fmt: str, rows: int, portable: bool) -> None:
+def test_int8_activations_stay_within_their_rounding(fmt: str, rows: int, isa: str) -> None:
     qw, _ = _weights(fmt)
     qw = QuantizedWeight(qw.format, qw.out_features, qw.in_features, qw.packed, True)
     ref_w = qw.dequantize()
     torch.manual_seed(rows)
     x = torch.randn(rows, IN)
-    got = quant_linear(x, qw, None, portable=portable)
+    got = quant_linear(x, qw, None, isa=_isa(isa))
     want = F.linear(x, ref_w)
     err = (got - want).abs()
     bound = _int8_error_bound(x, ref_w)
@@ -127,6 +149,19 @@ def test_int8_weights_take_inputs_of_any_width() -> None:
     torch.testing.assert_close(quant_linear(x, qw, None), F.linear(x, qw.dequantize()))
     step = ref.abs().amax(1, keepdim=True) / 127 * (1 + 2**-10)
     assert bool(((qw.dequantize() - ref).abs() <= step / 2).all())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_takes_any_width_and_strided_rows(isa: str) -> None:
+    """100 inputs (zero-padded to 128), 40 rows 2 x 100 apart: past
+    bf16_dot_rows() where the CPU has AVX512_BF16."""
+    w = torch.randn(21, 100)
+    qw = to_bf16(w)
+    x = torch.randn(40, 200)[:, :100]
+    got = quant_linear(x, qw, None, isa=_isa(isa))
+    want = F.linear(x, w.bfloat16().float())
+    bound = (x.abs() @ w.abs().T) * 2**-9 * (1 + 1e-3) + 1e-5
+    assert bool(((got - want).abs() <= bound).all())
 
 
 def test_strided_rows_and_empty_batches() -> None:
@@ -158,11 +193,59 @@ def test_bad_inputs_name_what_is_wrong() -> None:
 
 
 def test_kernels_report_their_simd_path() -> None:
-    """Built with -march=native: a CPU torch runs AVX2 code on has the AVX2 path."""
+    """Built with -march=native: a CPU torch runs AVX2 code on has the AVX2
+    path, and one with AVX-512 VNNI (read from /proc/cpuinfo) the AVX-512 one."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert ("avx2" in available_isas()) == (capability in ("AVX2", "AVX512"))
+    flags = _cpu_flags()
+    if flags:
+        vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+        assert ("avx512" in available_isas()) == vnni
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_int8_activation_paths_agree() -> None:
+    """Every path quantizes the inputs alike: they differ only in the order
+    of the float additions."""
+    for fmt in ("q4_1", "q8_0"):
+        qw, _ = _weights(fmt)
+        qw = QuantizedWeight(qw.format, qw.out_features, qw.in_features, qw.packed, True)
+        x = torch.randn(9, IN)
+        want = quant_linear(x, qw, None, isa="portable")
+        for isa in available_isas():
+            torch.testing.assert_close(
+                quant_linear(x, qw, None, isa=isa), want, rtol=1e-5, atol=1e-4
+            )
+
+
+def test_bf16_dot_products_where_the_cpu_has_them() -> None:
+    """A CPU with AVX512_BF16 (and VNNI: the avx512 level) has the path."""
+    flags = _cpu_flags()
+    if flags:
+        assert (bf16_dot_rows() is not None) == (
+            "avx512_bf16" in flags and "avx512" in available_isas()
+        )
+
+
+def test_unknown_isa_is_refused() -> None:
+    qw, _ = _weights("q8_0")
+    with pytest.raises(ValueError, match="isa 'sse'"):
+        quant_linear(torch.randn(1, IN), qw, None, isa="sse")
     module = cpu_kernels.load()
     assert module is not None
-    capability = torch.backends.cpu.get_cpu_capability()
-    assert module.quant_linear_has_avx2() == (capability in ("AVX2", "AVX512"))
+    out = torch.empty(1, OUT)
+    with pytest.raises(RuntimeError, match="isa 7 is not one of"):
+        module.quant_linear(out, torch.randn(1, IN), qw.packed, None, False, 7)
 
 
 def test_format_summary_orders_by_parameters() -> None:

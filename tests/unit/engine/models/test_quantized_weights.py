@@ -28,7 +28,7 @@ from engine.models.loader import LoadedModel, load_model
 from engine.models.weight_plan import FLOAT_WEIGHTS, QuantizationName, WeightPlan, plan_weights
 from kernels import cpu_kernels
 from kernels.backend import select_backend
-from kernels.quant import QuantizedWeight
+from kernels.quant import QuantizedWeight, bf16_dot_rows
 from tests.unit.engine.models.paged import PagedSequences, allocate, step
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels did not build")
@@ -190,8 +190,16 @@ def test_bf16_weights_give_the_rounded_models_logits(untied) -> None:
         for name, t in load_file(str(untied / "model.safetensors")).items()
     ]
     reference = _reload(untied, rounded)
-    for got, want in zip(_logits(bf16, TOKENS), _logits(reference, TOKENS), strict=True):
+    # 10 rows: float32 inputs on every CPU.
+    for got, want in zip(_logits(bf16, TOKENS[:2]), _logits(reference, TOKENS[:2]), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # 43 rows: where the CPU has AVX512_BF16, from bf16_dot_rows() rows on the
+    # inputs are rounded to bfloat16 too (each off by up to 2^-9 of itself).
+    dot_rows = bf16_dot_rows()
+    rounded_inputs = dot_rows is not None and sum(map(len, TOKENS)) >= dot_rows
+    tolerance = 2e-2 if rounded_inputs else 1e-4
+    for got, want in zip(_logits(bf16, TOKENS), _logits(reference, TOKENS), strict=True):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 def test_every_linear_is_quantized_or_float(untied) -> None:
