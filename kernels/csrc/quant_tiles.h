@@ -86,7 +86,9 @@ inline float half_to_float(uint16_t bits) { return c10::Half(bits, c10::Half::fr
 inline uint16_t float_to_half(float v) { return c10::Half(v).x; }
 
 // Where output j's bfloat16 weight at k (0..31) lies in a BF16 tile block.
-constexpr int64_t bf16_offset(int64_t j, int64_t k) { return ((k / 2) * kTile + j) * 4 + (k % 2) * 2; }
+constexpr int64_t bf16_offset(int64_t j, int64_t k) {
+  return ((k / 2) * kTile + j) * 4 + (k % 2) * 2;
+}
 
 // bfloat16 weight of output j, k (0..31) in a BF16 tile block.
 inline float tile_bf16(const uint8_t* blk, int64_t j, int64_t k) {
@@ -161,6 +163,5 @@ void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& 
 // AVX512_BF16's dot products (float32 sums).
 void quant_linear_bf16_dot(const OutTile& o, const at::Tensor& x, const at::Tensor& packed);
 #endif
-
 
 }  // namespace tandem_quant
