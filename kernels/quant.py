@@ -27,8 +27,9 @@ Formats (`WEIGHT_FORMATS`):
   float32 in registers (a shift) by the same kernels. On CPUs with
   AVX512_BF16, from `bf16_dot_rows()` input rows on (prefill chunks, big
   batches) the inputs are rounded to bfloat16 too and multiplied by the
-  CPU's bfloat16 dot products (float32 sums; quant_linear_bf16.cpp): about
-  2.7x float32's GEMM there, each input off by up to 2^-9 of itself.
+  CPU's bfloat16 dot products (float32 sums; quant_linear_bf16.cpp):
+  1.6-3.5x float32's GEMM at 32-512 rows (benchmarks/quant_kernel_bench.py),
+  each input off by up to 2^-9 of itself.
 
 Opt-in ``int8_activations`` (integer formats only) quantizes each input row
 to int8 in blocks of 32 as well and does the dot products in integers, as

@@ -169,12 +169,7 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const Rows& x, int64_t m0
     }
     scale_block<K, MR, NV>(acc, sums, blk, x, m0, nb, b);
   }
-  alignas(32) float row[kTile];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) {
-      _mm256_store_ps(row, acc[m][v]);
-      o.store(m0 + m, t + v, row);
-    }
+  o.store_all<MR, NV>(m0, t, acc);
 }
 
 // Rows [m0, m0 + MR) over tiles [t0, t1), NV tiles at a time.

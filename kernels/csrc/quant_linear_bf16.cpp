@@ -76,12 +76,7 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const PairRows& x, int64_
       }
     }
   }
-  alignas(32) float row[kTile];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) {
-      _mm256_store_ps(row, acc[m][v]);
-      o.store(m0 + m, t + v, row);
-    }
+  o.store_all<MR, NV>(m0, t, acc);
 }
 
 // Rows [m0, m0 + MR) times the tiles [t, t + n), n <= kTilesAtOnce.

@@ -141,6 +141,19 @@ struct OutTile {
     const int64_t n = t == tiles - 1 ? cols : kTile;
     for (int64_t j = 0; j < n; ++j) dst[j] = acc[j] + (bias ? bias[t * kTile + j] : 0.f);
   }
+
+#ifdef TANDEM_QUANT_AVX2
+  // A micro-kernel's sums, acc[m][v]: rows m0.. times tiles t.. .
+  template <int MR, int NV>
+  void store_all(int64_t m0, int64_t t, const __m256 (&acc)[MR][NV]) const {
+    alignas(32) float row[kTile];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) {
+        _mm256_store_ps(row, acc[m][v]);
+        store(m0 + m, t + v, row);
+      }
+  }
+#endif
 };
 
 // Checks the shapes of quant_linear's arguments; the OutTile it writes.
