@@ -43,6 +43,7 @@ from engine.models.gguf_weights import BlockRows
 from engine.models.quantized_weights import Quantize, QuantizedLoad
 from engine.models.spec import ModelSpec, RopeScaling
 from kernels import cpu_kernels
+from kernels.huge_pages import move_to_huge_pages
 from kernels.layer_ops import (
     PACKED_LINEAR_MAX_ROWS,
     SMALL_LINEAR_ROWS,
@@ -515,17 +516,24 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        # One stream of 2 MiB pages for the decode steps to read (kernels/huge_pages.py).
+        move_to_huge_pages([w.packed for w in self.quantized_weights()])
         self.decode_stack = build_decode_stack(self)
+
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        """The weights kept in quantized blocks (tied ones once)."""
+        found: dict[int, QuantizedWeight] = {}
+        for module in self.modules():
+            for packed in (getattr(module, "packed", None), getattr(module, "quant", None)):
+                if isinstance(packed, QuantizedWeight):
+                    found[id(packed)] = packed
+        return list(found.values())
 
     @property
     def weight_bytes(self) -> int:
         """Bytes the weights take in memory (quantized ones in their blocks;
         tied weights once): what a single-stream decode step reads."""
-        seen: dict[int, int] = {}
-        for module in self.modules():
-            for packed in (getattr(module, "packed", None), getattr(module, "quant", None)):
-                if isinstance(packed, QuantizedWeight):
-                    seen[id(packed)] = packed.nbytes
+        seen = {id(w): w.nbytes for w in self.quantized_weights()}
         for param in self.parameters():
             seen[id(param)] = param.numel() * param.element_size()
         return sum(seen.values())

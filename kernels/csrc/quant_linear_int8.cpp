@@ -100,6 +100,12 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// With only one or two accumulators (1-2 rows of one tile), VNNI's chain of
+// eight dependent vpdpbusd a block would bound the speed: split it in two
+// (integer sums, so the result is the same).
+template <int MR, int NV>
+constexpr bool kSplitDots = MR * NV <= 2;
+
 // A block's integer dot products, two ways. Avx2 (maddubs: u8 x s8 pairs
 // into s16, then madd into s32) and, where the CPU has AVX-512 VNNI,
 // vpdpbusd (4 u8 x s8 products added into each s32 lane: one instruction
@@ -108,6 +114,9 @@ template <Kind K, bool Vnni, int MR, int NV>
 inline void block_dots(__m256i (&dot)[MR][NV], const uint8_t* const* blk, const int8_t* const* qx,
                        const int32_t* offset) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i dot2[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) dot2[m][v] = _mm256_setzero_si256();
   if constexpr (K == Kind::Q4) {
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_setzero_si256();
@@ -124,7 +133,10 @@ inline void block_dots(__m256i (&dot)[MR][NV], const uint8_t* const* blk, const 
 #ifdef TANDEM_QUANT_AVX512
           if constexpr (Vnni) {
             dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], lo[v], xl);
-            dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], hi[v], xh);
+            if constexpr (kSplitDots<MR, NV>)
+              dot2[m][v] = _mm256_dpbusd_epi32(dot2[m][v], hi[v], xh);
+            else
+              dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], hi[v], xh);
             continue;
           }
 #endif
@@ -158,7 +170,10 @@ inline void block_dots(__m256i (&dot)[MR][NV], const uint8_t* const* blk, const 
         for (int v = 0; v < NV; ++v) {
 #ifdef TANDEM_QUANT_AVX512
           if constexpr (Vnni) {
-            dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], aw[v], xb);
+            if (kSplitDots<MR, NV> && g % 2)
+              dot2[m][v] = _mm256_dpbusd_epi32(dot2[m][v], aw[v], xb);
+            else
+              dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], aw[v], xb);
             continue;
           }
 #endif
@@ -168,6 +183,9 @@ inline void block_dots(__m256i (&dot)[MR][NV], const uint8_t* const* blk, const 
       }
     }
   }
+  if constexpr (Vnni && kSplitDots<MR, NV>)
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_add_epi32(dot[m][v], dot2[m][v]);
 }
 
 // MR input rows x NV tiles from tile t; acc[m][v]: tile v's 8 outputs for row m.
@@ -209,15 +227,15 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, i
   o.store_all<MR, NV>(m0, t, acc);
 }
 
-// Rows m0.. (fewer than 4) over tiles [t0, t1), several tiles at once so
-// the few rows still have independent accumulators to hide latency.
+// Rows m0.. (fewer than 4) over tiles [t0, t1), one tile at a time: each
+// tile's blocks are one run of memory, which the prefetchers follow at the
+// memory's full speed. Taking several tiles side by side (their blocks
+// interleaved) left the 1- and 2-row decode at ~2/3 of it (benchmarks/
+// README.md, "Huge pages and one tile at a time").
 template <Kind K, bool Vnni, int MR>
 void few_rows(const uint8_t* base, int64_t nb, int64_t t0, int64_t t1, const QuantizedRows& x,
               int64_t m0, const OutTile& o) {
-  constexpr int NV = 4 / MR;
-  int64_t t = t0;
-  for (; t + NV <= t1; t += NV) micro<K, Vnni, MR, NV>(base, nb, t, x, m0, o);
-  for (; t < t1; ++t) micro<K, Vnni, MR, 1>(base, nb, t, x, m0, o);
+  for (int64_t t = t0; t < t1; ++t) micro<K, Vnni, MR, 1>(base, nb, t, x, m0, o);
 }
 
 template <Kind K, bool Vnni>

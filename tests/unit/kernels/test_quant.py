@@ -32,7 +32,7 @@ from kernels.quant import (
     to_bf16,
 )
 
-ROWS = (1, 7, 64, 300)
+ROWS = (1, 2, 7, 64, 300)
 # 203 outputs: a ragged last tile of 8. 576 inputs: the default model's width.
 OUT, IN = 203, 576
 _GGML = {

@@ -247,3 +247,15 @@ def test_block_rows_keep_the_bytes() -> None:
     rows = BlockRows("q4_1", torch.from_numpy(raw.copy()), (8, 64))
     want = quants.dequantize(raw, GGMLQuantizationType.Q4_1).reshape(8, 64)
     assert torch.equal(rows.to_float(), torch.from_numpy(want))
+
+
+def test_quantized_weights_share_one_huge_page_buffer(tied) -> None:
+    # kernels/huge_pages.py: the loader gathers the blocks a decode step
+    # streams into one buffer advised MADV_HUGEPAGE.
+    loaded = _load(tied, WeightPlan(gguf=None, quantize="int8"))
+    weights = loaded.model.quantized_weights()
+    assert len(weights) == 1 + 4 * loaded.spec.num_layers  # tied head once
+    storages = {w.packed.untyped_storage().data_ptr() for w in weights}
+    assert len(storages) == 1
+    start = min(w.packed.data_ptr() for w in weights)
+    assert start % (2 * 2**20) == 0
