@@ -100,142 +100,118 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// With only one or two accumulators (1-2 rows of one tile), VNNI's chain of
-// eight dependent vpdpbusd a block would bound the speed: split it in two
-// (integer sums, so the result is the same).
-template <int MR, int NV>
-constexpr bool kSplitDots = MR * NV <= 2;
+// With only one or two rows, VNNI's chain of eight dependent vpdpbusd a
+// block would bound the speed: split it in two (integer sums: same result).
+template <int MR>
+constexpr bool kSplitDots = MR <= 2;
 
-// A block's integer dot products, two ways. Avx2 (maddubs: u8 x s8 pairs
-// into s16, then madd into s32) and, where the CPU has AVX-512 VNNI,
-// vpdpbusd (4 u8 x s8 products added into each s32 lane: one instruction
-// for AVX2's two or three). Both take the weights as the unsigned side.
-template <Kind K, bool Vnni, int MR, int NV>
-inline void block_dots(__m256i (&dot)[MR][NV], const uint8_t* const* blk, const int8_t* const* qx,
+// One block of one tile: its 8 outputs' integer dot products with MR rows,
+// two ways. Avx2 (maddubs: u8 x s8 pairs into s16, then madd into s32)
+// and, where the CPU has AVX-512 VNNI, vpdpbusd (4 u8 x s8 products added
+// into each s32 lane: one instruction for AVX2's two or three). Both take
+// the weights as the unsigned side.
+template <Kind K, bool Vnni, int MR>
+inline void block_dots(__m256i (&dot)[MR], const uint8_t* blk, const int8_t* const* qx,
                        const int32_t* offset) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256i dot2[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) dot2[m][v] = _mm256_setzero_si256();
+  __m256i dot2[MR];
+  for (int m = 0; m < MR; ++m) dot2[m] = _mm256_setzero_si256();
   if constexpr (K == Kind::Q4) {
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_setzero_si256();
+    for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
-      __m256i lo[NV], hi[NV];
-      for (int v = 0; v < NV; ++v) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[v] + c * 32));
-        lo[v] = _mm256_and_si256(raw, low4);
-        hi[v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      }
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
+      const __m256i lo = _mm256_and_si256(raw, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
       for (int m = 0; m < MR; ++m) {
         const __m256i xl = broadcast4(qx[m] + 4 * c), xh = broadcast4(qx[m] + 16 + 4 * c);
-        for (int v = 0; v < NV; ++v) {
 #ifdef TANDEM_QUANT_AVX512
-          if constexpr (Vnni) {
-            dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], lo[v], xl);
-            if constexpr (kSplitDots<MR, NV>)
-              dot2[m][v] = _mm256_dpbusd_epi32(dot2[m][v], hi[v], xh);
-            else
-              dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], hi[v], xh);
-            continue;
-          }
-#endif
-          // s16 sums: 8 groups x 2 x 15 x 127 = 30480 fits, so one madd a block.
-          dot[m][v] = _mm256_add_epi16(dot[m][v], _mm256_maddubs_epi16(lo[v], xl));
-          dot[m][v] = _mm256_add_epi16(dot[m][v], _mm256_maddubs_epi16(hi[v], xh));
+        if constexpr (Vnni) {
+          dot[m] = _mm256_dpbusd_epi32(dot[m], lo, xl);
+          __m256i& into = kSplitDots<MR> ? dot2[m] : dot[m];
+          into = _mm256_dpbusd_epi32(into, hi, xh);
+          continue;
         }
+#endif
+        // s16 sums: 8 groups x 2 x 15 x 127 = 30480 fits, so one madd a block.
+        dot[m] = _mm256_add_epi16(dot[m], _mm256_maddubs_epi16(lo, xl));
+        dot[m] = _mm256_add_epi16(dot[m], _mm256_maddubs_epi16(hi, xh));
       }
     }
     if constexpr (!Vnni) {
       const __m256i ones = _mm256_set1_epi16(1);
-      for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_madd_epi16(dot[m][v], ones);
+      for (int m = 0; m < MR; ++m) dot[m] = _mm256_madd_epi16(dot[m], ones);
     }
   } else {
     // Signed weights. VNNI: w + 128 (w ^ 0x80) is unsigned, and the sums
     // start at -128 * sum qx to take it back out. AVX2: |w| times x with
     // w's sign.
     for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < NV; ++v)
-        dot[m][v] = Vnni ? _mm256_set1_epi32(offset[m]) : _mm256_setzero_si256();
+      dot[m] = Vnni ? _mm256_set1_epi32(offset[m]) : _mm256_setzero_si256();
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
     for (int g = 0; g < 8; ++g) {
-      __m256i w[NV], aw[NV];
-      for (int v = 0; v < NV; ++v) {
-        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[v] + g * 32));
-        aw[v] = Vnni ? _mm256_xor_si256(w[v], flip) : _mm256_sign_epi8(w[v], w[v]);
-      }
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + g * 32));
+      const __m256i aw = Vnni ? _mm256_xor_si256(w, flip) : _mm256_sign_epi8(w, w);
       for (int m = 0; m < MR; ++m) {
         const __m256i xb = broadcast4(qx[m] + 4 * g);
-        for (int v = 0; v < NV; ++v) {
 #ifdef TANDEM_QUANT_AVX512
-          if constexpr (Vnni) {
-            if (kSplitDots<MR, NV> && g % 2)
-              dot2[m][v] = _mm256_dpbusd_epi32(dot2[m][v], aw[v], xb);
-            else
-              dot[m][v] = _mm256_dpbusd_epi32(dot[m][v], aw[v], xb);
-            continue;
-          }
-#endif
-          const __m256i p = _mm256_maddubs_epi16(aw[v], _mm256_sign_epi8(xb, w[v]));
-          dot[m][v] = _mm256_add_epi32(dot[m][v], _mm256_madd_epi16(p, ones));
+        if constexpr (Vnni) {
+          __m256i& into = kSplitDots<MR> && g % 2 ? dot2[m] : dot[m];
+          into = _mm256_dpbusd_epi32(into, aw, xb);
+          continue;
         }
+#endif
+        const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w));
+        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, ones));
       }
     }
   }
-  if constexpr (Vnni && kSplitDots<MR, NV>)
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_add_epi32(dot[m][v], dot2[m][v]);
+  if constexpr (Vnni && kSplitDots<MR>)
+    for (int m = 0; m < MR; ++m) dot[m] = _mm256_add_epi32(dot[m], dot2[m]);
 }
 
-// MR input rows x NV tiles from tile t; acc[m][v]: tile v's 8 outputs for row m.
-template <Kind K, bool Vnni, int MR, int NV>
+// MR input rows x tile t; acc[m]: the tile's 8 outputs for row m. One tile
+// at a time: its blocks are one run of memory, which the prefetchers follow
+// at the memory's full speed (several tiles side by side, their blocks
+// interleaved, left the 1- and 2-row decode at ~2/3 of it: benchmarks/
+// README.md, "Huge pages and one tile at a time").
+template <Kind K, bool Vnni, int MR>
 void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, int64_t m0,
            const OutTile& o) {
   constexpr int64_t bytes = tile_block_bytes(K);
-  __m256 acc[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
+  __m256 acc[MR][1];
+  for (int m = 0; m < MR; ++m) acc[m][0] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk[NV];
-    for (int v = 0; v < NV; ++v) blk[v] = base + ((t + v) * nb + b) * bytes;
-    for (int v = 0; v < NV; ++v) prefetch_block(blk[v], NV * nb * bytes, bytes);
+    const uint8_t* blk = base + (t * nb + b) * bytes;
+    prefetch_block(blk, nb * bytes, bytes);  // the next tile's block
     const int8_t* qx[MR];
     int32_t offset[MR];
     for (int m = 0; m < MR; ++m) {
       qx[m] = x.q.data() + ((m0 + m) * nb + b) * kBlock;
       offset[m] = -128 * x.qsum[(m0 + m) * nb + b];
     }
-    __m256i dot[MR][NV];
-    block_dots<K, Vnni, MR, NV>(dot, blk, qx, offset);
-    for (int v = 0; v < NV; ++v) {
-      const uint8_t* scales = blk[v] + scales_offset(K);
-      const __m256 dw =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
-      for (int m = 0; m < MR; ++m) {
-        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[(m0 + m) * nb + b]));
-        acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][v]), scale, acc[m][v]);
-      }
-      if constexpr (K == Kind::Q4) {
-        const __m256 mw =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)));
-        for (int m = 0; m < MR; ++m)
-          acc[m][v] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[(m0 + m) * nb + b]), acc[m][v]);
-      }
+    __m256i dot[MR];
+    block_dots<K, Vnni, MR>(dot, blk, qx, offset);
+    const uint8_t* scales = blk + scales_offset(K);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+    for (int m = 0; m < MR; ++m) {
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[(m0 + m) * nb + b]));
+      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), scale, acc[m][0]);
+    }
+    if constexpr (K == Kind::Q4) {
+      const __m256 mw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)));
+      for (int m = 0; m < MR; ++m)
+        acc[m][0] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[(m0 + m) * nb + b]), acc[m][0]);
     }
   }
-  o.store_all<MR, NV>(m0, t, acc);
+  o.store_all<MR, 1>(m0, t, acc);
 }
 
-// Rows m0.. (fewer than 4) over tiles [t0, t1), one tile at a time: each
-// tile's blocks are one run of memory, which the prefetchers follow at the
-// memory's full speed. Taking several tiles side by side (their blocks
-// interleaved) left the 1- and 2-row decode at ~2/3 of it (benchmarks/
-// README.md, "Huge pages and one tile at a time").
+// Rows m0.. (fewer than 4) over tiles [t0, t1).
 template <Kind K, bool Vnni, int MR>
 void few_rows(const uint8_t* base, int64_t nb, int64_t t0, int64_t t1, const QuantizedRows& x,
               int64_t m0, const OutTile& o) {
-  for (int64_t t = t0; t < t1; ++t) micro<K, Vnni, MR, 1>(base, nb, t, x, m0, o);
+  for (int64_t t = t0; t < t1; ++t) micro<K, Vnni, MR>(base, nb, t, x, m0, o);
 }
 
 template <Kind K, bool Vnni>
@@ -249,8 +225,8 @@ void tiles_simd(const uint8_t* base, int64_t nb, const QuantizedRows& x, int64_t
     const int64_t c1 = std::min(M, c0 + kRowChunk);
     for (int64_t t = t0; t < t1; ++t) {
       int64_t m = c0;
-      for (; m + wide <= c1; m += wide) micro<K, Vnni, wide, 1>(base, nb, t, x, m, o);
-      if (wide == 8 && m + 4 <= c1) micro<K, Vnni, 4, 1>(base, nb, t, x, m, o);
+      for (; m + wide <= c1; m += wide) micro<K, Vnni, wide>(base, nb, t, x, m, o);
+      if (wide == 8 && m + 4 <= c1) micro<K, Vnni, 4>(base, nb, t, x, m, o);
     }
     const int64_t m = c1 - (c1 - c0) % 4;
     switch ((c1 - c0) % 4) {

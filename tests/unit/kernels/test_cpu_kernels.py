@@ -15,10 +15,13 @@ import torch
 from kernels import cpu_kernels, reference, torch_attention
 from tests.unit.kernels.batches import SHAPES, Shape, make_batch
 
+DEFAULT_MODEL_HEADS = Shape((1,) * 6, (1, 15, 16, 17, 200, 333), 9, 3, 64, 16)
 DECODE_SHAPES = [
     *[s for s in SHAPES if max(s.q_lens) == 1],
-    Shape((1,) * 6, (1, 15, 16, 17, 200, 333), 9, 3, 64, 16),  # the default model's heads
+    DEFAULT_MODEL_HEADS,
     Shape((1,) * 4, (31, 32, 33, 129), 8, 8, 128, 32),
+    # Head dim 256: the portable path, even where AVX-512 takes 64 and 128.
+    Shape((1,) * 3, (5, 40, 17), 4, 2, 256, 16),
 ]
 
 
@@ -74,7 +77,7 @@ def test_cache_kv_into_a_bfloat16_cache_rounds_as_torch(kernel) -> None:
 
 def test_strided_query_rows_as_the_model_passes_them(kernel) -> None:
     # The model hands attention a view into the fused qkv output.
-    shape = DECODE_SHAPES[-2]
+    shape = DEFAULT_MODEL_HEADS
     batch = make_batch(shape)
     wide = torch.randn(batch.query.shape[0], shape.num_heads + 2 * shape.num_kv_heads, 64)
     wide[:, : shape.num_heads] = batch.query
