@@ -207,13 +207,6 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, i
   o.store_all<MR, 1>(m0, t, acc);
 }
 
-// Rows m0.. (fewer than 4) over tiles [t0, t1).
-template <Kind K, bool Vnni, int MR>
-void few_rows(const uint8_t* base, int64_t nb, int64_t t0, int64_t t1, const QuantizedRows& x,
-              int64_t m0, const OutTile& o) {
-  for (int64_t t = t0; t < t1; ++t) micro<K, Vnni, MR>(base, nb, t, x, m0, o);
-}
-
 template <Kind K, bool Vnni>
 void tiles_simd(const uint8_t* base, int64_t nb, const QuantizedRows& x, int64_t t0, int64_t t1,
                 int64_t M, const OutTile& o) {
@@ -226,14 +219,13 @@ void tiles_simd(const uint8_t* base, int64_t nb, const QuantizedRows& x, int64_t
     for (int64_t t = t0; t < t1; ++t) {
       int64_t m = c0;
       for (; m + wide <= c1; m += wide) micro<K, Vnni, wide>(base, nb, t, x, m, o);
-      if (wide == 8 && m + 4 <= c1) micro<K, Vnni, 4>(base, nb, t, x, m, o);
-    }
-    const int64_t m = c1 - (c1 - c0) % 4;
-    switch ((c1 - c0) % 4) {
-      case 3: few_rows<K, Vnni, 3>(base, nb, t0, t1, x, m, o); break;
-      case 2: few_rows<K, Vnni, 2>(base, nb, t0, t1, x, m, o); break;
-      case 1: few_rows<K, Vnni, 1>(base, nb, t0, t1, x, m, o); break;
-      default: break;
+      if (wide == 8 && m + 4 <= c1) micro<K, Vnni, 4>(base, nb, t, x, m, o), m += 4;
+      switch (c1 - m) {
+        case 3: micro<K, Vnni, 3>(base, nb, t, x, m, o); break;
+        case 2: micro<K, Vnni, 2>(base, nb, t, x, m, o); break;
+        case 1: micro<K, Vnni, 1>(base, nb, t, x, m, o); break;
+        default: break;
+      }
     }
   }
 }
