@@ -9,6 +9,11 @@ Sources live in `kernels/csrc/`:
   this kernel walks the block table and reads each K/V row once, in place,
   with an online softmax per (sequence, KV head) and all query heads of a
   GQA group sharing each row.
+* `prefill_attention.cpp`: the prefill part of paged attention (AVX-512
+  builds): every prefill chunk of a batch in one call, causal over its
+  cached prefix and itself, K/V read in place through the block table and
+  keys past a query's position skipped (torch's CPU flash attention, the
+  fallback, computes them and masks them out at prompt lengths under 512).
 * `fused_ops.cpp`: RMSNorm (with the residual add folded in), SiLU-and-mul
   and RoPE, each one pass instead of a chain of torch kernels (see
   `kernels.elementwise`).
@@ -58,6 +63,7 @@ _SOURCES = (
     "decode_stack.cpp",
     "fused_ops.cpp",
     "kv_copy.cpp",
+    "prefill_attention.cpp",
     "quant_linear.cpp",
     "quant_gemm.cpp",
     "quant_linear_int8.cpp",

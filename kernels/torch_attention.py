@@ -14,7 +14,9 @@ ops per call because it runs for every layer of every step:
   once, in place, instead of gathering first.
 * prefill chunks (few per step, many tokens each) go one sequence at a time,
   each over exactly its own context with a causal mask shifted by its cached
-  prefix.
+  prefix. Where the compiled kernel applies (float32 queries, a float32 or
+  bfloat16 cache, AVX-512), all of a batch's chunks go to it in one call
+  instead: it reads K/V in place and skips the keys a causal mask hides.
 
 Everything derived from the batch layout alone (gather indices, masks, host
 copies of the offsets) is a `_Plan`, built on the first call with a given
@@ -74,13 +76,15 @@ def paged_attention(
     sequence's cached context; returns `[num_tokens, num_heads, head_dim]`."""
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    plan = _PLANS.get(meta, kv_cache)
+    plan = _PLANS.get(meta, kv_cache, query)
     if plan.decode is not None and plan.decode_rows is None:
         return _decode(query, kv_cache, plan.decode, scale)
     out = torch.empty_like(query)
     if plan.decode is not None and plan.decode_rows is not None:
         decoded = _decode(query.index_select(0, plan.decode_rows), kv_cache, plan.decode, scale)
         out.index_copy_(0, plan.decode_rows, decoded)
+    if plan.compiled_prefills is not None:
+        _prefill_compiled(out, query, kv_cache, plan.compiled_prefills, scale)
     for prefill in plan.prefills:
         lo, hi = prefill.rows
         out[lo:hi] = _prefill(query[lo:hi], kv_cache, prefill, scale)
@@ -116,10 +120,23 @@ class _PrefillPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class _CompiledPrefills:
+    """Every prefill chunk of a batch, for the compiled kernel (one call)."""
+
+    block_table: torch.Tensor  # int32 [P, max_blocks]
+    seq_lens: torch.Tensor  # int32 [P]: context incl. the chunk
+    query_starts: torch.Tensor  # int32 [P]: each chunk's first query row
+    query_lens: torch.Tensor  # int32 [P]
+
+
+@dataclass(frozen=True, slots=True)
 class _Plan:
     decode: _DecodePlan | None
     # Token rows of the decodes; None when the whole batch is decodes.
     decode_rows: torch.Tensor | None
+    # The prefill chunks one way or the other: the compiled kernel's one
+    # call, or one torch call each.
+    compiled_prefills: _CompiledPrefills | None
     prefills: tuple[_PrefillPlan, ...]
 
 
@@ -132,13 +149,13 @@ class _PlanCache:
         self._key: tuple[object, ...] = ()
         self._plan: _Plan | None = None
 
-    def get(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
+    def get(self, meta: AttentionMetadata, kv_cache: torch.Tensor, query: torch.Tensor) -> _Plan:
         # Identity, not contents: AttentionMetadata is frozen and the runner
         # builds a new one per forward pass (inference tensors carry no
         # version counter to detect in-place edits with).
-        key = (kv_cache.shape[1:3], kv_cache.dtype, kv_cache.device)
+        key = (kv_cache.shape[1:], kv_cache.dtype, kv_cache.device, query.shape[1:], query.dtype)
         if self._plan is None or self._meta is not meta or self._key != key:
-            self._plan = _make_plan(meta, kv_cache)
+            self._plan = _make_plan(meta, kv_cache, _compiled_prefill(query, kv_cache))
             self._meta, self._key = meta, key
         return self._plan
 
@@ -146,15 +163,17 @@ class _PlanCache:
 _PLANS = _PlanCache()
 
 
-def _make_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
+def _make_plan(
+    meta: AttentionMetadata, kv_cache: torch.Tensor, compiled_prefill: bool = False
+) -> _Plan:
     if meta.decode_only:
-        return _Plan(_all_decodes_plan(meta, kv_cache), None, ())
+        return _Plan(_all_decodes_plan(meta, kv_cache), None, None, ())
     # Host copies of the layout: cheap on CPU, where this backend runs.
     starts: list[int] = meta.query_start_loc.tolist()
     seq_lens: list[int] = meta.seq_lens.tolist()
     decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
     if len(decodes) == len(seq_lens):
-        return _Plan(_all_decodes_plan(meta, kv_cache), None, ())
+        return _Plan(_all_decodes_plan(meta, kv_cache), None, None, ())
 
     decode: _DecodePlan | None = None
     decode_rows: torch.Tensor | None = None
@@ -167,12 +186,26 @@ def _make_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Plan:
             kv_cache,
         )
         decode_rows = torch.tensor([starts[i] for i in decodes], device=kv_cache.device)
+    chunks = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
+    if compiled_prefill:
+        return _Plan(decode, decode_rows, _compiled_prefills(meta, chunks, starts), ())
     prefills = tuple(
-        _prefill_plan((starts[i], starts[i + 1]), meta.block_table[i], n, kv_cache)
-        for i, n in enumerate(seq_lens)
-        if starts[i + 1] - starts[i] > 1
+        _prefill_plan((starts[i], starts[i + 1]), meta.block_table[i], seq_lens[i], kv_cache)
+        for i in chunks
     )
-    return _Plan(decode, decode_rows, prefills)
+    return _Plan(decode, decode_rows, None, prefills)
+
+
+def _compiled_prefills(
+    meta: AttentionMetadata, chunks: list[int], starts: list[int]
+) -> _CompiledPrefills:
+    seqs = torch.tensor(chunks, device=meta.seq_lens.device)
+    return _CompiledPrefills(
+        meta.block_table.index_select(0, seqs).to(torch.int32),
+        meta.seq_lens.index_select(0, seqs).to(torch.int32),
+        torch.tensor([starts[i] for i in chunks], dtype=torch.int32),
+        torch.tensor([starts[i + 1] - starts[i] for i in chunks], dtype=torch.int32),
+    )
 
 
 def _all_decodes_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _DecodePlan:
@@ -325,6 +358,40 @@ def _compiled_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> ModuleType 
     ):
         return None
     return cpu_kernels.load()
+
+
+def _compiled_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the compiled kernel takes this model's prefill chunks: float32
+    queries over a float32 or bfloat16 CPU cache, at a head size, GQA group
+    and block size it has code for (AVX-512 builds)."""
+    if _compiled_decode(query, kv_cache) is None:
+        return False
+    kernel = cpu_kernels.load()
+    group = query.shape[1] // kv_cache.shape[3]
+    return kernel is not None and bool(
+        kernel.prefill_attention_applies(query.shape[-1], group, kv_cache.shape[2])
+    )
+
+
+def _prefill_compiled(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: _CompiledPrefills,
+    scale: float,
+) -> None:
+    kernel = cpu_kernels.load()
+    assert kernel is not None  # the plan was made for it
+    kernel.prefill_attention(
+        out,
+        query,
+        kv_cache,
+        plan.block_table,
+        plan.seq_lens,
+        plan.query_starts,
+        plan.query_lens,
+        scale,
+    )
 
 
 def _prefill(

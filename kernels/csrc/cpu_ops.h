@@ -8,6 +8,12 @@
 void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                       at::Tensor block_table, at::Tensor seq_lens, double scale);
 
+// prefill_attention.cpp: causal attention of prefill chunks (AVX-512 builds)
+bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_size);
+void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                       at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
+                       at::Tensor query_lens, double scale);
+
 // fused_ops.cpp
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor delta,

@@ -5,11 +5,13 @@
 // vectorizes) and, where the build targets AVX-512, one with the GQA group's
 // queries and accumulators held in registers, each K/V row loaded once for
 // the whole group, and a two-pass softmax (all scores of a head, then one
-// exp pass, then the V pass). The AVX-512 path measured 1.3-1.5x faster on
-// the default model's heads; it covers group sizes 1-8 and head dims 64/128,
-// which spans the Llama/Mistral/Qwen2 checkpoints people run on CPUs. A
-// bfloat16 cache (--kv-cache-dtype bfloat16) takes either, its rows widened
-// to float32 (exactly) as they are read.
+// exp pass, then the V pass). Scores come 16 keys at a time, their partial
+// sums folded together by shuffles instead of one horizontal sum per key,
+// and blocks are prefetched into L2 four ahead. The AVX-512 path covers
+// group sizes 1-8 and head dims 64/128, which spans the Llama/Mistral/Qwen2
+// checkpoints people run on CPUs. A bfloat16 cache (--kv-cache-dtype
+// bfloat16) takes either, its rows widened to float32 (exactly) as they are
+// read.
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <ATen/Parallel.h>
@@ -23,6 +25,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
 
 // One KV head's n rows of a block as float32, with their row stride: the
 // cache itself, or bfloat16 rows widened into `buf` (once per block, not
@@ -133,22 +136,67 @@ void decode_attention_d(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
 #if defined(__AVX512F__)
 namespace {
 
-// Ask for one head's rows of the next block before they are needed: blocks
-// are scattered, so the hardware prefetcher cannot guess where it starts.
+// Ask for one head's rows of a block some blocks ahead: blocks are scattered,
+// so the hardware prefetcher cannot guess where the next one starts. Into
+// L2, not L1: L1's few outstanding misses held a DRAM-resident cache to a
+// third of the read bandwidth (10.8 GB/s against 20-21 into L2, 64
+// sequences x ~300 keys, two threads; benchmarks/README.md).
 template <int D, typename T>
 inline void prefetch_rows(const T* first, int64_t n, int64_t row) {
   constexpr int per_line = 64 / sizeof(T);
   for (int64_t t = 0; t < n; ++t)
     for (int c = 0; c < D; c += per_line)
-      _mm_prefetch(reinterpret_cast<const char*>(first + t * row + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(first + t * row + c), _MM_HINT_T1);
 }
 
-// 16 cache elements as float32: a load, or bfloat16 widened (its bits are
-// float32's upper half, so this is exact).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+// A K/V row of D cache elements as float32 in C = D / 16 registers. float32
+// rows load as they are. bfloat16 rows load 32 elements at a time and split
+// into the even and the odd ones (a bfloat16 is float32's upper half: two
+// ops for 32 elements, exact); queries and outputs take the same order
+// (row_order_query, natural_order_out), and sums over d do not care.
+template <int D>
+inline void load_row(const float* p, __m512 (&r)[D / 16]) {
+  for (int c = 0; c < D / 16; ++c) r[c] = _mm512_loadu_ps(p + c * 16);
+}
+template <int D>
+inline void load_row(const c10::BFloat16* p, __m512 (&r)[D / 16]) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < D / 16; c += 2) {
+    const __m512i x = _mm512_loadu_si512(p + c * 16);
+    r[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    r[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+  }
+}
+
+template <typename T, int D>
+inline void row_order_query(const float* q, float scale, __m512 (&r)[D / 16]) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int c = 0; c < D / 16; ++c) r[c] = _mm512_mul_ps(_mm512_loadu_ps(q + c * 16), s);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int c = 0; c < D / 16; c += 2) {
+      const __m512 a = r[c], b = r[c + 1];
+      r[c] = _mm512_permutex2var_ps(a, even, b);
+      r[c + 1] = _mm512_permutex2var_ps(a, odd, b);
+    }
+  }
+}
+
+template <typename T, int D>
+inline void natural_order_out(float* o, __m512 (&acc)[D / 16], float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi =
+        _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int c = 0; c < D / 16; c += 2) {
+      const __m512 even = acc[c], odd = acc[c + 1];
+      acc[c] = _mm512_permutex2var_ps(even, lo, odd);
+      acc[c + 1] = _mm512_permutex2var_ps(even, hi, odd);
+    }
+  }
+  for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(acc[c], s));
 }
 
 template <typename T>
@@ -164,6 +212,63 @@ struct HeadTask {
   float scale;
 };
 
+// q . k as 16 partial sums (two FMA chains).
+template <int C>
+inline __m512 partial_dot(const __m512 (&q)[C], const __m512 (&k)[C]) {
+  __m512 even = _mm512_mul_ps(q[0], k[0]);
+  __m512 odd = _mm512_setzero_ps();
+  for (int c = 1; c < C; c += 2) {
+    odd = _mm512_fmadd_ps(q[c], k[c], odd);
+    if (c + 1 < C) even = _mm512_fmadd_ps(q[c + 1], k[c + 1], even);
+  }
+  return _mm512_add_ps(even, odd);
+}
+
+// 16 keys' partial sums -> one vector of their 16 dot products, without a
+// horizontal sum per key. pairs[p] holds keys 2p, 2p + 1 folded once
+// (shuffle_f32x4 0x44 / 0xEE, added): 128-bit chunks 0-1 key 2p, 2-3 key
+// 2p + 1. Three more fold levels leave key 4m + k in lane 4k + m; one
+// permute puts key j in lane j.
+inline __m512 fold_pair(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline __m512 sixteen_dots(const __m512 (&pairs)[8]) {
+  __m512 quads[4];
+  for (int i = 0; i < 4; ++i)
+    quads[i] = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], 0xDD));
+  __m512 halves[2];
+  for (int i = 0; i < 2; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_ps(quads[2 * i], quads[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(quads[2 * i], quads[2 * i + 1], 0xEE));
+  const __m512 folded = _mm512_add_ps(_mm512_shuffle_ps(halves[0], halves[1], 0x88),
+                                      _mm512_shuffle_ps(halves[0], halves[1], 0xDD));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, folded);
+}
+
+// Scores of keys first..first+n-1 (n <= 16, rows `row` apart) for the G heads
+// into scores[g * len + at ...]. Rows past n repeat the last (read, unused).
+template <int D, int G, typename T>
+inline void score_keys(const __m512 (&q)[G][D / 16], const T* first, int64_t row, int n,
+                       float* scores, int64_t len, int64_t at) {
+  constexpr int C = D / 16;
+  __m512 pairs[G][8];
+  for (int p = 0; p < 8; ++p) {
+    __m512 k0[C], k1[C];
+    load_row<D>(first + std::min(2 * p, n - 1) * row, k0);
+    load_row<D>(first + std::min(2 * p + 1, n - 1) * row, k1);
+    for (int g = 0; g < G; ++g) pairs[g][p] = fold_pair(partial_dot(q[g], k0), partial_dot(q[g], k1));
+  }
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+  for (int g = 0; g < G; ++g)
+    _mm512_mask_storeu_ps(scores + g * len + at, live, sixteen_dots(pairs[g]));
+}
+
+// How many blocks ahead of the one in use to prefetch (2 and 4 measured
+// alike, 1 and 3 slower).
+constexpr int64_t kAhead = 4;
+
 // One (sequence, KV head): the G query heads of its group over its context.
 // `scores` holds G * len floats.
 template <int D, int G, typename T>
@@ -172,31 +277,21 @@ void attend_group(const HeadTask<T>& t, float* __restrict scores) {
   const int64_t len = t.len, BS = t.block_size;
   const int64_t num_blocks = (len + BS - 1) / BS;
   __m512 qr[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c)
-      qr[g][c] = _mm512_mul_ps(_mm512_loadu_ps(t.q + g * t.q_s1 + c * 16), _mm512_set1_ps(t.scale));
-  // Pass 1: every score; two accumulators per dot halve the FMA chain.
+  for (int g = 0; g < G; ++g) row_order_query<T, D>(t.q + g * t.q_s1, t.scale, qr[g]);
+  // Pass 1: every score, 16 keys at a time.
+  for (int64_t b = 0; b < std::min<int64_t>(kAhead, num_blocks); ++b)
+    prefetch_rows<D>(t.k + t.blocks[b] * t.block_elems, BS, t.row);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * BS, n = std::min(BS, len - start);
     const T* kb = t.k + t.blocks[b] * t.block_elems;
-    if (b + 1 < num_blocks)
-      prefetch_rows<D>(t.k + t.blocks[b + 1] * t.block_elems, BS, t.row);
-    else
-      prefetch_rows<D>(t.v + t.blocks[0] * t.block_elems, BS, t.row);
-    for (int64_t i = 0; i < n; ++i) {
-      const T* k = kb + i * t.row;
-      __m512 kr[C];
-      for (int c = 0; c < C; ++c) kr[c] = load16(k + c * 16);
-      for (int g = 0; g < G; ++g) {
-        __m512 even = _mm512_mul_ps(qr[g][0], kr[0]);
-        __m512 odd = _mm512_setzero_ps();
-        for (int c = 1; c < C; c += 2) {
-          odd = _mm512_fmadd_ps(qr[g][c], kr[c], odd);
-          if (c + 1 < C) even = _mm512_fmadd_ps(qr[g][c + 1], kr[c + 1], even);
-        }
-        scores[g * len + start + i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
-      }
-    }
+    const int64_t ahead = b + kAhead;
+    if (ahead < num_blocks)
+      prefetch_rows<D>(t.k + t.blocks[ahead] * t.block_elems, BS, t.row);
+    else if (ahead - num_blocks < num_blocks)
+      prefetch_rows<D>(t.v + t.blocks[ahead - num_blocks] * t.block_elems, BS, t.row);
+    for (int64_t i = 0; i < n; i += 16)
+      score_keys<D, G, T>(qr, kb + i * t.row, t.row, static_cast<int>(std::min<int64_t>(16, n - i)),
+                          scores, len, start + i);
   }
   // Softmax per head over the whole context (vectorized exp).
   float inv_sum[G];
@@ -220,21 +315,18 @@ void attend_group(const HeadTask<T>& t, float* __restrict scores) {
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * BS, n = std::min(BS, len - start);
     const T* vb = t.v + t.blocks[b] * t.block_elems;
-    if (b + 1 < num_blocks) prefetch_rows<D>(t.v + t.blocks[b + 1] * t.block_elems, BS, t.row);
+    if (b + kAhead < num_blocks)
+      prefetch_rows<D>(t.v + t.blocks[b + kAhead] * t.block_elems, BS, t.row);
     for (int64_t i = 0; i < n; ++i) {
-      const T* v = vb + i * t.row;
       __m512 vr[C];
-      for (int c = 0; c < C; ++c) vr[c] = load16(v + c * 16);
+      load_row<D>(vb + i * t.row, vr);
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(scores[g * len + start + i]);
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
       }
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(t.out + g * t.o_s1 + c * 16,
-                       _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
+  for (int g = 0; g < G; ++g) natural_order_out<T, D>(t.out + g * t.o_s1, acc[g], inv_sum[g]);
 }
 
 template <int D, int G, typename T>

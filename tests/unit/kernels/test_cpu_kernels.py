@@ -195,3 +195,84 @@ with cpu_kernels.build_lock("busy_ext"):
 def _take_and_release(name: str) -> None:
     with cpu_kernels.build_lock(name):
         pass
+
+
+# --- prefill chunks (prefill_attention.cpp) ----------------------------------
+
+PREFILL_SHAPES = [
+    *[s for s in SHAPES if max(s.q_lens) > 1],
+    # The default model's heads: a fresh 300-token prompt (19 tiles of 16
+    # tokens), a decode, a 49-token chunk over an 11-token prefix, a 2-token
+    # prompt.
+    Shape((300, 1, 49, 2), (300, 70, 60, 2), 9, 3, 64, 16),
+    Shape((100, 7), (130, 7), 8, 1, 128, 32),  # group 8: 6 tokens a tile
+    Shape((23, 40), (40, 40), 5, 1, 64, 16),  # group 5: 45 of 48 rows used
+    Shape((20,), (50,), 4, 2, 256, 16),
+]
+
+
+@pytest.fixture(scope="module")
+def prefill_kernel(kernel):
+    if not kernel.prefill_attention_applies(64, 3, 16):
+        pytest.skip("no AVX-512 here: prefill chunks take the torch path")
+    return kernel
+
+
+def _prefill_call(
+    kernel, batch, query: torch.Tensor, out: torch.Tensor, scale: float
+) -> list[tuple[int, int]]:
+    """Runs the kernel on the batch's prefill chunks; returns their rows."""
+    starts = batch.meta.query_start_loc.tolist()
+    chunks = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > 1]
+    rows = [(starts[i], starts[i + 1]) for i in chunks]
+    seqs = torch.tensor(chunks)
+    kernel.prefill_attention(
+        out,
+        query,
+        batch.kv_cache,
+        batch.meta.block_table.index_select(0, seqs),
+        batch.meta.seq_lens.index_select(0, seqs),
+        torch.tensor([lo for lo, _ in rows], dtype=torch.int32),
+        torch.tensor([hi - lo for lo, hi in rows], dtype=torch.int32),
+        scale,
+    )
+    return rows
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: s.label)
+def test_prefill_kernel_matches_reference(
+    prefill_kernel, shape: Shape, cache_dtype: torch.dtype
+) -> None:
+    """Each chunk attends causally over its cached prefix and itself; rows of
+    other sequences (decodes) are left as they were."""
+    batch = make_batch(shape, dtype=cache_dtype, seed=5)
+    query = batch.query.float()
+    scale = shape.head_dim**-0.5
+    want = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, scale)
+    got = torch.full_like(query, 7.0)
+    rows = _prefill_call(prefill_kernel, batch, query, got, scale)
+    chunk_rows = torch.zeros(query.shape[0], dtype=torch.bool)
+    for lo, hi in rows:
+        chunk_rows[lo:hi] = True
+    torch.testing.assert_close(got[chunk_rows], want[chunk_rows], atol=2e-5, rtol=0)
+    assert bool((got[~chunk_rows] == 7.0).all())
+
+
+def test_prefill_kernel_refuses_what_it_cannot_do(prefill_kernel) -> None:
+    batch = make_batch(PREFILL_SHAPES[-4])
+    out = torch.zeros_like(batch.query)
+    bad = dataclasses.replace(batch.meta, block_table=batch.meta.block_table.clone())
+    bad.block_table[0, 0] = batch.kv_cache.shape[1]  # one past the last block
+    with pytest.raises(RuntimeError, match="names block"):
+        _prefill_call(prefill_kernel, dataclasses.replace(batch, meta=bad), batch.query, out, 1.0)
+    short = dataclasses.replace(batch.meta, seq_lens=batch.meta.seq_lens.clone())
+    short.seq_lens[0] = 10  # fewer positions than the chunk's 300 new tokens
+    with pytest.raises(RuntimeError, match="does not fit"):
+        _prefill_call(prefill_kernel, dataclasses.replace(batch, meta=short), batch.query, out, 1.0)
+    assert not out.any()  # checked before anything is written
+    assert not prefill_kernel.prefill_attention_applies(80, 1, 16)  # head dim
+    assert not prefill_kernel.prefill_attention_applies(64, 1, 8)  # block size
+    odd = make_batch(Shape((4,), (4,), 2, 2, 96, 16))
+    with pytest.raises(RuntimeError, match="no kernel for head_dim 96"):
+        _prefill_call(prefill_kernel, odd, odd.query, torch.zeros_like(odd.query), 1.0)

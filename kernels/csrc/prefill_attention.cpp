@@ -1,0 +1,346 @@
+// Paged causal attention for prefill chunks on CPU: float32 queries over a
+// float32 or bfloat16 cache (see kernels/torch_attention.py).
+//
+// torch's CPU flash attention, which the torch path calls once per
+// sequence, cuts the keys into blocks of 512: at prompt lengths of a few
+// hundred the causal half is computed and thrown away, and its small
+// matrix products run at ~50 GFLOP/s on two cores. This kernel reads K/V
+// in place through the block table and skips every key past a query's
+// position, chunk by chunk.
+//
+// Layout of the work: a task is one (sequence, KV head, tile of query
+// tokens); its rows are the tile's tokens x the GQA group's query heads,
+// 48 of them, held *across* the vector lanes (3 x 16). Everything then runs
+// vertically, with no horizontal sums and no transposes of K or V:
+//
+//   S^T[j, rows] = sum_d K[j, d] * Q^T[d, rows]     (K broadcast, Q^T loaded)
+//   online softmax down the 16 keys of a chunk       (plain loops, per lane)
+//   O^T[d, rows] = O^T * correction + sum_j V[j, d] * P^T[j, rows]
+//
+// Q^T is built once per task and O^T written back once, so their transposes
+// cost nothing per key. AVX-512 only; elsewhere the torch path runs.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "cpu_ops.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kRowVecs = 3;                   // 16-lane vectors of rows
+constexpr int kRows = kLanes * kRowVecs;      // query rows per task
+constexpr int kChunk = 16;                    // keys per softmax step
+constexpr int kBlockJ = 8;                    // keys per S^T register block
+constexpr int kBlockD = 8;                    // head dims per O^T register block
+constexpr float kMasked = -1e30f;             // finite: the build assumes no infinities
+
+// One task's view of the problem (pointers already at its sequence and head).
+template <typename T>
+struct Task {
+  const float* q;       // the tile's first token, first head of the group
+  int64_t q_tok, q_head;  // strides between tokens and heads of the query
+  float* out;
+  int64_t o_tok, o_head;
+  const T* k;           // this KV head's slice of cache block 0 (V: + v_off)
+  int64_t v_off;
+  const int32_t* blocks;  // the sequence's block-table row
+  int64_t block_size, row;  // cache rows per block; elements between rows
+  int64_t tokens;         // query tokens in the tile
+  int64_t first_pos;      // context position of the tile's first token
+  int group;
+  float scale;
+};
+
+// Per-thread scratch, all rows across lanes.
+struct Scratch {
+  alignas(64) float qt[256 * kRows];     // Q^T [D][kRows], scaled
+  alignas(64) float ot[256 * kRows];     // O^T [D][kRows]
+  alignas(64) float st[kChunk * kRows];  // S^T, then P^T [kChunk][kRows]
+  alignas(64) float kf[kChunk * 256];    // a chunk's K rows as float32 (bfloat16 caches)
+  alignas(64) float vf[kChunk * 256];
+  alignas(64) float m[kRows], l[kRows], corr[kRows], pos[kRows];
+};
+
+// n cache rows as float32 row pointers: in place, or widened into buf.
+template <int D>
+inline void rows_of(const float* first, int64_t row, int n, float* /*buf*/, const float** out) {
+  for (int j = 0; j < n; ++j) out[j] = first + j * row;
+}
+template <int D>
+inline void rows_of(const c10::BFloat16* first, int64_t row, int n, float* buf,
+                    const float** out) {
+  for (int j = 0; j < n; ++j) {
+    const auto* src = reinterpret_cast<const uint16_t*>(first + j * row);
+    float* dst = buf + j * D;
+    for (int c = 0; c < D; c += 16) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c));
+      _mm512_storeu_ps(dst + c,
+                       _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+    }
+    out[j] = dst;
+  }
+}
+
+// S^T rows j0..j0+kBlockJ-1 of the chunk (key rows past n repeat the last;
+// the softmax masks them).
+template <int D>
+inline void scores_block(const float* const* k, int j0, int n, const float* qt, float* st) {
+  __m512 acc[kBlockJ][kRowVecs];
+  const float* kr[kBlockJ];
+  for (int jj = 0; jj < kBlockJ; ++jj) {
+    kr[jj] = k[std::min(j0 + jj, n - 1)];
+    for (int v = 0; v < kRowVecs; ++v) acc[jj][v] = _mm512_setzero_ps();
+  }
+  for (int d = 0; d < D; ++d) {
+    __m512 q[kRowVecs];
+    for (int v = 0; v < kRowVecs; ++v) q[v] = _mm512_load_ps(qt + d * kRows + v * kLanes);
+    for (int jj = 0; jj < kBlockJ; ++jj) {
+      const __m512 kb = _mm512_set1_ps(kr[jj][d]);
+      for (int v = 0; v < kRowVecs; ++v) acc[jj][v] = _mm512_fmadd_ps(kb, q[v], acc[jj][v]);
+    }
+  }
+  for (int jj = 0; jj < kBlockJ; ++jj)
+    for (int v = 0; v < kRowVecs; ++v)
+      _mm512_store_ps(st + (j0 + jj) * kRows + v * kLanes, acc[jj][v]);
+}
+
+// exp(x) for x <= 0, exactly 0 below -80: masked scores (kMasked) must not
+// reach the vector exp's slow out-of-range path.
+inline float exp_or_zero(float x) {
+  const float e = std::exp(std::max(x, -80.f));
+  return x < -80.f ? 0.f : e;
+}
+
+// Online softmax over one chunk of keys at positions c0..c0+n-1, lane by
+// lane: st becomes P^T (exp(s - m)), m/l/corr are updated.
+inline void softmax_chunk(Scratch& s, int64_t c0, int n, bool masked) {
+  float* __restrict st = s.st;
+  for (int j = 0; j < kChunk; ++j) {
+    const float key = static_cast<float>(c0 + j);
+    const bool past_end = j >= n;
+#pragma omp simd
+    for (int r = 0; r < kRows; ++r)
+      if (past_end || (masked && key > s.pos[r])) st[j * kRows + r] = kMasked;
+  }
+  float mx[kRows];
+#pragma omp simd
+  for (int r = 0; r < kRows; ++r) mx[r] = s.m[r];
+  for (int j = 0; j < kChunk; ++j)
+#pragma omp simd
+    for (int r = 0; r < kRows; ++r) mx[r] = std::max(mx[r], st[j * kRows + r]);
+#pragma omp simd
+  for (int r = 0; r < kRows; ++r) {
+    s.corr[r] = exp_or_zero(s.m[r] - mx[r]);
+    s.l[r] *= s.corr[r];
+    s.m[r] = mx[r];
+  }
+  for (int j = 0; j < kChunk; ++j)
+#pragma omp simd
+    for (int r = 0; r < kRows; ++r) {
+      const float p = exp_or_zero(st[j * kRows + r] - mx[r]);
+      st[j * kRows + r] = p;
+      s.l[r] += p;
+    }
+}
+
+// O^T = O^T * corr + sum_j V[j] P^T[j] over the chunk's n keys.
+template <int D>
+inline void accumulate_values(const float* const* v, int n, Scratch& s) {
+  __m512 corr[kRowVecs];
+  for (int r = 0; r < kRowVecs; ++r) corr[r] = _mm512_load_ps(s.corr + r * kLanes);
+  for (int d0 = 0; d0 < D; d0 += kBlockD) {
+    __m512 acc[kBlockD][kRowVecs];
+    for (int dd = 0; dd < kBlockD; ++dd)
+      for (int r = 0; r < kRowVecs; ++r)
+        acc[dd][r] = _mm512_mul_ps(_mm512_load_ps(s.ot + (d0 + dd) * kRows + r * kLanes), corr[r]);
+    for (int j = 0; j < n; ++j) {
+      __m512 p[kRowVecs];
+      for (int r = 0; r < kRowVecs; ++r) p[r] = _mm512_load_ps(s.st + j * kRows + r * kLanes);
+      for (int dd = 0; dd < kBlockD; ++dd) {
+        const __m512 vb = _mm512_set1_ps(v[j][d0 + dd]);
+        for (int r = 0; r < kRowVecs; ++r) acc[dd][r] = _mm512_fmadd_ps(vb, p[r], acc[dd][r]);
+      }
+    }
+    for (int dd = 0; dd < kBlockD; ++dd)
+      for (int r = 0; r < kRowVecs; ++r)
+        _mm512_store_ps(s.ot + (d0 + dd) * kRows + r * kLanes, acc[dd][r]);
+  }
+}
+
+// Row r of a task is token r / group, head r % group.
+template <int D, typename T>
+void run_task(const Task<T>& t, Scratch& s) {
+  const int rows = static_cast<int>(t.tokens) * t.group;
+  for (int r = 0; r < kRows; ++r) {
+    const bool live = r < rows;
+    const int64_t tok = r / t.group, g = r % t.group;
+    const float* src = t.q + tok * t.q_tok + g * t.q_head;
+    for (int d = 0; d < D; ++d) s.qt[d * kRows + r] = live ? src[d] * t.scale : 0.f;
+    s.pos[r] = static_cast<float>(t.first_pos + (live ? tok : 0));
+    s.m[r] = kMasked;
+    s.l[r] = 0.f;
+  }
+  std::fill_n(s.ot, D * kRows, 0.f);
+  const int64_t last = t.first_pos + t.tokens - 1;  // the last key any row sees
+  const float* k_rows[kChunk];
+  const float* v_rows[kChunk];
+  for (int64_t c0 = 0; c0 <= last; c0 += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - c0));
+    const int64_t slot = t.blocks[c0 / t.block_size] * t.block_size + c0 % t.block_size;
+    const T* k = t.k + slot * t.row;
+    rows_of<D>(k, t.row, n, s.kf, k_rows);
+    rows_of<D>(k + t.v_off, t.row, n, s.vf, v_rows);
+    for (int j0 = 0; j0 < n; j0 += kBlockJ) scores_block<D>(k_rows, j0, n, s.qt, s.st);
+    softmax_chunk(s, c0, n, c0 + kChunk - 1 > t.first_pos);
+    accumulate_values<D>(v_rows, n, s);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t tok = r / t.group, g = r % t.group;
+    float* dst = t.out + tok * t.o_tok + g * t.o_head;
+    const float inv = 1.f / s.l[r];
+    for (int d = 0; d < D; ++d) dst[d] = s.ot[d * kRows + r] * inv;
+  }
+}
+
+struct TaskIndex {
+  int64_t seq, head, first_token, tokens, cost;
+};
+
+template <int D, typename T>
+void prefill_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                              at::Tensor block_table, at::Tensor seq_lens,
+                              at::Tensor query_starts, at::Tensor query_lens, double scale) {
+  const int64_t P = seq_lens.size(0), H = query.size(1);
+  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
+  const int group = static_cast<int>(H / HKV);
+  const int64_t tile = kRows / group;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* q_lens = query_lens.data_ptr<int32_t>();
+  std::vector<TaskIndex> tasks;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t q_len = q_lens[p], prefix = lens[p] - q_len;
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile)
+      for (int64_t h = 0; h < HKV; ++h)
+        tasks.push_back({p, h, t0, std::min(tile, q_len - t0), prefix + t0 + tile});
+  }
+  // Longest first, taken from a shared counter: causal tiles differ in cost.
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const TaskIndex& a, const TaskIndex& b) { return a.cost > b.cost; });
+  const float* q_base = query.data_ptr<float>();
+  float* o_base = out.data_ptr<float>();
+  const T* cache = static_cast<const T*>(kv_cache.data_ptr());
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    // Per thread, kept: a fresh 140 KB a call would be fresh pages each time.
+    static thread_local std::unique_ptr<Scratch> scratch;
+    if (!scratch) scratch = std::make_unique<Scratch>();
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+      const TaskIndex& ti = tasks[i];
+      const int64_t q_len = q_lens[ti.seq];
+      const int64_t row0 = starts[ti.seq] + ti.first_token, head0 = ti.head * group;
+      const Task<T> task{q_base + row0 * query.stride(0) + head0 * query.stride(1),
+                         query.stride(0),
+                         query.stride(1),
+                         o_base + row0 * out.stride(0) + head0 * out.stride(1),
+                         out.stride(0),
+                         out.stride(1),
+                         cache + ti.head * D,
+                         NB * BS * HKV * D,
+                         bt + ti.seq * block_table.stride(0),
+                         BS,
+                         HKV * D,
+                         ti.tokens,
+                         lens[ti.seq] - q_len + ti.first_token,
+                         group,
+                         static_cast<float>(scale)};
+      run_task<D, T>(task, *scratch);
+    }
+  });
+}
+
+using PrefillFn = void (*)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                           at::Tensor, at::Tensor, double);
+
+template <typename T>
+PrefillFn prefill_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return prefill_attention_avx512<64, T>;
+    case 128: return prefill_attention_avx512<128, T>;
+    case 256: return prefill_attention_avx512<256, T>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+#endif
+
+bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_size) {
+#if defined(__AVX512F__)
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && group >= 1 &&
+         group <= 48 && block_size % 16 == 0;
+#else
+  (void)head_dim, (void)group, (void)block_size;
+  return false;
+#endif
+}
+
+void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                       at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
+                       at::Tensor query_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "prefill_attention: query and out must be float32");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.is_contiguous(),
+              "prefill_attention: head rows must be contiguous, and the cache");
+  for (const at::Tensor* t : {&block_table, &seq_lens, &query_starts, &query_lens})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1,
+                "prefill_attention: block_table, seq_lens, query_starts and query_lens must be "
+                "int32 with contiguous rows");
+  const int64_t P = seq_lens.numel();
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == P && query_starts.numel() == P &&
+                  query_lens.numel() == P,
+              "prefill_attention: one block-table row, length, query start and query length per "
+              "sequence");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* q_lens = query_lens.data_ptr<int32_t>();
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK(q_lens[p] >= 1 && q_lens[p] <= lens[p] && starts[p] >= 0 &&
+                    starts[p] + q_lens[p] <= query.size(0) &&
+                    (lens[p] + kv_cache.size(2) - 1) / kv_cache.size(2) <= block_table.size(1),
+                "prefill_attention: sequence ", p, " (query rows ", starts[p], " + ", q_lens[p],
+                ", context ", lens[p], ") does not fit the query or its block-table row");
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t b = 0; b * kv_cache.size(2) < lens[p]; ++b) {
+      const int32_t block = bt[p * block_table.stride(0) + b];
+      TORCH_CHECK(block >= 0 && block < kv_cache.size(1), "prefill_attention: sequence ", p,
+                  " names block ", block, " of a ", kv_cache.size(1), "-block cache");
+    }
+  const int64_t H = query.size(1), HKV = kv_cache.size(3);
+  TORCH_CHECK(H % HKV == 0, "prefill_attention: ", H, " query heads over ", HKV, " KV heads");
+  TORCH_CHECK(prefill_attention_applies(query.size(2), H / HKV, kv_cache.size(2)),
+              "prefill_attention: no kernel for head_dim ", query.size(2), ", group ", H / HKV,
+              ", block size ", kv_cache.size(2), " on this build");
+#if defined(__AVX512F__)
+  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || kv_cache.scalar_type() == at::kFloat,
+              "prefill_attention: kv_cache must be float32 or bfloat16");
+  const PrefillFn fn = bf16 ? prefill_for<c10::BFloat16>(query.size(2))
+                            : prefill_for<float>(query.size(2));
+  fn(out, query, kv_cache, block_table, seq_lens, query_starts, query_lens, scale);
+#endif
+}
