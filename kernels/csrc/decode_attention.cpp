@@ -16,6 +16,8 @@
 #include <c10/util/BFloat16.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -343,10 +345,18 @@ void decode_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cac
   int64_t max_len = 0;
   for (int64_t s = 0; s < S; ++s) max_len = std::max<int64_t>(max_len, lens[s]);
   const int64_t row = HKV * D;
-  at::parallel_for(0, S * HKV, 1, [&](int64_t begin, int64_t end) {
+  // Longest sequences first, handed out one task at a time: contexts differ
+  // in length, and two threads splitting the tasks in halves waited on
+  // each other.
+  std::vector<int64_t> order(S);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), S * HKV);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(G * std::max<int64_t>(max_len, 1));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / HKV, h = task % HKV;
+    for (int64_t task = next++; task < S * HKV; task = next++) {
+      const int64_t s = order[task / HKV], h = task % HKV;
       if (lens[s] <= 0) {  // nothing to attend to: zeros, as the generic path gives
         for (int64_t g = 0; g < G; ++g)
           std::fill_n(o_base + s * out.stride(0) + (h * G + g) * out.stride(1), D, 0.f);

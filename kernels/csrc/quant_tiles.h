@@ -144,13 +144,22 @@ struct OutTile {
 
 #ifdef TANDEM_QUANT_AVX2
   // A micro-kernel's sums, acc[m][v]: rows m0.. times tiles t.. .
+  // Whole tiles as one vector store each: store()'s loop over 8 floats
+  // compiles to a call to memcpy where there is no bias (4.6% of a
+  // 64-request run, measured).
   template <int MR, int NV>
   void store_all(int64_t m0, int64_t t, const __m256 (&acc)[MR][NV]) const {
     alignas(32) float row[kTile];
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < NV; ++v) {
-        _mm256_store_ps(row, acc[m][v]);
-        store(m0 + m, t + v, row);
+        if (t + v == tiles - 1 && cols != kTile) {  // the last, partial tile
+          _mm256_store_ps(row, acc[m][v]);
+          store(m0 + m, t + v, row);
+          continue;
+        }
+        __m256 r = acc[m][v];
+        if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias + (t + v) * kTile));
+        _mm256_storeu_ps(out + (m0 + m) * stride + (t + v) * kTile, r);
       }
   }
 #endif

@@ -228,6 +228,20 @@ def test_int8_activation_paths_agree() -> None:
             )
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_int8_activations_give_each_row_the_same_bits_at_any_batch(fmt: str) -> None:
+    """Whole chunks of 64 rows take two tiles at a time on AVX-512, 8 rows
+    one tile at a time: the same sums in the same order, so a row's outputs
+    do not depend on the batch it came in (203 outputs: an odd tile left
+    over on each thread's share)."""
+    qw, _ = _weights(fmt)
+    qw = QuantizedWeight(qw.format, qw.out_features, qw.in_features, qw.packed, True)
+    x = torch.randn(128, IN)
+    whole = quant_linear(x, qw, None)
+    eights = torch.cat([quant_linear(x[i : i + 8], qw, None) for i in range(0, 128, 8)])
+    assert torch.equal(whole, eights)
+
+
 def test_bf16_dot_products_where_the_cpu_has_them() -> None:
     """A CPU with AVX512_BF16 (and VNNI: the avx512 level) has the path."""
     flags = _cpu_flags()
