@@ -37,59 +37,36 @@ struct QuantizedRows {
   int64_t nb;
 };
 
-// One block's quantization, dx = absmax / 127, q = nearbyint(x * 127 / absmax):
-// in AVX-512 for whole blocks (the plain loop's float operations, and its
-// round-to-nearest-even in the conversion), in plain C++ otherwise.
-inline void quantize_block(const float* x, int64_t n, int8_t* q, float* d, float* s,
-                           int32_t* qsum) {
-#ifdef TANDEM_QUANT_AVX512
-  if (n == kBlock) {
-    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-    _mm512_mask_cvtepi32_storeu_epi8(q, 0xFFFF, q0);
-    _mm512_mask_cvtepi32_storeu_epi8(q + 16, 0xFFFF, q1);
-    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    *d = amax / 127.f;
-    *s = *d * static_cast<float>(sum);
-    *qsum = sum;
-    return;
+void quantize_row(const float* x, int64_t K, int64_t nb, int8_t* q, float* d, float* s,
+                  int32_t* qsum) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t k0 = b * kBlock, n = std::min(kBlock, K - k0);
+    float amax = 0.f;
+    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k0 + k]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int v = k < n ? static_cast<int>(std::nearbyint(x[k0 + k] * inv)) : 0;
+      q[k0 + k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = amax / 127.f;
+    s[b] = d[b] * static_cast<float>(sum);
+    qsum[b] = sum;
   }
-#endif
-  float amax = 0.f;
-  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  int sum = 0;
-  for (int64_t k = 0; k < kBlock; ++k) {
-    const int v = k < n ? static_cast<int>(std::nearbyint(x[k] * inv)) : 0;
-    q[k] = static_cast<int8_t>(v);
-    sum += v;
-  }
-  *d = amax / 127.f;
-  *s = *d * static_cast<float>(sum);
-  *qsum = sum;
 }
 
-// Quantizes x into r, whose buffers only grow: a fresh 12 MB a prefill
-// chunk's call was fresh pages, zeroed, each time (~3% of a 64-request run).
-void quantize_rows(const at::Tensor& x, int64_t nb, QuantizedRows& r) {
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t nb) {
   const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
-  if (static_cast<int64_t>(r.q.size()) < M * nb * kBlock) r.q.resize(M * nb * kBlock);
-  if (static_cast<int64_t>(r.d.size()) < M * nb) {
-    r.d.resize(M * nb), r.s.resize(M * nb), r.qsum.resize(M * nb);
-  }
-  r.nb = nb;
+  QuantizedRows r{std::vector<int8_t>(M * nb * kBlock), std::vector<float>(M * nb),
+                  std::vector<float>(M * nb), std::vector<int32_t>(M * nb), nb};
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t at = m * nb + b;
-        quantize_block(xp + m * xs + b * kBlock, std::min(kBlock, K - b * kBlock),
-                       r.q.data() + at * kBlock, &r.d[at], &r.s[at], &r.qsum[at]);
-      }
+      quantize_row(xp + m * xs, K, nb, r.q.data() + m * nb * kBlock, r.d.data() + m * nb,
+                   r.s.data() + m * nb, r.qsum.data() + m * nb);
   });
+  return r;
 }
 
 template <Kind K>
@@ -373,10 +350,7 @@ void run(const at::Tensor& packed, const QuantizedRows& x, int64_t M, const OutT
 
 void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed, Isa isa) {
   TORCH_CHECK(kind_of(packed) != Kind::BF16, "int8 activations need Q4 or Q8 weights, not BF16");
-  // One per calling thread (the GIL is released: Python threads may call
-  // at once), kept between calls.
-  static thread_local QuantizedRows q;
-  quantize_rows(x, packed.size(1), q);
+  const QuantizedRows q = quantize_rows(x, packed.size(1));
   if (kind_of(packed) == Kind::Q4)
     run<Kind::Q4>(packed, q, x.size(0), o, isa);
   else
