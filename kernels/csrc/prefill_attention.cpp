@@ -97,8 +97,8 @@ inline void rows_of(const c10::BFloat16* first, int64_t row, int n, float* buf,
   }
 }
 
-// S^T rows j0..j0+kBlockJ-1 of the chunk (key rows past n repeat the last;
-// the softmax masks them).
+// S^T rows j0..j0+kBlockJ-1 of the chunk (key rows past n repeat the last:
+// computed, never used).
 template <int D>
 inline void scores_block(const float* const* k, int j0, int n, const float* qt, float* st) {
   __m512 acc[kBlockJ][kRowVecs];
@@ -128,20 +128,21 @@ inline float exp_or_zero(float x) {
 }
 
 // Online softmax over one chunk of keys at positions c0..c0+n-1, lane by
-// lane: st becomes P^T (exp(s - m)), m/l/corr are updated.
+// lane: st's first n rows become P^T (exp(s - m)), m/l/corr are updated;
+// rows past n are never read.
 inline void softmax_chunk(Scratch& s, int64_t c0, int n, bool masked) {
   float* __restrict st = s.st;
-  for (int j = 0; j < kChunk; ++j) {
-    const float key = static_cast<float>(c0 + j);
-    const bool past_end = j >= n;
+  if (masked)
+    for (int j = 0; j < n; ++j) {
+      const float key = static_cast<float>(c0 + j);
 #pragma omp simd
-    for (int r = 0; r < kRows; ++r)
-      if (past_end || (masked && key > s.pos[r])) st[j * kRows + r] = kMasked;
-  }
+      for (int r = 0; r < kRows; ++r)
+        if (key > s.pos[r]) st[j * kRows + r] = kMasked;
+    }
   float mx[kRows];
 #pragma omp simd
   for (int r = 0; r < kRows; ++r) mx[r] = s.m[r];
-  for (int j = 0; j < kChunk; ++j)
+  for (int j = 0; j < n; ++j)
 #pragma omp simd
     for (int r = 0; r < kRows; ++r) mx[r] = std::max(mx[r], st[j * kRows + r]);
 #pragma omp simd
@@ -150,7 +151,7 @@ inline void softmax_chunk(Scratch& s, int64_t c0, int n, bool masked) {
     s.l[r] *= s.corr[r];
     s.m[r] = mx[r];
   }
-  for (int j = 0; j < kChunk; ++j)
+  for (int j = 0; j < n; ++j)
 #pragma omp simd
     for (int r = 0; r < kRows; ++r) {
       const float p = exp_or_zero(st[j * kRows + r] - mx[r]);
