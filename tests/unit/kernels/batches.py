@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import reference
 from kernels.metadata import AttentionMetadata
 
 
@@ -114,3 +115,25 @@ def new_kv_rows(
     rows = torch.randn(2, batch.meta.num_tokens, kv_heads, dim, generator=gen)
     rows = rows.to(dtype or batch.kv_cache.dtype)
     return rows[0], rows[1]
+
+
+def over_bfloat16(
+    products: bool,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> tuple[torch.Tensor, float]:
+    """The reference for a kernel over a bfloat16 cache, and its tolerance.
+    Rows widened to float32: the same rows widened first, float32 rounding
+    only. bfloat16 products (AVX512_BF16): the scaled query rounded to
+    bfloat16 as the kernel rounds it, so scores agree to float32 rounding;
+    the probabilities are rounded too (relative error <= 2^-9 each) while
+    their sum stays float32, which moves an output by at most 2^-9 * max|V|
+    (doubled here for the float32 sums)."""
+    cache = kv_cache.float()
+    if not products:
+        return reference.paged_attention(query, cache, meta, scale), 2e-5
+    rounded = (query * scale).to(torch.bfloat16).float()
+    bound = 2**-8 * cache[1].abs().max().item() + 2e-5
+    return reference.paged_attention(rounded, cache, meta, 1.0), bound

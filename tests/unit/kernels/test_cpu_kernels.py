@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels import cpu_kernels, reference, torch_attention
-from tests.unit.kernels.batches import SHAPES, Shape, make_batch
+from tests.unit.kernels.batches import SHAPES, Shape, make_batch, over_bfloat16
 
 DEFAULT_MODEL_HEADS = Shape((1,) * 6, (1, 15, 16, 17, 200, 333), 9, 3, 64, 16)
 DECODE_SHAPES = [
@@ -50,17 +50,29 @@ def test_decode_kernel_matches_reference(kernel, shape: Shape) -> None:
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: s.label)
 def test_decode_kernel_over_a_bfloat16_cache(kernel, shape: Shape) -> None:
     """--kv-cache-dtype bfloat16: float32 queries over bfloat16 K/V rows,
-    widened as they are read; the reference attends over the same rows
-    widened to float32 first."""
+    widened as they are read or (AVX512_BF16) multiplied as bfloat16 pairs."""
     torch.manual_seed(7)
     batch = make_batch(shape, dtype=torch.bfloat16)
     scale = shape.head_dim**-0.5
     query = batch.query.float()
-    want = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, scale)
+    group = shape.num_heads // shape.num_kv_heads
+    products = kernel.decode_attention_bf16_products(shape.head_dim, group, shape.block_size)
+    want, atol = over_bfloat16(products, query, batch.kv_cache, batch.meta, scale)
     got = torch.empty_like(query)
     meta = batch.meta
     kernel.decode_attention(got, query, batch.kv_cache, meta.block_table, meta.seq_lens, scale)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def test_bfloat16_products_where_the_cpu_has_them(kernel) -> None:
+    """The decode and prefill kernels take bfloat16 products exactly where
+    the CPU has AVX512_BF16 (and the AVX-512 paths apply)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has = " avx512_bf16" in flags and kernel.prefill_attention_applies(64, 3, 16)
+    assert kernel.decode_attention_bf16_products(64, 3, 16) == has
+    assert kernel.prefill_attention_bf16_products() == has
+    assert not kernel.decode_attention_bf16_products(256, 3, 16)  # the portable path
+    assert not kernel.decode_attention_bf16_products(64, 3, 15)  # key pairs need even blocks
 
 
 def test_cache_kv_into_a_bfloat16_cache_rounds_as_torch(kernel) -> None:
@@ -249,13 +261,14 @@ def test_prefill_kernel_matches_reference(
     batch = make_batch(shape, dtype=cache_dtype, seed=5)
     query = batch.query.float()
     scale = shape.head_dim**-0.5
-    want = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, scale)
+    products = cache_dtype == torch.bfloat16 and prefill_kernel.prefill_attention_bf16_products()
+    want, atol = over_bfloat16(products, query, batch.kv_cache, batch.meta, scale)
     got = torch.full_like(query, 7.0)
     rows = _prefill_call(prefill_kernel, batch, query, got, scale)
     chunk_rows = torch.zeros(query.shape[0], dtype=torch.bool)
     for lo, hi in rows:
         chunk_rows[lo:hi] = True
-    torch.testing.assert_close(got[chunk_rows], want[chunk_rows], atol=2e-5, rtol=0)
+    torch.testing.assert_close(got[chunk_rows], want[chunk_rows], atol=atol, rtol=0)
     assert bool((got[~chunk_rows] == 7.0).all())
 
 

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import reference, torch_attention
-from tests.unit.kernels.batches import SHAPES, Shape, make_batch, new_kv_rows
+from kernels import cpu_kernels, reference, torch_attention
+from tests.unit.kernels.batches import SHAPES, Shape, make_batch, new_kv_rows, over_bfloat16
 
 TOLERANCES = {
     torch.float32: 2e-5,
@@ -35,14 +35,33 @@ def test_paged_attention_matches_reference(shape: Shape, dtype: torch.dtype) -> 
 def test_float32_queries_over_a_narrower_cache(shape: Shape, cache_dtype: torch.dtype) -> None:
     """--kv-cache-dtype: attention computes in float32 over the cache's rows
     widened, decodes and prefill chunks alike (masks follow the compute
-    dtype)."""
+    dtype), except where the compiled kernels multiply a bfloat16 cache's
+    rows as bfloat16 pairs (AVX512_BF16; tests/unit/kernels/batches.py)."""
     batch = make_batch(shape, dtype=cache_dtype, seed=11)
     query = batch.query.float()
     scale = shape.head_dim**-0.5
-    want = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, scale)
+    products = cache_dtype == torch.bfloat16 and _compiled_bf16_products(shape)
+    want, atol = over_bfloat16(products, query, batch.kv_cache, batch.meta, scale)
     got = torch_attention.paged_attention(query, batch.kv_cache, batch.meta, scale)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def _compiled_bf16_products(shape: Shape) -> bool:
+    """Whether a compiled kernel that this batch reaches takes bfloat16 products."""
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        return False
+    group = shape.num_heads // shape.num_kv_heads
+    decodes = min(shape.q_lens) == 1 and kernel.decode_attention_bf16_products(
+        shape.head_dim, group, shape.block_size
+    )
+    prefills = (
+        max(shape.q_lens) > 1
+        and kernel.prefill_attention_applies(shape.head_dim, group, shape.block_size)
+        and kernel.prefill_attention_bf16_products()
+    )
+    return bool(decodes or prefills)
 
 
 def test_all_decode_batch_not_flagged_decode_only() -> None:
