@@ -323,10 +323,60 @@ void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
   });
 }
 
+namespace {
+
+// One row's argmax with torch's rules, one element at a time.
+int64_t argmax_scalar(const float* row, int64_t n) {
+  // Bit tests, not std::isnan: the build's -ffast-math assumes no NaNs.
+  int64_t best = 0;
+  float best_value = row[0];
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, row + i, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return i;  // the first NaN
+    if (row[i] > best_value) {
+      best_value = row[i];
+      best = i;
+    }
+  }
+  return best;
+}
+
+#if defined(__AVX512F__)
+// The same in two vector passes: the row's maximum (and whether it holds a
+// NaN, which the scalar loop then finds), then the first index equal to it.
+// A batch-64 decode step's logits (64 x 49152): 0.17 ms against the scalar
+// loop's 1.66 (bound by its compare-and-branch), two threads.
+int64_t argmax_avx512(const float* row, int64_t n) {
+  const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512 lowest = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xff800000u)));
+  __m512 mx = lowest;
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_mask_loadu_ps(lowest, live, row + i);
+    nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs), inf);
+    mx = _mm512_max_ps(mx, v);
+  }
+  if (nan != 0) return argmax_scalar(row, n);
+  const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 hit =
+        _mm512_mask_cmp_ps_mask(live, _mm512_mask_loadu_ps(lowest, live, row + i), best, _CMP_EQ_OQ);
+    if (hit != 0) return i + __builtin_ctz(hit);
+  }
+  return 0;  // not reached: the maximum is one of the elements
+}
+#endif
+
+}  // namespace
+
 // The index of each row's largest value: torch.argmax(x, -1) for a float32
 // [N, V] CPU tensor, with its tie and NaN rules (the first maximum; a NaN
 // counts as the largest, the first NaN wins). torch's own kernel runs one
 // thread at ~1 ns per element: 4 ms of a batch-64 decode step's logits.
+// Rows in parallel; AVX-512 builds vectorize each row (argmax_avx512).
 at::Tensor argmax_rows(at::Tensor x) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
@@ -336,25 +386,12 @@ at::Tensor argmax_rows(at::Tensor x) {
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t xs = x.stride(0);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * xs;
-      // Bit tests, not std::isnan: the build's -ffast-math assumes no NaNs.
-      int64_t best = 0;
-      float best_value = row[0];
-      for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, row + i, sizeof(bits));
-        if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN
-          best = i;
-          break;
-        }
-        if (row[i] > best_value) {
-          best_value = row[i];
-          best = i;
-        }
-      }
-      op[r] = best;
-    }
+    for (int64_t r = begin; r < end; ++r)
+#if defined(__AVX512F__)
+      op[r] = argmax_avx512(xp + r * xs, n);
+#else
+      op[r] = argmax_scalar(xp + r * xs, n);
+#endif
   });
   return out;
 }

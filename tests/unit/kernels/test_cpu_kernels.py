@@ -121,10 +121,18 @@ def _rows_with_ties_and_nans() -> list[torch.Tensor]:
     nans[2, 0] = float("nan")
     nans[3, 49] = float("nan")
     strided = torch.randn(3, 128, generator=gen)[:, :100]  # rows 128 apart
-    return [plain, ties, nans, strided, torch.randn(1, 49152, generator=gen)]
+    # Vectorized builds read 16 at a time: maxima in the last partial vector,
+    # and rows of -inf only (the first index), of one element, of 16.
+    edges = torch.randn(4, 37, generator=gen)
+    edges[0, 36] = edges[1, 33] = 50.0
+    edges[2] = edges[3] = float("-inf")
+    edges[3, 35] = -1e30
+    one, sixteen = torch.randn(3, 1, generator=gen), torch.randn(2, 16, generator=gen)
+    big = torch.randn(1, 49152, generator=gen)
+    return [plain, ties, nans, strided, big, edges, one, sixteen]
 
 
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(8))
 def test_argmax_rows_matches_torch(kernel, case: int) -> None:
     x = _rows_with_ties_and_nans()[case]
     assert torch.equal(kernel.argmax_rows(x), x.argmax(dim=-1))
