@@ -11,10 +11,16 @@ block size 16, 30 layers, a float32 or bfloat16 cache:
   process, A, B, A, B. Reported: seconds for the 30 layers and GFLOP/s
   counting only the causal half (4 * heads * dim * L(L+1)/2 per prompt).
 * decode: one token for each of the 64 sequences (contexts 96-544) over
-  30 separate per-layer caches (~20 MB each in bfloat16, so reads come from
-  memory as in serving, not from the CPU's caches): milliseconds for the 30
-  layers and the K/V bytes read per second, next to a plain read of 512 MB
-  in the same process.
+  30 separate per-layer caches of the size serving gives them (2 GiB over
+  30 layers, ~68 MiB each, the sequences' blocks scattered over all of it,
+  so reads come from memory as in serving, not from the CPU's caches):
+  milliseconds for the 30 layers and the K/V bytes read per second, next to
+  a plain read of 512 MB in the same process.
+
+Where the CPU has AVX512_BF16, the prefill kernel takes bfloat16 products
+over a bfloat16 cache; the prefill measurement then also times it with them
+disallowed (`allow_bf16_attention_products(False)`: rows widened to
+float32), interleaved with the default in the same rounds.
 
     .venv/bin/python benchmarks/cpu_attention_bench.py --rounds 5
 
@@ -31,7 +37,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,15 +54,23 @@ HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
 def paged_batch(
-    q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, caches: int
+    q_lens: list[int],
+    seq_lens: list[int],
+    dtype: torch.dtype,
+    caches: int,
+    cache_bytes: int = 0,
 ) -> tuple[torch.Tensor, list[torch.Tensor], AttentionMetadata]:
-    """Queries, `caches` caches of the batch's blocks (scattered) and metadata."""
+    """Queries, `caches` caches and metadata. The batch's blocks lie scattered
+    over each cache, which holds just them or, given `cache_bytes`, as many
+    blocks as that many bytes hold (a serving cache's size)."""
     blocks = [-(-n // BLOCK) for n in seq_lens]
-    order = torch.randperm(sum(blocks) + 1).tolist()
+    block_bytes = 2 * BLOCK * KV_HEADS * DIM * torch.empty((), dtype=dtype).element_size()
+    pool = max(sum(blocks) + 1, cache_bytes // block_bytes)
+    order = torch.randperm(pool)[: sum(blocks)].tolist()
     table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
     for i, n in enumerate(blocks):
         table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
-    shape = (2, sum(blocks) + 1, BLOCK, KV_HEADS, DIM)
+    shape = (2, pool, BLOCK, KV_HEADS, DIM)
     kv = [torch.randn(shape).to(dtype) for _ in range(caches)]
     starts = [0]
     for n in q_lens:
@@ -78,40 +94,56 @@ def timed_layers(query: torch.Tensor, caches: list[torch.Tensor], meta: Attentio
     return time.perf_counter() - start
 
 
-def prefill(args: argparse.Namespace, dtype: torch.dtype) -> None:
+def _products(kernel: ModuleType, allowed: bool) -> Callable[[], None]:
+    return lambda: kernel.allow_bf16_attention_products(allowed)
+
+
+def prefill(args: argparse.Namespace, dtype: torch.dtype, kernel: ModuleType) -> None:
     rng = random.Random(0)
     lens = [rng.randint(32, 512) for _ in range(64)]
     query, caches, meta = paged_batch(lens, lens, dtype, 1)
     flops = sum(4 * HEADS * DIM * n * (n + 1) / 2 for n in lens) * LAYERS
     compiled = torch_attention._compiled_prefill
-    ways = {"compiled kernel": compiled, "torch (SDPA per sequence)": lambda q, c: False}
+    # (how to choose the path, what to set before the round)
+    ways: dict[str, tuple[Callable[..., bool], Callable[[], None]]] = {
+        "compiled kernel": (compiled, _products(kernel, True)),
+    }
+    if dtype == torch.bfloat16 and kernel.prefill_attention_bf16_products():
+        ways["compiled, float32 arithmetic"] = (compiled, _products(kernel, False))
+    ways["torch (SDPA per sequence)"] = (lambda q, c: False, _products(kernel, True))
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.rounds):
-        for name, choice in ways.items():
+        for name, (choice, setting) in ways.items():
             torch_attention._compiled_prefill = choice
+            setting()
             # A plan is made once per metadata object (per forward pass): a
             # new one, so that the choice takes effect.
             timed_layers(query, caches, dataclasses.replace(meta))  # warm
             times[name].append(timed_layers(query, caches, dataclasses.replace(meta)))
     torch_attention._compiled_prefill = compiled
+    kernel.allow_bf16_attention_products(True)
     print(f"prefill, {dtype} cache: 64 prompts, {sum(lens)} tokens, {LAYERS} layers")
     for name, values in times.items():
         print(
-            f"  {name:<27} {statistics.median(values):6.3f} s (min {min(values):.3f}, max "
+            f"  {name:<30} {statistics.median(values):6.3f} s (min {min(values):.3f}, max "
             f"{max(values):.3f}) = {flops / statistics.median(values) / 1e9:5.1f} GFLOP/s causal"
         )
-    a, b = times.values()
-    ratios = [y / x for x, y in zip(a, b, strict=True)]
-    print(
-        f"  torch / compiled per round: {statistics.median(ratios):.2f}x "
-        f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
-    )
+    first = times["compiled kernel"]
+    for name, values in times.items():
+        if name == "compiled kernel":
+            continue
+        ratios = [y / x for x, y in zip(first, values, strict=True)]
+        print(
+            f"  {name} / compiled kernel per round: {statistics.median(ratios):.2f}x "
+            f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
+        )
 
 
 def decode(args: argparse.Namespace, dtype: torch.dtype) -> None:
     rng = random.Random(1)
     lens = [rng.randint(96, 544) for _ in range(64)]
-    query, caches, meta = paged_batch([1] * 64, lens, dtype, LAYERS)
+    # Each layer's cache as big as the offline workload's (2 GiB over 30 layers).
+    query, caches, meta = paged_batch([1] * 64, lens, dtype, LAYERS, 2 * 2**30 // LAYERS)
     kv_bytes = sum(lens) * KV_HEADS * DIM * 2 * caches[0].element_size() * LAYERS
     times, reads = [], []
     timed_layers(query, caches, meta)
@@ -141,7 +173,7 @@ def main() -> None:
     with torch.inference_mode():
         for name in args.cache_dtypes.split(","):
             dtype = getattr(torch, name)
-            prefill(args, dtype)
+            prefill(args, dtype, kernel)
             decode(args, dtype)
     print(f"load after: {os.getloadavg()}")
 

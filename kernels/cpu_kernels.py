@@ -36,9 +36,9 @@ Sources live in `kernels/csrc/`:
   otherwise runs in numpy.
 
 Compute is float32 except where a weight format opts out (`kernels.quant`: int8
-activations, bfloat16 dot products) and in attention over a bfloat16 KV cache
-on CPUs with AVX512_BF16 (bfloat16 products, float32 sums: see the two
-attention sources). The extension is built with torch's C++ extension
+activations, bfloat16 dot products) and in prefill attention over a
+bfloat16 KV cache on CPUs with AVX512_BF16 (bfloat16 products, float32
+sums: `prefill_attention.cpp`). The extension is built with torch's C++ extension
 tooling (a compiler and ninja are needed; about a minute, then cached under
 torch's extension directory, keyed by the sources). If it cannot be built,
 `load()` returns None once, logs why, and the torch paths run as before.

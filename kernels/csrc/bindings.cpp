@@ -10,9 +10,6 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32)");
-  m.def("decode_attention_bf16_products", &decode_attention_bf16_products,
-        "whether decode_attention over a bfloat16 cache of (head_dim, group, block_size) "
-        "multiplies in bfloat16 here");
   m.def("prefill_attention", &prefill_attention,
         "paged causal attention of prefill chunks (float32 queries)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -20,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether prefill_attention has a kernel for (head_dim, group, block_size) here");
   m.def("prefill_attention_bf16_products", &prefill_attention_bf16_products,
         "whether prefill_attention over a bfloat16 cache multiplies in bfloat16 here");
+  m.def("allow_bf16_attention_products", &allow_bf16_attention_products,
+        "let prefill_attention over bfloat16 caches take bfloat16 products (default) or not");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32 rows)");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; out = rms_norm(residual) * weight");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate | up]");

@@ -7,14 +7,16 @@
 // decode_attention.cpp
 void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                       at::Tensor block_table, at::Tensor seq_lens, double scale);
-// Whether decode_attention over a bfloat16 cache of this shape multiplies in
-// bfloat16 (AVX512_BF16) rather than widening rows to float32.
-bool decode_attention_bf16_products(int64_t head_dim, int64_t group, int64_t block_size);
 
 // prefill_attention.cpp: causal attention of prefill chunks (AVX-512 builds)
 bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_size);
-// Whether prefill_attention over a bfloat16 cache multiplies in bfloat16.
+// Whether prefill_attention over a bfloat16 cache multiplies in bfloat16
+// (AVX512_BF16) rather than widening rows to float32. It does where the CPU
+// can unless disallowed (process-wide; allowed by default): benchmarks time
+// the float32 arithmetic against it.
 bool prefill_attention_bf16_products();
+void allow_bf16_attention_products(bool allowed);
+bool bf16_attention_products_allowed();
 void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
                        at::Tensor query_lens, double scale);

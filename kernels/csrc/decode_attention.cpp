@@ -11,9 +11,7 @@
 // group sizes 1-8 and head dims 64/128, which spans the Llama/Mistral/Qwen2
 // checkpoints people run on CPUs. A bfloat16 cache (--kv-cache-dtype
 // bfloat16) takes either, its rows widened to float32 (exactly) as they are
-// read; on CPUs with AVX512_BF16 the AVX-512 path instead multiplies
-// bfloat16 pairs with vdpbf16ps (query and probabilities rounded to
-// bfloat16, sums in float32; see attend_group_bf16).
+// read.
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <ATen/Parallel.h>
@@ -26,7 +24,6 @@
 #include <utility>
 #include <limits>
 #include <vector>
-#include <cstring>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -204,10 +201,6 @@ inline void natural_order_out(float* o, __m512 (&acc)[D / 16], float scale) {
   for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(acc[c], s));
 }
 
-// How many blocks ahead of the one in use to prefetch (2 and 4 measured
-// alike, 1 and 3 slower).
-constexpr int64_t kAhead = 4;
-
 template <typename T>
 struct HeadTask {
   const float* q;  // the group's first query head
@@ -232,23 +225,6 @@ inline __m512 partial_dot(const __m512 (&q)[C], const __m512 (&k)[C]) {
   }
   return _mm512_add_ps(even, odd);
 }
-
-#if defined(__AVX512BF16__)
-// bfloat16 caches on CPUs with AVX512_BF16: rows stay bfloat16 and
-// vdpbf16ps multiplies pairs of them, the query rounded to bfloat16 (as
-// llama.cpp and vLLM's CPU kernels round it to the cache's type) and the
-// sums kept in float32. Half the instructions of widening each row.
-template <int D>
-inline void load_row(const c10::BFloat16* p, __m512bh (&r)[D / 32]) {
-  for (int c = 0; c < D / 32; ++c) r[c] = (__m512bh)_mm512_loadu_si512(p + c * 32);
-}
-template <int N>
-inline __m512 partial_dot(const __m512bh (&q)[N], const __m512bh (&k)[N]) {
-  __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], k[0]);
-  for (int c = 1; c < N; ++c) sum = _mm512_dpbf16_ps(sum, q[c], k[c]);
-  return sum;
-}
-#endif
 
 // 16 keys' partial sums -> one vector of their 16 dot products, without a
 // horizontal sum per key. pairs[p] holds keys 2p, 2p + 1 folded once
@@ -275,12 +251,13 @@ inline __m512 sixteen_dots(const __m512 (&pairs)[8]) {
 
 // Scores of keys first..first+n-1 (n <= 16, rows `row` apart) for the G heads
 // into scores[g * len + at ...]. Rows past n repeat the last (read, unused).
-template <int D, int G, typename T, typename V, int N>
-inline void score_keys(const V (&q)[G][N], const T* first, int64_t row, int n, float* scores,
-                       int64_t len, int64_t at) {
+template <int D, int G, typename T>
+inline void score_keys(const __m512 (&q)[G][D / 16], const T* first, int64_t row, int n,
+                       float* scores, int64_t len, int64_t at) {
+  constexpr int C = D / 16;
   __m512 pairs[G][8];
   for (int p = 0; p < 8; ++p) {
-    V k0[N], k1[N];
+    __m512 k0[C], k1[C];
     load_row<D>(first + std::min(2 * p, n - 1) * row, k0);
     load_row<D>(first + std::min(2 * p + 1, n - 1) * row, k1);
     for (int g = 0; g < G; ++g) pairs[g][p] = fold_pair(partial_dot(q[g], k0), partial_dot(q[g], k1));
@@ -290,14 +267,20 @@ inline void score_keys(const V (&q)[G][N], const T* first, int64_t row, int n, f
     _mm512_mask_storeu_ps(scores + g * len + at, live, sixteen_dots(pairs[g]));
 }
 
+// How many blocks ahead of the one in use to prefetch (2 and 4 measured
+// alike, 1 and 3 slower).
+constexpr int64_t kAhead = 4;
 
-// Pass 1: every score of the G heads, 16 keys at a time, blocks prefetched
-// ahead (and, near the end, the first V blocks for pass 2). The query's
-// registers `qr` fix the arithmetic: float32 rows, or bfloat16 pairs.
-template <int D, int G, typename T, typename V, int N>
-void score_context(const HeadTask<T>& t, const V (&qr)[G][N], float* __restrict scores) {
+// One (sequence, KV head): the G query heads of its group over its context.
+// `scores` holds G * len floats.
+template <int D, int G, typename T>
+void attend_group(const HeadTask<T>& t, float* __restrict scores) {
+  constexpr int C = D / 16;  // 16-float registers per head row
   const int64_t len = t.len, BS = t.block_size;
   const int64_t num_blocks = (len + BS - 1) / BS;
+  __m512 qr[G][C];
+  for (int g = 0; g < G; ++g) row_order_query<T, D>(t.q + g * t.q_s1, t.scale, qr[g]);
+  // Pass 1: every score, 16 keys at a time.
   for (int64_t b = 0; b < std::min<int64_t>(kAhead, num_blocks); ++b)
     prefetch_rows<D>(t.k + t.blocks[b] * t.block_elems, BS, t.row);
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -309,15 +292,11 @@ void score_context(const HeadTask<T>& t, const V (&qr)[G][N], float* __restrict 
     else if (ahead - num_blocks < num_blocks)
       prefetch_rows<D>(t.v + t.blocks[ahead - num_blocks] * t.block_elems, BS, t.row);
     for (int64_t i = 0; i < n; i += 16)
-      score_keys<D, G>(qr, kb + i * t.row, t.row, static_cast<int>(std::min<int64_t>(16, n - i)),
-                       scores, len, start + i);
+      score_keys<D, G, T>(qr, kb + i * t.row, t.row, static_cast<int>(std::min<int64_t>(16, n - i)),
+                          scores, len, start + i);
   }
-}
-
-// Softmax per head over the whole context (vectorized exp): scores become
-// unnormalized probabilities; returns 1 / their sum in inv_sum[g].
-template <int G>
-void softmax_heads(float* __restrict scores, int64_t len, float (&inv_sum)[G]) {
+  // Softmax per head over the whole context (vectorized exp).
+  float inv_sum[G];
   for (int g = 0; g < G; ++g) {
     float* __restrict sc = scores + g * len;
     float m = -std::numeric_limits<float>::infinity();
@@ -331,20 +310,6 @@ void softmax_heads(float* __restrict scores, int64_t len, float (&inv_sum)[G]) {
     }
     inv_sum[g] = 1.f / sum;
   }
-}
-
-// One (sequence, KV head): the G query heads of its group over its context.
-// `scores` holds G * len floats.
-template <int D, int G, typename T>
-void attend_group(const HeadTask<T>& t, float* __restrict scores) {
-  constexpr int C = D / 16;  // 16-float registers per head row
-  const int64_t len = t.len, BS = t.block_size;
-  const int64_t num_blocks = (len + BS - 1) / BS;
-  __m512 qr[G][C];
-  for (int g = 0; g < G; ++g) row_order_query<T, D>(t.q + g * t.q_s1, t.scale, qr[g]);
-  score_context<D, G>(t, qr, scores);
-  float inv_sum[G];
-  softmax_heads<G>(scores, len, inv_sum);
   // Pass 2: the probability-weighted sum of V rows.
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
@@ -365,86 +330,6 @@ void attend_group(const HeadTask<T>& t, float* __restrict scores) {
   }
   for (int g = 0; g < G; ++g) natural_order_out<T, D>(t.out + g * t.o_s1, acc[g], inv_sum[g]);
 }
-
-#if defined(__AVX512BF16__)
-// attend_group for a bfloat16 cache in bfloat16 products (see load_row):
-// the scores' query and pass 2's probabilities rounded to bfloat16, every
-// sum float32. Pass 2 takes keys two at a time: rows j and j + 1
-// interleaved (unpacklo/hi_epi16) give each lane a (V[j, d], V[j + 1, d])
-// pair, and one broadcast (p_j, p_j+1) pair multiplies it. Within each
-// 128-bit lane, unpacklo holds dims 8L..8L+3, unpackhi 8L+4..8L+7 of each
-// 32; the output is put back in order at the end. Needs an even block
-// size, so that a pair never straddles two blocks.
-template <int D, int G>
-void attend_group_bf16(const HeadTask<c10::BFloat16>& t, float* __restrict scores,
-                       uint16_t* __restrict probs) {
-  constexpr int N = D / 32;  // 32-element registers per row
-  const int64_t len = t.len, BS = t.block_size;
-  const int64_t num_blocks = (len + BS - 1) / BS;
-  __m512bh qr[G][N];
-  const __m512 s = _mm512_set1_ps(t.scale);
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < N; ++c) {
-      const float* q = t.q + g * t.q_s1 + c * 32;
-      qr[g][c] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 16), s),
-                                     _mm512_mul_ps(_mm512_loadu_ps(q), s));
-    }
-  score_context<D, G>(t, qr, scores);
-  float inv_sum[G];
-  softmax_heads<G>(scores, len, inv_sum);
-  // Probabilities as bfloat16, each head's padded with a zero to an even count.
-  const int64_t padded = len + (len & 1);
-  for (int g = 0; g < G; ++g) {
-    uint16_t* pg = probs + g * padded;
-    int64_t i = 0;
-    for (; i + 16 <= len; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + i),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + g * len + i)));
-    for (; i < len; ++i) pg[i] = c10::BFloat16(scores[g * len + i]).x;
-    if (len & 1) pg[len] = 0;
-  }
-  __m512 acc[G][2 * N];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 2 * N; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t start = b * BS, n = std::min(BS, len - start);
-    const c10::BFloat16* vb = t.v + t.blocks[b] * t.block_elems;
-    if (b + kAhead < num_blocks)
-      prefetch_rows<D>(t.v + t.blocks[b + kAhead] * t.block_elems, BS, t.row);
-    for (int64_t i = 0; i < n; i += 2) {
-      // An odd last key pairs with itself, under a zero probability.
-      const c10::BFloat16* r0 = vb + i * t.row;
-      const c10::BFloat16* r1 = i + 1 < n ? r0 + t.row : r0;
-      __m512bh pairs[2 * N];
-      for (int c = 0; c < N; ++c) {
-        const __m512i a = _mm512_loadu_si512(r0 + c * 32), z = _mm512_loadu_si512(r1 + c * 32);
-        pairs[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, z);
-        pairs[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, z);
-      }
-      for (int g = 0; g < G; ++g) {
-        int32_t two;
-        std::memcpy(&two, probs + g * padded + start + i, 4);
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(two);
-        for (int c = 0; c < 2 * N; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pairs[c], p);
-      }
-    }
-  }
-  // Back to natural order: dims 8L + k from lo lane 4L + k, 8L + 4 + k from hi.
-  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i second =
-      _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-  for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-    float* o = t.out + g * t.o_s1;
-    for (int c = 0; c < N; ++c) {
-      const __m512 lo = acc[g][2 * c], hi = acc[g][2 * c + 1];
-      _mm512_storeu_ps(o + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv));
-      _mm512_storeu_ps(o + c * 32 + 16,
-                       _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv));
-    }
-  }
-}
-#endif
 
 template <int D, int G, typename T>
 void decode_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
@@ -468,15 +353,8 @@ void decode_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cac
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), S * HKV);
-#if defined(__AVX512BF16__)
-  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
-  const bool dots = kBf16 && BS % 2 == 0;  // pass 2 pairs keys within a block
-#endif
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(G * std::max<int64_t>(max_len, 1));
-#if defined(__AVX512BF16__)
-    std::vector<uint16_t> probs(dots ? G * (max_len + 1) : 0);
-#endif
     for (int64_t task = next++; task < S * HKV; task = next++) {
       const int64_t s = order[task / HKV], h = task % HKV;
       if (lens[s] <= 0) {  // nothing to attend to: zeros, as the generic path gives
@@ -496,13 +374,6 @@ void decode_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cac
                        BS * row,
                        row,
                        static_cast<float>(scale)};
-#if defined(__AVX512BF16__)
-      if constexpr (kBf16)
-        if (dots) {
-          attend_group_bf16<D, G>(t, scores.data(), probs.data());
-          continue;
-        }
-#endif
       attend_group<D, G, T>(t, scores.data());
     }
   });
@@ -554,15 +425,6 @@ void decode_attention_portable(at::Tensor out, at::Tensor query, at::Tensor kv_c
 }
 
 }  // namespace
-
-bool decode_attention_bf16_products(int64_t head_dim, int64_t group, int64_t block_size) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= 8 && block_size % 2 == 0;
-#else
-  (void)head_dim, (void)group, (void)block_size;
-  return false;
-#endif
-}
 
 void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                       at::Tensor block_table, at::Tensor seq_lens, double scale) {

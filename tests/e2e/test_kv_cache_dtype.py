@@ -1,12 +1,12 @@
 """--kv-cache-dtype on the default model (float32 compute). bfloat16: twice
 the blocks in the same memory, the compiled decode stack still runs (rows
-rounded when written, widened when read or, with AVX512_BF16, multiplied as
-bfloat16 pairs), and greedy outputs on 8 prompts equal the float32 cache's
-for their first 32 tokens. A bfloat16 cache is lossy: later tokens may part
-at a near tie (measured: none in 64 tokens on an AVX2 machine; one prompt of
-8 from token 39 on an AVX-512 one in an earlier build; none on an
-AVX512_BF16 one with bfloat16 products). float16 runs on the torch path and
-agrees too."""
+rounded when written, widened when read; prefill chunks on AVX512_BF16 CPUs
+multiply them as bfloat16 pairs), and greedy outputs on 8 prompts equal the
+float32 cache's for their first 32 tokens. A bfloat16 cache is lossy: later
+tokens may part at a near tie (measured: none in 64 tokens on an AVX2
+machine; one prompt of 8 from token 39 on an AVX-512 one in an earlier
+build; none on an AVX512_BF16 one with bfloat16 products). float16 runs on
+the torch path and agrees too."""
 
 from __future__ import annotations
 

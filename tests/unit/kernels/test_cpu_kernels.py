@@ -50,29 +50,17 @@ def test_decode_kernel_matches_reference(kernel, shape: Shape) -> None:
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: s.label)
 def test_decode_kernel_over_a_bfloat16_cache(kernel, shape: Shape) -> None:
     """--kv-cache-dtype bfloat16: float32 queries over bfloat16 K/V rows,
-    widened as they are read or (AVX512_BF16) multiplied as bfloat16 pairs."""
+    widened as they are read; the reference attends over the same rows
+    widened to float32 first."""
     torch.manual_seed(7)
     batch = make_batch(shape, dtype=torch.bfloat16)
     scale = shape.head_dim**-0.5
     query = batch.query.float()
-    group = shape.num_heads // shape.num_kv_heads
-    products = kernel.decode_attention_bf16_products(shape.head_dim, group, shape.block_size)
-    want, atol = over_bfloat16(products, query, batch.kv_cache, batch.meta, scale)
+    want = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, scale)
     got = torch.empty_like(query)
     meta = batch.meta
     kernel.decode_attention(got, query, batch.kv_cache, meta.block_table, meta.seq_lens, scale)
-    torch.testing.assert_close(got, want, atol=atol, rtol=0)
-
-
-def test_bfloat16_products_where_the_cpu_has_them(kernel) -> None:
-    """The decode and prefill kernels take bfloat16 products exactly where
-    the CPU has AVX512_BF16 (and the AVX-512 paths apply)."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    has = " avx512_bf16" in flags and kernel.prefill_attention_applies(64, 3, 16)
-    assert kernel.decode_attention_bf16_products(64, 3, 16) == has
-    assert kernel.prefill_attention_bf16_products() == has
-    assert not kernel.decode_attention_bf16_products(256, 3, 16)  # the portable path
-    assert not kernel.decode_attention_bf16_products(64, 3, 15)  # key pairs need even blocks
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
 def test_cache_kv_into_a_bfloat16_cache_rounds_as_torch(kernel) -> None:
@@ -297,3 +285,26 @@ def test_prefill_kernel_refuses_what_it_cannot_do(prefill_kernel) -> None:
     odd = make_batch(Shape((4,), (4,), 2, 2, 96, 16))
     with pytest.raises(RuntimeError, match="no kernel for head_dim 96"):
         _prefill_call(prefill_kernel, odd, odd.query, torch.zeros_like(odd.query), 1.0)
+
+
+def test_bfloat16_products_where_the_cpu_has_them(prefill_kernel) -> None:
+    """The prefill kernel takes bfloat16 products exactly where the CPU has
+    AVX512_BF16."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert prefill_kernel.prefill_attention_bf16_products() == (" avx512_bf16" in flags)
+
+
+def test_bfloat16_products_can_be_disallowed(prefill_kernel) -> None:
+    """The benchmarks' switch: disallowed, a bfloat16 cache's rows are widened
+    to float32 again (exact to 2e-5)."""
+    batch = make_batch(PREFILL_SHAPES[-4], dtype=torch.bfloat16, seed=5)
+    query, scale = batch.query.float(), 0.125
+    want = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, scale)
+    prefill_kernel.allow_bf16_attention_products(False)
+    try:
+        assert not prefill_kernel.prefill_attention_bf16_products()
+        got = torch.full_like(query, 7.0)
+        for lo, hi in _prefill_call(prefill_kernel, batch, query, got, scale):
+            torch.testing.assert_close(got[lo:hi], want[lo:hi], atol=2e-5, rtol=0)
+    finally:
+        prefill_kernel.allow_bf16_attention_products(True)

@@ -35,8 +35,8 @@ def test_paged_attention_matches_reference(shape: Shape, dtype: torch.dtype) -> 
 def test_float32_queries_over_a_narrower_cache(shape: Shape, cache_dtype: torch.dtype) -> None:
     """--kv-cache-dtype: attention computes in float32 over the cache's rows
     widened, decodes and prefill chunks alike (masks follow the compute
-    dtype), except where the compiled kernels multiply a bfloat16 cache's
-    rows as bfloat16 pairs (AVX512_BF16; tests/unit/kernels/batches.py)."""
+    dtype), except where the compiled prefill kernel multiplies a bfloat16
+    cache's rows as bfloat16 pairs (AVX512_BF16; tests/unit/kernels/batches.py)."""
     batch = make_batch(shape, dtype=cache_dtype, seed=11)
     query = batch.query.float()
     scale = shape.head_dim**-0.5
@@ -48,20 +48,16 @@ def test_float32_queries_over_a_narrower_cache(shape: Shape, cache_dtype: torch.
 
 
 def _compiled_bf16_products(shape: Shape) -> bool:
-    """Whether a compiled kernel that this batch reaches takes bfloat16 products."""
+    """Whether the batch's prefill chunks reach the compiled prefill kernel
+    and it takes bfloat16 products."""
     kernel = cpu_kernels.load()
-    if kernel is None:
-        return False
     group = shape.num_heads // shape.num_kv_heads
-    decodes = min(shape.q_lens) == 1 and kernel.decode_attention_bf16_products(
-        shape.head_dim, group, shape.block_size
-    )
-    prefills = (
-        max(shape.q_lens) > 1
+    return (
+        kernel is not None
+        and max(shape.q_lens) > 1
         and kernel.prefill_attention_applies(shape.head_dim, group, shape.block_size)
         and kernel.prefill_attention_bf16_products()
     )
-    return bool(decodes or prefills)
 
 
 def test_all_decode_batch_not_flagged_decode_only() -> None:
