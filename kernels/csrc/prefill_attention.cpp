@@ -22,7 +22,7 @@
 //
 // A bfloat16 cache on a CPU with AVX512_BF16 takes bfloat16 products
 // (run_task_bf16): Q and P rounded to bfloat16, K and V read as they are,
-// sums in float32; 1.26x the float32 arithmetic's speed on the 64-request
+// sums in float32; 1.14-1.28x the float32 arithmetic's speed on the 64-request
 // prompts (benchmarks/cpu_attention_bench.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -170,16 +170,28 @@ inline void softmax_chunk(Scratch& s, int64_t c0, int n, bool masked) {
     }
 }
 
+// O^T's dims d0..d0+kBlockD-1 into registers, rescaled by the chunk's
+// softmax correction; and back.
+using OtBlock = __m512[kBlockD][kRowVecs];
+inline void load_corrected(const Scratch& s, int d0, OtBlock& acc) {
+  for (int r = 0; r < kRowVecs; ++r) {
+    const __m512 corr = _mm512_load_ps(s.corr + r * kLanes);
+    for (int dd = 0; dd < kBlockD; ++dd)
+      acc[dd][r] = _mm512_mul_ps(_mm512_load_ps(s.ot + (d0 + dd) * kRows + r * kLanes), corr);
+  }
+}
+inline void store_ot(Scratch& s, int d0, const OtBlock& acc) {
+  for (int dd = 0; dd < kBlockD; ++dd)
+    for (int r = 0; r < kRowVecs; ++r)
+      _mm512_store_ps(s.ot + (d0 + dd) * kRows + r * kLanes, acc[dd][r]);
+}
+
 // O^T = O^T * corr + sum_j V[j] P^T[j] over the chunk's n keys.
 template <int D>
 inline void accumulate_values(const float* const* v, int n, Scratch& s) {
-  __m512 corr[kRowVecs];
-  for (int r = 0; r < kRowVecs; ++r) corr[r] = _mm512_load_ps(s.corr + r * kLanes);
   for (int d0 = 0; d0 < D; d0 += kBlockD) {
-    __m512 acc[kBlockD][kRowVecs];
-    for (int dd = 0; dd < kBlockD; ++dd)
-      for (int r = 0; r < kRowVecs; ++r)
-        acc[dd][r] = _mm512_mul_ps(_mm512_load_ps(s.ot + (d0 + dd) * kRows + r * kLanes), corr[r]);
+    OtBlock acc;
+    load_corrected(s, d0, acc);
     for (int j = 0; j < n; ++j) {
       __m512 p[kRowVecs];
       for (int r = 0; r < kRowVecs; ++r) p[r] = _mm512_load_ps(s.st + j * kRows + r * kLanes);
@@ -188,9 +200,7 @@ inline void accumulate_values(const float* const* v, int n, Scratch& s) {
         for (int r = 0; r < kRowVecs; ++r) acc[dd][r] = _mm512_fmadd_ps(vb, p[r], acc[dd][r]);
       }
     }
-    for (int dd = 0; dd < kBlockD; ++dd)
-      for (int r = 0; r < kRowVecs; ++r)
-        _mm512_store_ps(s.ot + (d0 + dd) * kRows + r * kLanes, acc[dd][r]);
+    store_ot(s, d0, acc);
   }
 }
 
@@ -251,7 +261,9 @@ void run_task(const Task<T>& t, Scratch& s) {
 // A bfloat16 cache on CPUs with AVX512_BF16: vdpbf16ps multiplies pairs of
 // bfloat16 with float32 sums, so K and V are read as they are (no widening)
 // and each instruction does two keys' or two dims' products. Q and P are
-// rounded to bfloat16 for it, as in GPU kernels and the decode kernel.
+// rounded to bfloat16 for it, as GPU flash attention and llama.cpp's and
+// vLLM's CPU kernels round them. (Decode attention, bound by reading the
+// cache, gained nothing from the same products and keeps float32.)
 inline uint32_t bf16_pair(float lo, float hi) {
   return static_cast<uint32_t>(c10::BFloat16(lo).x) |
          (static_cast<uint32_t>(c10::BFloat16(hi).x) << 16);
@@ -313,13 +325,9 @@ inline void pair_chunk(const c10::BFloat16* v, int64_t row, int n, Scratch& s) {
 // times P^T's.
 template <int D>
 inline void accumulate_values_bf16(int n, Scratch& s) {
-  __m512 corr[kRowVecs];
-  for (int r = 0; r < kRowVecs; ++r) corr[r] = _mm512_load_ps(s.corr + r * kLanes);
   for (int d0 = 0; d0 < D; d0 += kBlockD) {
-    __m512 acc[kBlockD][kRowVecs];
-    for (int dd = 0; dd < kBlockD; ++dd)
-      for (int r = 0; r < kRowVecs; ++r)
-        acc[dd][r] = _mm512_mul_ps(_mm512_load_ps(s.ot + (d0 + dd) * kRows + r * kLanes), corr[r]);
+    OtBlock acc;
+    load_corrected(s, d0, acc);
     for (int jp = 0; jp < (n + 1) / 2; ++jp) {
       __m512bh p[kRowVecs];
       for (int r = 0; r < kRowVecs; ++r)
@@ -330,9 +338,7 @@ inline void accumulate_values_bf16(int n, Scratch& s) {
         for (int r = 0; r < kRowVecs; ++r) acc[dd][r] = _mm512_dpbf16_ps(acc[dd][r], vb, p[r]);
       }
     }
-    for (int dd = 0; dd < kBlockD; ++dd)
-      for (int r = 0; r < kRowVecs; ++r)
-        _mm512_store_ps(s.ot + (d0 + dd) * kRows + r * kLanes, acc[dd][r]);
+    store_ot(s, d0, acc);
   }
 }
 
