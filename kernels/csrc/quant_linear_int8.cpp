@@ -18,7 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "quant_tiles.h"
 
@@ -31,10 +31,38 @@ constexpr int64_t kRowChunk = 64;
 // Each row of x quantized in blocks of 32: q int8 [M, nb * 32] (zero past
 // K), d and s float [M, nb], qsum (sum of a block's q) int32 [M, nb].
 struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int32_t> qsum;
+  const int8_t* q;
+  const float *d, *s;
+  const int32_t* qsum;
   int64_t nb;
+};
+
+// Room that grows to the largest call and is then reused, its contents
+// left as they are (every element is written before it is read): a decode
+// step makes ~120 calls, and fresh zeroed vectors for each took ~7% of the
+// step on the calling thread (memset and page faults) while the other
+// thread waited.
+template <typename T>
+class Reused {
+ public:
+  T* take(int64_t n) {
+    if (n > capacity_) {
+      data_.reset(new T[n]);  // default-initialized: not zeroed
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t capacity_ = 0;
+};
+
+// One set per calling thread, so concurrent callers never share one.
+struct RowArena {
+  Reused<int8_t> q;
+  Reused<float> scales;  // d then s
+  Reused<int32_t> qsum;
 };
 
 void quantize_row(const float* x, int64_t K, int64_t nb, int8_t* q, float* d, float* s,
@@ -56,17 +84,51 @@ void quantize_row(const float* x, int64_t K, int64_t nb, int8_t* q, float* d, fl
   }
 }
 
-QuantizedRows quantize_rows(const at::Tensor& x, int64_t nb) {
+#ifdef TANDEM_QUANT_AVX512
+// quantize_row for rows whose K is a multiple of 32, 32 inputs at a time:
+// the same values (cvtps2dq rounds half to even, as nearbyint does).
+void quantize_row_avx512(const float* x, int64_t nb, int8_t* q, float* d, float* s,
+                         int32_t* qsum) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + b * kBlock), hi = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    d[b] = amax / 127.f;
+    s[b] = d[b] * static_cast<float>(sum);
+    qsum[b] = sum;
+  }
+}
+#endif
+
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t nb, Isa isa) {
+  thread_local RowArena arena;
   const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
-  QuantizedRows r{std::vector<int8_t>(M * nb * kBlock), std::vector<float>(M * nb),
-                  std::vector<float>(M * nb), std::vector<int32_t>(M * nb), nb};
+  int8_t* q = arena.q.take(M * nb * kBlock);
+  float* d = arena.scales.take(2 * M * nb);
+  float* s = d + M * nb;
+  int32_t* qsum = arena.qsum.take(M * nb);
   const float* xp = x.data_ptr<float>();
+  const bool whole_blocks = K == nb * kBlock;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      quantize_row(xp + m * xs, K, nb, r.q.data() + m * nb * kBlock, r.d.data() + m * nb,
-                   r.s.data() + m * nb, r.qsum.data() + m * nb);
+    for (int64_t m = begin; m < end; ++m) {
+      const int64_t o = m * nb;
+#ifdef TANDEM_QUANT_AVX512
+      if (isa == Isa::Avx512 && whole_blocks) {
+        quantize_row_avx512(xp + m * xs, nb, q + o * kBlock, d + o, s + o, qsum + o);
+        continue;
+      }
+#endif
+      quantize_row(xp + m * xs, K, nb, q + o * kBlock, d + o, s + o, qsum + o);
+    }
   });
-  return r;
+  (void)whole_blocks;
+  (void)isa;
+  return QuantizedRows{q, d, s, qsum, nb};
 }
 
 template <Kind K>
@@ -76,7 +138,7 @@ void tiles_portable(const uint8_t* base, int64_t nb, const QuantizedRows& x, int
   float acc[kTile];
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t m = 0; m < M; ++m) {
-      const int8_t* qx = x.q.data() + m * nb * kBlock;
+      const int8_t* qx = x.q + m * nb * kBlock;
       std::fill(acc, acc + kTile, 0.f);
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = base + (t * nb + b) * bytes;
@@ -186,7 +248,7 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, i
     const int8_t* qx[MR];
     int32_t offset[MR];
     for (int m = 0; m < MR; ++m) {
-      qx[m] = x.q.data() + ((m0 + m) * nb + b) * kBlock;
+      qx[m] = x.q + ((m0 + m) * nb + b) * kBlock;
       offset[m] = -128 * x.qsum[(m0 + m) * nb + b];
     }
     __m256i dot[MR];
@@ -243,7 +305,7 @@ void micro_pair(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows&
     const uint8_t* b0 = first + b * bytes;
     const uint8_t* b1 = b0 + nb * bytes;
     const int8_t* qx[MR];
-    for (int m = 0; m < MR; ++m) qx[m] = x.q.data() + ((m0 + m) * nb + b) * kBlock;
+    for (int m = 0; m < MR; ++m) qx[m] = x.q + ((m0 + m) * nb + b) * kBlock;
     __m512i dot[MR];
     if constexpr (K == Kind::Q4) {
       const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -350,7 +412,7 @@ void run(const at::Tensor& packed, const QuantizedRows& x, int64_t M, const OutT
 
 void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed, Isa isa) {
   TORCH_CHECK(kind_of(packed) != Kind::BF16, "int8 activations need Q4 or Q8 weights, not BF16");
-  const QuantizedRows q = quantize_rows(x, packed.size(1));
+  const QuantizedRows q = quantize_rows(x, packed.size(1), isa);
   if (kind_of(packed) == Kind::Q4)
     run<Kind::Q4>(packed, q, x.size(0), o, isa);
   else
