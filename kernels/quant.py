@@ -154,6 +154,15 @@ def bf16_dot_rows() -> int | None:
     return rows if rows >= 0 else None
 
 
+def _isa_level(isa: str | None) -> int:
+    """`isa`'s number for the kernels (None: the best this build has)."""
+    if isa is None:
+        return len(ISAS) - 1
+    if isa not in ISAS:
+        raise ValueError(f"isa {isa!r} is not one of {ISAS}")
+    return ISAS.index(isa)
+
+
 def quant_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, *, isa: str | None = None
 ) -> torch.Tensor:
@@ -161,13 +170,39 @@ def quant_linear(
     path (one of `ISAS`; None: the best this build has): "portable" is the
     scalar C++ a CPU without AVX2 runs, "avx2" what one without AVX-512
     VNNI runs."""
-    if isa is not None and isa not in ISAS:
-        raise ValueError(f"isa {isa!r} is not one of {ISAS}")
-    level = len(ISAS) - 1 if isa is None else ISAS.index(isa)
+    level = _isa_level(isa)
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = x.new_empty(x.shape[0], weight.out_features)
     kernels().quant_linear(out, x, weight.packed, bias, weight.int8_activations, level)
+    return out
+
+
+def quant_linear_silu(
+    gate_up: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None,
+    *,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T + bias for gate_up = [gate | up] [T, 2 * in],
+    for a weight that takes int8 activations: each row's activation is
+    computed a block at a time as it is quantized, never written out (the
+    MLP's down projection; the same values as quant_linear(silu_mul(...)))."""
+    if not weight.int8_activations:
+        raise ValueError(
+            f"quant_linear_silu needs a weight with int8 activations ({weight.format} has none)"
+        )
+    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * weight.in_features:
+        raise ValueError(
+            f"gate_up must be [rows, {2 * weight.in_features}] (gate, then up), "
+            f"got {list(gate_up.shape)}"
+        )
+    level = _isa_level(isa)
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    out = gate_up.new_empty(gate_up.shape[0], weight.out_features)
+    kernels().quant_linear_silu(out, gate_up, weight.packed, bias, level)
     return out
 
 

@@ -54,7 +54,7 @@ from kernels.layer_ops import (
 )
 from kernels.lora import LoRALayer, LoRAState
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QuantizedWeight, format_summary
+from kernels.quant import QuantizedWeight, format_summary, quant_linear_silu
 from kernels.torch_attention import COMPILED_CACHE_DTYPES
 
 
@@ -152,6 +152,21 @@ class Linear(nn.Module):
         if self.lora is not None:
             self.lora.add_to(y, x)
         return y
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up = [gate | up]. Where the weight's
+        blocks take int8 activations (and no adapter reads the activation),
+        the activation is quantized as it is computed, never written out."""
+        packed = self.packed
+        if (
+            isinstance(packed, QuantizedWeight)
+            and packed.int8_activations
+            and self.lora is None
+            and gate_up.device.type == "cpu"
+        ):
+            return quant_linear_silu(gate_up, packed, self.bias)
+        out: torch.Tensor = self(self.lops.silu_mul(gate_up))
+        return out
 
 
 class Embedding(nn.Module):
@@ -310,8 +325,7 @@ class LlamaMLP(nn.Module):
         return out
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        down: torch.Tensor = self.down_proj(self.lops.silu_mul(self.gate_up_proj(x)))
-        return down
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

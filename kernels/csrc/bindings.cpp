@@ -32,6 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_linear", &quant_linear, "out = x @ dequant(packed).T + bias (x in float32 or, opted in, int8)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_linear_silu", &quant_linear_silu,
+        "out = (silu(gate) * up) @ dequant(packed).T + bias, int8 activations, gate_up = [gate | up]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, "float32 rows of a packed weight",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_linear_best_isa", &quant_linear_best_isa,

@@ -36,6 +36,10 @@ at::Tensor pack_gguf_blocks(at::Tensor raw, int64_t ggml_type);
 at::Tensor pack_bf16(at::Tensor weight);
 void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
                   const c10::optional<at::Tensor>& bias, bool int8_activations, int64_t isa);
+// out = (silu(gate) * up) @ dequant(packed).T + bias for gate_up = [gate | up],
+// with int8 activations (Q4/Q8 weights): the activation quantized as computed.
+void quant_linear_silu(at::Tensor out, at::Tensor gate_up, at::Tensor packed,
+                       const c10::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor dequantize_rows(at::Tensor packed, at::Tensor rows, int64_t in_features);
 int64_t quant_linear_best_isa();  // 0 portable, 1 AVX2, 2 AVX-512 (VNNI)
 // From how many rows BF16 weights multiply bfloat16-rounded inputs

@@ -165,6 +165,18 @@ at::Tensor DecodeStack::linear(at::Tensor& buffer, const at::Tensor& x, const Li
   return mkl_packed_linear(x, w.packed, w.weight, w.bias);
 }
 
+at::Tensor DecodeStack::down(at::Tensor& buffer, at::Tensor& act, const at::Tensor& gate_up,
+                             const Linear& w) const {
+  if (int8_activations_ && is_quantized(w)) {
+    at::Tensor out = buffer.defined() ? buffer
+                                      : at::empty({gate_up.size(0), w.weight.size(0)}, gate_up.options());
+    quant_linear_silu(out, gate_up, w.packed, w.bias, quant_linear_best_isa());
+    return out;
+  }
+  silu_mul(act, gate_up);
+  return linear(buffer, act, w);
+}
+
 at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::Tensor cos_cache,
                                 at::Tensor sin_cache, std::vector<at::Tensor> kv_caches,
                                 at::Tensor block_table, at::Tensor seq_lens,
@@ -209,8 +221,7 @@ at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::T
     decode_attention(attn_heads, heads.narrow(1, 0, heads_), kv_caches[i], block_table, seq_lens,
                      scale_);
     add_rms_norm(x, residual, linear(proj_buf, attn, w.o), w.post_norm, eps_);
-    silu_mul(act, linear(gate_up_buf, x, w.gate_up));
-    delta = linear(delta, act, w.down);
+    delta = down(delta, act, linear(gate_up_buf, x, w.gate_up), w.down);
   }
   at::Tensor out = at::empty({T, hidden}, opts);
   if (layers_.empty())

@@ -44,6 +44,11 @@ class DecodeStack {
   static bool is_quantized(const Linear& w);
   // x @ w.T + bias: into `buffer` (small_linear) or a new tensor (MKL).
   at::Tensor linear(at::Tensor& buffer, const at::Tensor& x, const Linear& w) const;
+  // w's product with silu(gate) * up of gate_up = [gate | up]; `act` holds the
+  // activation unless int8 activations over quantized weights quantize it as
+  // it is computed (never written out).
+  at::Tensor down(at::Tensor& buffer, at::Tensor& act, const at::Tensor& gate_up,
+                  const Linear& w) const;
 
   std::vector<Layer> layers_;
   at::Tensor final_norm_;

@@ -287,6 +287,16 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
   }
 }
 
+void quant_linear_silu(at::Tensor out, at::Tensor gate_up, at::Tensor packed,
+                       const c10::optional<at::Tensor>& bias, int64_t isa_level) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2 * in]: gate, then up");
+  const OutTile o = check_quant_linear(out, gate_up.narrow(1, 0, gate_up.size(1) / 2), packed, bias);
+  const Isa isa = usable_isa(isa_level);
+  if (gate_up.size(0) == 0) return;
+  quant_linear_int8_silu(o, gate_up, packed, isa);
+}
+
 int64_t quant_linear_best_isa() { return static_cast<int64_t>(kBestIsa); }
 
 int64_t quant_linear_bf16_dot_rows() {

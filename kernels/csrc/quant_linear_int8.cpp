@@ -21,6 +21,7 @@
 #include <memory>
 
 #include "quant_tiles.h"
+#include "silu.h"
 
 namespace tandem_quant {
 namespace {
@@ -65,69 +66,85 @@ struct RowArena {
   Reused<int32_t> qsum;
 };
 
-void quantize_row(const float* x, int64_t K, int64_t nb, int8_t* q, float* d, float* s,
-                  int32_t* qsum) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t k0 = b * kBlock, n = std::min(kBlock, K - k0);
-    float amax = 0.f;
-    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k0 + k]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int64_t k = 0; k < kBlock; ++k) {
-      const int v = k < n ? static_cast<int>(std::nearbyint(x[k0 + k] * inv)) : 0;
-      q[k0 + k] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    d[b] = amax / 127.f;
-    s[b] = d[b] * static_cast<float>(sum);
-    qsum[b] = sum;
+// One block of n (1..32) inputs: q[0..31] (zero past n), d = absmax / 127,
+// s = d * sum q, qsum = sum q.
+void quantize_block(const float* x, int64_t n, int8_t* q, float& d, float& s, int32_t& qsum) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int64_t k = 0; k < kBlock; ++k) {
+    const int v = k < n ? static_cast<int>(std::nearbyint(x[k] * inv)) : 0;
+    q[k] = static_cast<int8_t>(v);
+    sum += v;
   }
+  d = amax / 127.f;
+  s = d * static_cast<float>(sum);
+  qsum = sum;
 }
 
 #ifdef TANDEM_QUANT_AVX512
-// quantize_row for rows whose K is a multiple of 32, 32 inputs at a time:
-// the same values (cvtps2dq rounds half to even, as nearbyint does).
-void quantize_row_avx512(const float* x, int64_t nb, int8_t* q, float* d, float* s,
-                         int32_t* qsum) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 lo = _mm512_loadu_ps(x + b * kBlock), hi = _mm512_loadu_ps(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
-    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-    d[b] = amax / 127.f;
-    s[b] = d[b] * static_cast<float>(sum);
-    qsum[b] = sum;
-  }
+// quantize_block for a whole block, 16 inputs a vector: the same values
+// (cvtps2dq rounds half to even, as nearbyint does).
+void quantize_block_avx512(const float* x, int8_t* q, float& d, float& s, int32_t& qsum) {
+  const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+  const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qhi));
+  const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  d = amax / 127.f;
+  s = d * static_cast<float>(sum);
+  qsum = sum;
 }
 #endif
 
-QuantizedRows quantize_rows(const at::Tensor& x, int64_t nb, Isa isa) {
+// Where row m's K inputs come from: x's row itself or, for the MLP's down
+// projection, silu(gate) * up of a gate_up row [gate | up] (each K wide),
+// computed a row at a time into a buffer that stays in L1 as it is
+// quantized: the activation is never written to memory and read back.
+// (Block by block instead, each block's exp, division and reductions form
+// one dependent chain, and the row took 2.4x as long.)
+struct RowSource {
+  const float* x;
+  int64_t stride, K;
+  bool silu;
+};
+
+void quantize_row(const RowSource& src, int64_t m, int64_t nb, Isa isa, int8_t* q, float* d,
+                  float* s, int32_t* qsum) {
+  const float* x = src.x + m * src.stride;
+  if (src.silu) {
+    thread_local Reused<float> act;
+    float* row = act.take(src.K);
+    silu_times_n(x, x + src.K, row, src.K);
+    x = row;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t k0 = b * kBlock, n = std::min(kBlock, src.K - k0);
+#ifdef TANDEM_QUANT_AVX512
+    if (isa == Isa::Avx512 && n == kBlock) {
+      quantize_block_avx512(x + k0, q + k0, d[b], s[b], qsum[b]);
+      continue;
+    }
+#endif
+    quantize_block(x + k0, n, q + k0, d[b], s[b], qsum[b]);
+  }
+  (void)isa;
+}
+
+QuantizedRows quantize_rows(const RowSource& src, int64_t M, int64_t nb, Isa isa) {
   thread_local RowArena arena;
-  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
   int8_t* q = arena.q.take(M * nb * kBlock);
   float* d = arena.scales.take(2 * M * nb);
   float* s = d + M * nb;
   int32_t* qsum = arena.qsum.take(M * nb);
-  const float* xp = x.data_ptr<float>();
-  const bool whole_blocks = K == nb * kBlock;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const int64_t o = m * nb;
-#ifdef TANDEM_QUANT_AVX512
-      if (isa == Isa::Avx512 && whole_blocks) {
-        quantize_row_avx512(xp + m * xs, nb, q + o * kBlock, d + o, s + o, qsum + o);
-        continue;
-      }
-#endif
-      quantize_row(xp + m * xs, K, nb, q + o * kBlock, d + o, s + o, qsum + o);
-    }
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row(src, m, nb, isa, q + m * nb * kBlock, d + m * nb, s + m * nb, qsum + m * nb);
   });
-  (void)whole_blocks;
-  (void)isa;
   return QuantizedRows{q, d, s, qsum, nb};
 }
 
@@ -408,15 +425,28 @@ void run(const at::Tensor& packed, const QuantizedRows& x, int64_t M, const OutT
   });
 }
 
+void run_quantized(const at::Tensor& packed, const QuantizedRows& q, int64_t M, const OutTile& o,
+                   Isa isa) {
+  if (kind_of(packed) == Kind::Q4)
+    run<Kind::Q4>(packed, q, M, o, isa);
+  else
+    run<Kind::Q8>(packed, q, M, o, isa);
+}
+
 }  // namespace
 
 void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed, Isa isa) {
   TORCH_CHECK(kind_of(packed) != Kind::BF16, "int8 activations need Q4 or Q8 weights, not BF16");
-  const QuantizedRows q = quantize_rows(x, packed.size(1), isa);
-  if (kind_of(packed) == Kind::Q4)
-    run<Kind::Q4>(packed, q, x.size(0), o, isa);
-  else
-    run<Kind::Q8>(packed, q, x.size(0), o, isa);
+  const RowSource src{x.data_ptr<float>(), x.stride(0), x.size(1), false};
+  run_quantized(packed, quantize_rows(src, x.size(0), packed.size(1), isa), x.size(0), o, isa);
+}
+
+void quant_linear_int8_silu(const OutTile& o, const at::Tensor& gate_up, const at::Tensor& packed,
+                            Isa isa) {
+  TORCH_CHECK(kind_of(packed) != Kind::BF16, "int8 activations need Q4 or Q8 weights, not BF16");
+  const RowSource src{gate_up.data_ptr<float>(), gate_up.stride(0), gate_up.size(1) / 2, true};
+  const int64_t M = gate_up.size(0);
+  run_quantized(packed, quantize_rows(src, M, packed.size(1), isa), M, o, isa);
 }
 
 }  // namespace tandem_quant

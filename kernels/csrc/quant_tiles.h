@@ -179,6 +179,10 @@ inline float tile_value(const uint8_t* blk, Kind kind, int64_t j, int64_t k) {
 
 // quant_linear_int8.cpp: activations quantized to int8 on the fly (Q4, Q8).
 void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed, Isa isa);
+// The same with x = silu(gate) * up for gate_up = [gate | up] (the MLP's down
+// projection), the activation quantized as it is computed.
+void quant_linear_int8_silu(const OutTile& o, const at::Tensor& gate_up, const at::Tensor& packed,
+                            Isa isa);
 
 #ifdef TANDEM_QUANT_AVX512_BF16
 // quant_linear_bf16.cpp: BF16 weights times inputs rounded to bfloat16, by

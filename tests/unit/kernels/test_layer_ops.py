@@ -45,9 +45,10 @@ def test_add_rms_norm_updates_the_residual(compiled: LayerOps, rows: int) -> Non
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("width", [96, 100])  # whole vectors of 16; a masked last one
 @pytest.mark.parametrize("rows", ROWS)
-def test_silu_mul(compiled: LayerOps, rows: int) -> None:
-    gate_up = torch.randn(rows, 2 * 96) * 4
+def test_silu_mul(compiled: LayerOps, rows: int, width: int) -> None:
+    gate_up = torch.randn(rows, 2 * width) * 4
     gate_up[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # exp overflow on both sides
     want = TORCH_OPS.silu_mul(gate_up.clone())
     got = compiled.silu_mul(gate_up)

@@ -28,6 +28,7 @@ from kernels.quant import (
     format_summary,
     from_gguf_rows,
     quant_linear,
+    quant_linear_silu,
     quantize_int8,
     to_bf16,
 )
@@ -149,6 +150,51 @@ def test_int8_weights_take_inputs_of_any_width() -> None:
     torch.testing.assert_close(quant_linear(x, qw, None), F.linear(x, qw.dequantize()))
     step = ref.abs().amax(1, keepdim=True) / 127 * (1 + 2**-10)
     assert bool(((qw.dequantize() - ref).abs() <= step / 2).all())
+
+
+def _int8_act(fmt: str, out: int = OUT, width: int = IN) -> QuantizedWeight:
+    qw, _ = _weights(fmt, out, width)
+    return QuantizedWeight(qw.format, qw.out_features, qw.in_features, qw.packed, True)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    module = cpu_kernels.load()
+    assert module is not None
+    act = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    module.silu_mul(act, gate_up)
+    return act
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_silu_fused_into_the_int8_activations(fmt: str, rows: int, isa: str) -> None:
+    """The down projection computes silu(gate) * up a block at a time as it
+    quantizes it: the same activation, quantized alike, as silu_mul and
+    then quant_linear (bit for bit), from a strided gate_up view."""
+    qw = _int8_act(fmt)
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * IN + 5) * 3)[:, : 2 * IN]
+    bias = torch.randn(OUT)
+    want = quant_linear(_silu_mul(gate_up), qw, bias, isa=_isa(isa))
+    assert torch.equal(quant_linear_silu(gate_up, qw, bias, isa=_isa(isa)), want)
+
+
+def test_silu_fused_takes_widths_that_are_not_whole_blocks() -> None:
+    qw = _int8_act("int8", out=17, width=100)
+    gate_up = torch.randn(7, 200) * 3
+    want = quant_linear(_silu_mul(gate_up), qw, None)
+    assert torch.equal(quant_linear_silu(gate_up, qw, None), want)
+
+
+def test_silu_fused_refuses_what_it_cannot_take() -> None:
+    with pytest.raises(ValueError, match=r"gate_up must be \[rows, 1152\]"):
+        quant_linear_silu(torch.randn(3, IN), _int8_act("q4_1"), None)
+    exact, _ = _weights("q4_1")
+    with pytest.raises(ValueError, match="needs a weight with int8 activations"):
+        quant_linear_silu(torch.randn(3, 2 * IN), exact, None)
+    with pytest.raises(ValueError, match="isa 'sse'"):
+        quant_linear_silu(torch.randn(3, 2 * IN), _int8_act("q4_1"), None, isa="sse")
 
 
 @pytest.mark.parametrize("isa", ISAS)
