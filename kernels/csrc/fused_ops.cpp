@@ -4,7 +4,8 @@
 // activation once: at decode batch sizes the chains cost more in launches than
 // in arithmetic, and at prefill sizes they cost extra passes over memory.
 // The arithmetic follows transformers' recipe op for op (RMSNorm: mean of
-// squares, rsqrt(mean + eps), scale; SiLU: x / (1 + exp(-x)); rotate-half
+// squares, rsqrt(mean + eps), scale; SiLU: x / (1 + exp(-x)), its exp a
+// polynomial on AVX-512 (silu.h); rotate-half
 // RoPE), so results differ from the torch chains only in rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

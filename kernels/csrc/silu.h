@@ -18,9 +18,10 @@ inline float silu_times(float gate, float up) {
 #if defined(__AVX512F__)
 // e^x for x <= 80, 16 lanes: 2^n p(r) with n = round(x / ln 2), r = x - n ln 2
 // (ln 2 in two parts, so r keeps its low bits) and Cephes' degree-7
-// polynomial for e^r on [-ln2/2, ln2/2]: within ~2 ulp of libm's expf, at
-// ~1.5x the speed of libmvec's vector expf (its edge-case handling is the
-// cost). Below -104 the result is 0.
+// polynomial for e^r on [-ln2/2, ln2/2]. SiLU through it stays within 5e-7
+// (relative) of SiLU through libm's expf (measured over 1.5M normal(0, 3)
+// inputs) and silu_mul ran 1.2-1.4x as fast as with libmvec's vector expf.
+// Below -104 the result is 0.
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
