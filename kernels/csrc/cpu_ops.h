@@ -16,7 +16,6 @@ bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_si
 // the float32 arithmetic against it.
 bool prefill_attention_bf16_products();
 void allow_bf16_attention_products(bool allowed);
-bool bf16_attention_products_allowed();
 void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
                        at::Tensor query_lens, double scale);

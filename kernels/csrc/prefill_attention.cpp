@@ -38,6 +38,11 @@
 
 #include "cpu_ops.h"
 
+namespace {
+// allow_bf16_attention_products: process-wide, read once per call.
+std::atomic<bool> bf16_products_allowed{true};
+}  // namespace
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -392,7 +397,7 @@ void prefill_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_ca
   const int32_t* bt = block_table.data_ptr<int32_t>();
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
-  [[maybe_unused]] const bool products = bf16_attention_products_allowed();
+  [[maybe_unused]] const bool products = bf16_products_allowed.load();
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // Per thread, kept: a fresh 140 KB a call would be fresh pages each time.
     static thread_local std::unique_ptr<Scratch> scratch;
@@ -454,16 +459,11 @@ bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_si
 #endif
 }
 
-namespace {
-std::atomic<bool> bf16_products_allowed{true};
-}
-
 void allow_bf16_attention_products(bool allowed) { bf16_products_allowed = allowed; }
-bool bf16_attention_products_allowed() { return bf16_products_allowed; }
 
 bool prefill_attention_bf16_products() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  return bf16_attention_products_allowed();
+  return bf16_products_allowed.load();
 #else
   return false;
 #endif

@@ -187,6 +187,22 @@ def test_silu_fused_takes_widths_that_are_not_whole_blocks() -> None:
     assert torch.equal(quant_linear_silu(gate_up, qw, None), want)
 
 
+def test_int8_activations_ignore_what_an_earlier_call_left() -> None:
+    """The quantized rows live in a per-thread buffer reused without zeroing:
+    a narrow call after a wide one with large inputs must still see zero
+    padding past its last input and none of the earlier rows."""
+    qw = _int8_act("int8", out=17, width=100)
+    x = torch.randn(5, 100)
+    want = F.linear(x, qw.dequantize())
+    bound = _int8_error_bound(F.pad(x, (0, 28)), F.pad(qw.dequantize(), (0, 28)))
+    for _ in range(2):
+        quant_linear(torch.randn(300, IN) * 100, _int8_act("q8_0"), None)
+        got = quant_linear(x, qw, None)
+        assert bool(((got - want).abs() <= bound).all())
+        quant_linear_silu(torch.randn(300, 2 * IN) * 100, _int8_act("q4_1"), None)
+        assert torch.equal(quant_linear(x, qw, None), got)
+
+
 def test_silu_fused_refuses_what_it_cannot_take() -> None:
     with pytest.raises(ValueError, match=r"gate_up must be \[rows, 1152\]"):
         quant_linear_silu(torch.randn(3, IN), _int8_act("q4_1"), None)
