@@ -19,6 +19,11 @@ or where the CPU has AVX512_BF16 to bfloat16 dot products (then "bf16
 cache here, so this measures compute, not memory: the single-stream decode
 step (memory) is benchmarks/decode_step_breakdown.py's.
 
+Then, per row count, the MLP's down projection with its activation, q4_1 +
+int8 activations: `silu_mul` then `quant_linear` against `quant_linear_silu`
+(the activation quantized as it is computed, never written out),
+interleaved in the same rounds, with the per-round speed ratio.
+
     .venv/bin/python benchmarks/quant_kernel_bench.py --rows 1,8,32,64,128,512
 """
 
@@ -39,12 +44,14 @@ from gguf import GGMLQuantizationType, quants
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kernels import cpu_kernels
 from kernels.quant import (
     QuantizedWeight,
     available_isas,
     bf16_dot_rows,
     from_gguf_rows,
     quant_linear,
+    quant_linear_silu,
     quantize_int8,
     to_bf16,
 )
@@ -90,6 +97,39 @@ def layer_calls(rows: int, isas: list[str], seed: int = 0) -> dict[str, Callable
     return calls
 
 
+def down_calls(rows: int, seed: int = 0) -> dict[str, Callable[[], None]]:
+    """The down projection (576 x 1536) of silu(gate) * up, unfused and fused."""
+    module = cpu_kernels.load()
+    assert module is not None, "the compiled kernels are needed"
+    gen = torch.Generator().manual_seed(seed)
+    n, k = SHAPES[3]
+    packed = quantized("q4_1", torch.randn(n, k, generator=gen) / k**0.5)
+    qw = QuantizedWeight(packed.format, n, k, packed.packed, True)
+    gate_up = torch.randn(rows, 2 * k, generator=gen) * 2
+    act = torch.empty(rows, k)
+
+    def unfused() -> None:
+        module.silu_mul(act, gate_up)
+        quant_linear(act, qw, None)
+
+    def fused() -> None:
+        quant_linear_silu(gate_up, qw, None)
+
+    return {"silu_mul + down": unfused, "fused": fused}
+
+
+def report_down(rows: int, times: dict[str, list[float]]) -> None:
+    unfused, fused = times["silu_mul + down"], times["fused"]
+    ratios = [u / f for u, f in zip(unfused, fused, strict=True)]
+    print(
+        f"  down with its activation: silu_mul + quant_linear "
+        f"{statistics.median(unfused) * 1e6:.0f} us, quant_linear_silu "
+        f"{statistics.median(fused) * 1e6:.0f} us: x{statistics.median(ratios):.2f} "
+        f"(min {min(ratios):.2f}, max {max(ratios):.2f})",
+        flush=True,
+    )
+
+
 def _quant_call(
     qws: list[QuantizedWeight], inputs: list[torch.Tensor], isa: str | None
 ) -> Callable[[], None]:
@@ -123,6 +163,8 @@ def main() -> None:
     flops_per_row = sum(2 * n * k for n, k in SHAPES)
     for rows in (int(r) for r in args.rows.split(",")):
         calls = layer_calls(rows, args.isas.split(","))
+        downs = down_calls(rows)
+        calls.update(downs)
         repeat = max(1, 256 // rows)
         times: dict[str, list[float]] = {name: [] for name in calls}
         for fn in calls.values():
@@ -133,6 +175,8 @@ def main() -> None:
         base = times["float32 (MKL)"]
         print(f"\n{rows} rows:")
         for name, values in times.items():
+            if name in downs:
+                continue
             ratios = [b / v for b, v in zip(base, values, strict=True)]
             gflops = flops_per_row * rows / statistics.median(values) / 1e9
             print(
@@ -141,6 +185,7 @@ def main() -> None:
                 f"max {max(ratios):.2f})",
                 flush=True,
             )
+        report_down(rows, times)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 
