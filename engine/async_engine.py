@@ -30,7 +30,12 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.delivery import Delivery
 from engine.engine_thread import EngineThread
-from engine.errors import EngineDeadError, EngineDrainingError, InvalidRequestError, QueueFullError
+from engine.errors import (
+    DuplicateRequestIdError,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+)
 from engine.frontend import FrontEnd
 from engine.kv_events import KvEventHub, KvEventSubscription
 from engine.lora.request import LoRARequest
@@ -59,14 +64,11 @@ class Admission:
 
     def admit(self, request_id: str, is_live: bool, scheduler_waiting: int) -> None:
         """Counts one more request submitted, or raises EngineDrainingError,
-        InvalidRequestError ("request_id", for an id that is live) or
-        QueueFullError."""
+        DuplicateRequestIdError (an id that is live) or QueueFullError."""
         if self.draining:
             raise EngineDrainingError("the server is draining and accepts no new requests")
         if is_live:
-            raise InvalidRequestError(
-                "request_id", f"{request_id!r} is already in use by a live request"
-            )
+            raise DuplicateRequestIdError(request_id, "a live request")
         waiting = self.num_waiting(scheduler_waiting)
         if waiting >= self.max_waiting_requests:
             raise QueueFullError(
@@ -137,15 +139,17 @@ class AsyncEngine:
         self._thread.add_request(request)
         return stream
 
-    def abort(self, request_ids: list[str]) -> list[str]:
+    def abort(self, request_ids: list[str], error: Exception | None = None) -> list[str]:
         """Aborts the live requests among ``request_ids`` and returns their
-        ids; each stream ends with a last output, finish reason ABORT.
+        ids; each stream ends with a last output, finish reason ABORT (what
+        its caller asked for), or raises ``error`` when the abort is the
+        server's own doing, which the caller must not take for a normal end.
         Other ids are ignored (see ``release_held_kv`` for finished ones)."""
         live = [rid for rid in request_ids if rid in self._streams]
         if live:
             self._thread.abort_requests(live)
             for rid in live:
-                self._streams.end(self.front.abort(rid, FinishReason.ABORT))
+                self._streams.end(self.front.abort(rid, FinishReason.ABORT), error)
         return live
 
     def release_held_kv(self, request_ids: list[str]) -> None:
@@ -264,9 +268,14 @@ class AsyncEngine:
         return await _wait(released, timeout)
 
     async def shutdown(self) -> None:
-        """Aborts what is left and stops the engine thread."""
+        """Aborts what is left (each stream raises EngineDrainingError: its
+        client asked for nothing, and an end with finish reason ABORT would
+        read as one it did) and stops the engine thread."""
         self.begin_drain()
-        self.abort(self._streams.ids())
+        stopped = EngineDrainingError(
+            "the server is draining: the request was aborted before it finished; retry it"
+        )
+        self.abort(self._streams.ids(), stopped)
         self._thread.stop()
         await asyncio.to_thread(self._thread.join, 30)
         self._thread.handoff.close()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from engine.commands import AddRefused, EngineEvent, EngineFailed, StepDone
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import DuplicateRequestIdError, EngineDeadError
 from engine.frontend import FrontEnd
 from engine.kv_events import KvEventHub
 from engine.observer import GuardedObserver
@@ -77,10 +77,8 @@ class Delivery:
         scheduler still holds its id (a finished request's, whose KV it
         keeps for a remote decode): that is what the scheduler refused."""
         if request_id in self._streams:
-            error = InvalidRequestError(
-                "request_id",
-                f"{request_id!r} is already in use by a finished request whose KV "
-                "blocks are held for a remote decode",
+            error = DuplicateRequestIdError(
+                request_id, "a finished request whose KV blocks are held for a remote decode"
             )
             self._streams.end(self._front.abort(request_id, FinishReason.ERROR), error)
 

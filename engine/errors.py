@@ -19,6 +19,18 @@ class InvalidRequestError(ValueError):
         self.index = index
 
 
+class DuplicateRequestIdError(InvalidRequestError):
+    """``request_id`` names a request this engine still has: a live one, or
+    a finished one whose KV blocks it holds for a remote decode. Raised
+    before the new request runs, so nothing of it ran and the request that
+    has the id is left alone: a caller must not release or abort that id
+    on the strength of this refusal."""
+
+    def __init__(self, request_id: str, holder: str) -> None:
+        super().__init__("request_id", f"{request_id!r} is already in use by {holder}")
+        self.request_id = request_id
+
+
 class EngineDrainingError(RuntimeError):
     """The engine is draining (shutting down) and admits no new requests."""
 

@@ -15,9 +15,12 @@ FAILED_PRECONDITION LoRADisabledError: LoadLoraAdapter / UnloadLoraAdapter on
 UNAUTHENTICATED     raised by the API-key interceptor (service.auth)
 INTERNAL            anything else; logged with its traceback
 
-A Generate call refused before its request reached the engine also carries
-the trailing metadata ``REFUSED_KEY``: nothing of it ran. The router relies
-on it to release a prefill pod's KV that a refused decode leg named.
+A Generate call refused before its request ran also carries the trailing
+metadata ``REFUSED_KEY``: nothing of it ran. That is every refusal at the
+front door (invalid, duplicate id, queue full, draining) and the
+scheduler's refusal of an id it still holds (``refused_by_engine``). The
+router relies on it: it releases a prefill pod's KV that a refused decode
+leg named, and releases nothing on a pod that refused its prefill leg.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import logging
 import grpc
 
 from engine import EngineDeadError, EngineDrainingError, InvalidRequestError, QueueFullError
+from engine.errors import DuplicateRequestIdError
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,14 @@ async def abort_with(
 
 def refused_metadata(refused: bool) -> tuple[tuple[str, str], ...]:
     return ((REFUSED_KEY, "1"),) if refused else ()
+
+
+def refused_by_engine(exc: BaseException, num_requests: int) -> bool:
+    """Whether `exc`, which ended an admitted call's stream, says that its
+    request never ran: the scheduler refused its id, which a request it
+    still holds has. Only for a call of one request: a sibling choice of a
+    refused one may have run."""
+    return num_requests == 1 and isinstance(exc, DuplicateRequestIdError)
 
 
 def was_refused(error: grpc.aio.AioRpcError) -> bool:

@@ -30,7 +30,7 @@ import grpc
 from engine import AsyncEngine
 from service import choices, convert
 from service.engine_holder import EngineHolder
-from service.errors import LoRADisabledError, abort_with
+from service.errors import LoRADisabledError, abort_with, refused_by_engine
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -88,7 +88,7 @@ class GenerationServicer(EngineHolder, pb_grpc.GenerationServicer):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                await abort_with(context, exc)
+                await abort_with(context, exc, refused=refused_by_engine(exc, call.n))
 
     def _prepare(self, msg: pb.GenerateRequest, engine: AsyncEngine) -> choices.Call:
         """A GenerateRequest checked and tokenized (on an input thread)."""

@@ -39,7 +39,7 @@ from engine import AsyncEngine, RequestOutput
 from service import choices
 from service import vllm_convert as convert
 from service.engine_holder import EngineHolder
-from service.errors import abort_with
+from service.errors import abort_with, refused_by_engine
 from service.tokenizer_bundle import TokenizerBundle
 from service.vllm_convert import ChoiceOutput
 
@@ -111,7 +111,7 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                await abort_with(context, exc)
+                await abort_with(context, exc, refused=refused_by_engine(exc, call.n))
 
     # --- control ---------------------------------------------------------------------
 

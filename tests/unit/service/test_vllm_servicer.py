@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from connectors.kv_transfer_params import KVTransferParams
 from engine.async_engine import AsyncEngine
 from engine.structured_output.params import StructuredOutputParams
+from service.errors import was_refused
 from service.grpc_server import new_server
 from service.servicer import new_input_pool
 from service.vllm_servicer import VllmEngineServicer
@@ -213,6 +214,22 @@ def test_n_above_one_is_refused_with_disaggregation() -> None:
         return err.value.code()
 
     assert serve(body, role="prefill") == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_id_the_scheduler_still_holds_is_refused_with_the_refused_marker() -> None:
+    """A finished prefill leg's id, its KV held for a decode pod: the new
+    request never ran, and says so (the holder's KV must not be released)."""
+
+    async def body(stub, servicer, core: ScriptedCore, engine) -> grpc.aio.AioRpcError:
+        core.held.add("held")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(generate("held")))
+        return err.value
+
+    error = serve(body)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already in use by a finished request" in (error.details() or "")
+    assert was_refused(error)
 
 
 # --- Abort -----------------------------------------------------------------------
