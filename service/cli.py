@@ -671,8 +671,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    from service.grpc_server import ListenError
     from service.router import serve_router
-    from service.tls import ListenError
 
     config = router_config_from_args(args)
     try:

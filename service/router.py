@@ -107,14 +107,14 @@ from connectors.kv_transfer_params import KVTransferParams
 from engine.config import ConfigError
 from engine.kv_cache.hashing import hash_chain
 from engine.sampling_params import SamplingParams
-from service.auth import ApiKeyInterceptor
 from service.convert import dict_to_struct
 from service.errors import refused_metadata, was_refused
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+from service.grpc_server import ListenError, host_port, listen, new_server
 from service.pods import Pod, PodAccess, PodPool, PodState
 from service.router_metrics import RouterMetrics
-from service.tls import ListenError, ServerTLS, listen
+from service.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
 
@@ -863,14 +863,14 @@ class TandemRouter:
         """Listens (and serves metrics); raises ListenError if the port (or
         the metrics port) is taken."""
         cfg = self.config
-        interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
-        # so_reuseport 0: a port another server holds is refused, not shared.
-        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        # As `tandem serve`'s: bodies that do not parse are refused before
+        # the API-key check; a port another server holds is refused.
+        server = new_server(cfg.api_key)
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
-        self.port = listen(server, f"{cfg.host}:{cfg.port}", cfg.tls)
+        self.port = listen(server, cfg.host, cfg.port, cfg.tls.credentials())
         if cfg.metrics_port is not None:
             try:
                 self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
@@ -887,9 +887,8 @@ class TandemRouter:
         self._server = server
         self._health_task = asyncio.create_task(self._track_health())
         logger.info(
-            "router on %s:%d (%s%s)",
-            cfg.host,
-            self.port,
+            "router on %s (%s%s)",
+            host_port(cfg.host, self.port),
             "TLS" if cfg.tls.cert is not None else "plaintext",
             ", API key required" if cfg.api_key else "",
         )
@@ -930,8 +929,8 @@ class TandemRouter:
 
 
 async def serve_router(config: RouterConfig) -> None:
-    """Runs the router until SIGTERM/SIGINT. Raises ListenError (an
-    OSError) if its port or metrics port is taken."""
+    """Runs the router until SIGTERM/SIGINT. Raises ListenError (a
+    ConfigError) if its port or metrics port is taken."""
     router = TandemRouter(config)
     await router.start()
     stop = asyncio.Event()

@@ -22,12 +22,10 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine import AsyncEngine, ConfigError, EngineConfig, InvalidRequestError
-from service.auth import ApiKeyInterceptor
-from service.decode_guard import DecodeGuard
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from service.gen.tandem.v1 import kv_transfer_pb2_grpc
-from service.grpc_server import ListenError, listen, new_server
+from service.grpc_server import ListenError, host_port, listen, new_server
 from service.kv_event_publisher import ZmqKvEventPublisher
 from service.kv_events_config import KvEventsConfig, recording_events
 from service.metrics import ServiceMetrics
@@ -122,8 +120,7 @@ class TandemServer:
     async def start(self) -> int:
         """Listens, loads the model, then reports SERVING. Returns the port."""
         cfg = self.config
-        interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
-        server = new_server([*interceptors, DecodeGuard()])
+        server = new_server(cfg.api_key)
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
         vpb_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -136,7 +133,7 @@ class TandemServer:
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
         # Every port is taken before the model loads: a taken one ends
         # the start at once (ListenError).
-        self.port = listen(server, f"{cfg.host}:{cfg.port}", _server_credentials(cfg))
+        self.port = listen(server, cfg.host, cfg.port, _server_credentials(cfg))
         if cfg.metrics_port is not None:
             self._serve_metrics(cfg.metrics_host, cfg.metrics_port)
         if cfg.kv_events is not None:
@@ -144,7 +141,7 @@ class TandemServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
-        logger.info("listening on %s:%d; loading the model", cfg.host, self.port)
+        logger.info("listening on %s; loading the model", host_port(cfg.host, self.port))
         self.engine = await AsyncEngine.create(
             with_side_channel(self.engine_config, cfg.host, self.port),
             max_waiting_requests=cfg.max_waiting_requests,

@@ -1,9 +1,9 @@
 """TLS material for Tandem's gRPC front doors and for their calls to pods.
 
 One place for what `tandem serve` and `tandem router` both do: server
-credentials (TLS, or mTLS with a client CA), channel credentials to reach a
-server that requires TLS (and a client certificate), and binding a port
-with an error that says which address could not be had.
+credentials (TLS, or mTLS with a client CA), and channel credentials to
+reach a server that requires TLS (and a client certificate). Binding the
+port is service.grpc_server's `listen`.
 """
 
 from __future__ import annotations
@@ -88,24 +88,3 @@ def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
     if credentials is None or tls is None:
         return grpc.aio.insecure_channel(target)
     return grpc.aio.secure_channel(target, credentials, options=tls.channel_options())
-
-
-class ListenError(OSError):
-    """A server could not bind its address (taken, or not a local address)."""
-
-
-def listen(server: grpc.aio.Server, address: str, tls: ServerTLS) -> int:
-    """Binds `address` (plaintext or TLS); returns the port. The server must
-    be created with ("grpc.so_reuseport", 0): with it, a port another
-    process holds is refused instead of shared."""
-    credentials = tls.credentials()
-    try:
-        if credentials is None:
-            port = server.add_insecure_port(address)
-        else:
-            port = server.add_secure_port(address, credentials)
-    except RuntimeError:
-        port = 0  # grpc raises where older versions returned 0
-    if port == 0:
-        raise ListenError(f"cannot listen on {address}: the port is in use or the host not local")
-    return int(port)
