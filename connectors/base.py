@@ -49,6 +49,12 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
+    # The weights' format in memory (``WorkerInfo.weight_format``, e.g.
+    # "float32", "q4_1+q8_0"): the same tokens give different KV under
+    # different weights, so blocks are shared only within one format. ""
+    # (unknown) for contexts built before it was a fact; such a pod shares
+    # only with other "" pods.
+    weight_format: str = ""
 
     @property
     def elements_per_layer_half(self) -> int:

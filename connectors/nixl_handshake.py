@@ -3,9 +3,10 @@
 A prefill pod publishes a ``PeerInfo``: its NIXL agent's name and metadata,
 where each layer's KV cache lies in its memory, how many blocks it has, and
 the facts two caches must share for a block to mean the same thing in both
-(model, dtype, block size, layout, Tandem version). A decode pod fetches it
-once per peer incarnation through ``tandem.v1.KVTransfer/GetHandshake`` on
-the peer's gRPC port, checks compatibility, and then reads blocks directly.
+(model, weight format, dtype, block size, layout, Tandem version). A decode
+pod fetches it once per peer incarnation through
+``tandem.v1.KVTransfer/GetHandshake`` on the peer's gRPC port, checks
+compatibility, and then reads blocks directly.
 
 The agent name carries the engine id, which is new on every start: a peer
 that restarted is a new agent, never served from a stale entry.
@@ -40,7 +41,10 @@ def tandem_version() -> str:
 
 
 def compat_facts(model_name: str, layout: KVLayout) -> dict[str, Any]:
-    """What two pods must agree on for a block to be copied between them."""
+    """What two pods must agree on for a block to be copied between them:
+    the model, the Tandem version, the cache's memory layout and every
+    ``KVLayout`` fact, the weight format included (float32 and Q4_1
+    weights give different KV for the same tokens)."""
     return {
         "model": model_name,
         "tandem": tandem_version(),

@@ -72,26 +72,30 @@ class ShmBlockStore:
 
     def save_direct(self, io: KVBlockIO, hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Copy blocks from the cache straight into pool slots and seal them
-        there: one pass (copy and checksum together), under the pool lock."""
+        there (each bound to its block hash): one pass (copy and checksum
+        together), under the pool lock."""
         codec = self.codec
 
         def fill(data: Frames, indices: list[int], slots: list[int]) -> None:
             ids = [block_ids[i] for i in indices]
-            codec.seal_rows(data, slots, io.gather_rows_xxh3(ids, data, slots, HEADER_BYTES))
+            checksums = io.gather_rows_xxh3(ids, data, slots, HEADER_BYTES)
+            codec.seal_rows(data, slots, [hashes[i] for i in indices], checksums)
 
         self.pool.write_with(self._keys(hashes), codec.frame_bytes, fill)
 
     def load_direct(self, io: KVBlockIO, job: LoadJob) -> LoadResult:
         """Verify blocks in the pool and copy them straight into the cache,
-        under the pool lock: headers first, then each checksum in the copy
-        (a block that fails it is not copied). Absent or bad blocks are
-        reported failed."""
+        under the pool lock: headers first (each against the block hash
+        asked for: a slot holding another block's frame is bad), then each
+        checksum in the copy (a block that fails it is not copied). Absent
+        or bad blocks are reported failed."""
         good: list[int] = []
         unusable: list[int] = []  # present but bad (the rest of the failed are absent)
 
         def use(data: Frames, indices: list[int], slots: list[int], lengths: list[int]) -> None:
             sound: list[tuple[int, int]] = []  # (k, checksum its header states)
-            for k, checksum in enumerate(self.codec.check_headers(data, slots, lengths)):
+            asked = [job.hashes[i] for i in indices]
+            for k, checksum in enumerate(self.codec.check_headers(data, slots, lengths, asked)):
                 if checksum is None:
                     self._log_unusable(job.hashes[indices[k]], data[slots[k], : lengths[k]])
                     unusable.append(k)
@@ -126,7 +130,7 @@ class ShmBlockStore:
         return LoadResult(job.req_id, failed_block_ids=failed, failure_kinds=kinds)
 
     def _log_unusable(self, block_hash: bytes, frame: Frames) -> None:
-        error = self.codec.header_error(frame.data)
+        error = self.codec.header_error(frame.data, block_hash)
         logger.warning("KV block %s is unusable (%s)", block_hash.hex(), error)
 
     def close(self) -> None:

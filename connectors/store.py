@@ -13,9 +13,11 @@ re-checked each pass until their deadline, then load what is there.
 Checksums ride with the copies where the compiled block copies are built
 (``KVBlockIO.copies_rows``): a save's gather computes them (``stage_save``)
 and the transfer thread only writes the headers; a load checks the headers
-on the transfer thread and verifies each payload as it is copied into the
-cache (``LoadResult.apply``). A block that fails is never copied in. Frame
-arrays come from, and go back to, a ``FrameBuffers``.
+on the transfer thread (each against the block hash it was read under, so
+a frame stored under another block's key fails) and verifies each payload
+as it is copied into the cache (``LoadResult.apply``). A block that fails
+is never copied in, and counts as ``corrupt``. Frame arrays come from, and
+go back to, a ``FrameBuffers``.
 """
 
 from __future__ import annotations
@@ -152,7 +154,9 @@ def load_blocks(
     lengths = store.read_into(job.hashes, frames)
     # An absent block is a miss, unless the read itself failed (store down).
     absent = TransferFailure.STORE_ERROR if store.last_error else TransferFailure.MISSING
-    stated = codec.check_headers(frames, range(n), lengths)
+    # Each frame is checked against the key it was read under: another
+    # key's frame (a swap, a mix-up) fails here like a corrupt one.
+    stated = codec.check_headers(frames, range(n), lengths, job.hashes)
     result = LoadResult(job.req_id, frames=frames, checksums=[] if verify_in_copy else None)
     for i, (block_id, block_hash) in enumerate(zip(job.block_ids, job.hashes, strict=True)):
         checksum = stated[i]
@@ -177,13 +181,13 @@ def _log_unusable(codec: BlockCodec, frame: Frames, length: int, block_hash: byt
     if length > codec.frame_bytes:  # too long to have been copied
         error = FrameError(f"frame of {length} bytes, expected {codec.frame_bytes}")
     else:
-        error = codec.header_error(frame[:length].data)
+        error = codec.header_error(frame[:length].data, block_hash)
     logger.warning("KV block %s is unusable (%s): recomputing it", block_hash.hex(), error)
 
 
 def _checksum_ok(codec: BlockCodec, frame: Frames, block_hash: bytes) -> bool:
     try:
-        codec.check(frame.data)
+        codec.check(frame.data, block_hash)
     except FrameError as e:
         logger.warning("KV block %s is unusable (%s): recomputing it", block_hash.hex(), e)
         return False
@@ -255,9 +259,9 @@ def stage_save(
 def save_blocks(
     store: BlockStore, codec: BlockCodec, job: SaveJob, buffers: FrameBuffers | None = None
 ) -> bool:
-    """Seal the job's frames (headers and checksums) and store them; the
-    frames go back to ``buffers`` after."""
-    codec.seal(job.frames, job.checksums)
+    """Seal the job's frames (headers and checksums, each frame bound to its
+    block hash) and store them; the frames go back to ``buffers`` after."""
+    codec.seal(job.frames, job.hashes, job.checksums)
     try:
         return store.put_many(
             [(h, row.data) for h, row in zip(job.hashes, job.frames, strict=True)]

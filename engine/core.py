@@ -111,6 +111,7 @@ class EngineCore:
             head_dim=spec.head_dim,
             block_size=self.config.cache.block_size,
             dtype=self.config.model.cache_dtype,
+            weight_format=self.worker.info.weight_format,
         )
         return ConnectorContext(
             self.config.kv_transfer, self.worker.info.model_name, layout, self.engine_id

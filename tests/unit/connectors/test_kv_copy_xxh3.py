@@ -56,11 +56,12 @@ def test_sealed_frames_verify_in_python(codec: BlockCodec) -> None:
     """Headers written from the compiled checksums pass BlockCodec.check."""
     io = _io(_caches(1))
     frames = np.zeros((2, codec.frame_bytes), np.uint8)
-    codec.seal(frames, io.gather_rows_xxh3([2, 5], frames, None, HEADER_BYTES))
-    for row in frames:
-        codec.check(row.data)
+    keys = [b"key-a", b"key-b"]
+    codec.seal(frames, keys, io.gather_rows_xxh3([2, 5], frames, None, HEADER_BYTES))
+    for row, key in zip(frames, keys, strict=True):
+        codec.check(row.data, key)
     sealed_in_python = frames.copy()
-    codec.seal(sealed_in_python)  # checksums computed by xxhash
+    codec.seal(sealed_in_python, keys)  # checksums computed by xxhash
     np.testing.assert_array_equal(sealed_in_python, frames)
 
 
@@ -80,14 +81,17 @@ def test_check_headers_flags_what_check_rejects(codec: BlockCodec) -> None:
     io = _io(_caches(3))
     frames = np.zeros((4, codec.frame_bytes), np.uint8)
     sums = io.gather_rows_xxh3([0, 1, 2, 3], frames, None, HEADER_BYTES)
-    codec.seal(frames, sums)
+    keys = [bytes([k]) * 32 for k in range(4)]
+    codec.seal(frames, keys, sums)
     frames[1, :4] = np.frombuffer(b"XXXX", np.uint8)  # bad magic
     lengths = [codec.frame_bytes, codec.frame_bytes, codec.frame_bytes - 1, -1]
-    stated = codec.check_headers(frames, range(4), lengths)
+    stated = codec.check_headers(frames, range(4), lengths, keys)
     assert stated == [sums[0], None, None, None]
     with pytest.raises(FrameError, match="magic"):
-        codec.check(frames[1].data)
-    assert "magic" in str(codec.header_error(frames[1].data))
+        codec.check(frames[1].data, keys[1])
+    assert "magic" in str(codec.header_error(frames[1].data, keys[1]))
+    # Row 0 is sound only under its own key.
+    assert codec.check_headers(frames, [0], lengths[:1], keys[1:2]) == [None]
 
 
 def test_checks_reject_bad_rows_and_ids(codec: BlockCodec) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from connectors.base import ConnectorContext, KVConnectorRole, KVLayout
-from connectors.block_codec import BlockCodec
+from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import KVBlockIO
 from connectors.kv_transfer_params import KVTransferParams
 from connectors.store import BlockStore
@@ -604,9 +604,10 @@ class Worker:
         self.conn = make_connector(store, KVConnectorRole.WORKER, **extra)
         self.conn.register_kv_caches({f"layer.{i}": c for i, c in enumerate(self.caches)})
 
-    def frame_of_source(self, block: int) -> bytes:
+    def frame_of_source(self, block: int, key: bytes) -> bytes:
+        """Source block ``block`` framed for storing under ``key``."""
         (payload,) = KVBlockIO(self.source).gather([block])
-        return self.codec.encode(payload)
+        return self.codec.encode(payload, key)
 
     def run_step(self, meta: StoreConnectorMetadata) -> None:
         """The hooks model_runner.execute_model calls around a forward."""
@@ -640,7 +641,7 @@ def test_async_load_lands_in_the_cache_and_is_reported(worker: Worker) -> None:
     request once its blocks are in the cache (copied on the step thread)."""
     hashes = [block_hash(i) for i in range(3)]
     for h, src in zip(hashes, [1, 2, 3], strict=True):
-        worker.store.frames[h] = worker.frame_of_source(src)
+        worker.store.frames[h] = worker.frame_of_source(src, h)
     dest = [9, 4, 12]
     worker.run_step(StoreConnectorMetadata(loads=[LoadSpec("r1", dest, hashes, is_async=True)]))
     worker.wait_recving("r1")
@@ -659,7 +660,7 @@ def test_sync_load_lands_before_the_forward(worker: Worker) -> None:
     reported through get_finished."""
     hashes = [block_hash(i) for i in range(2)]
     for h, src in zip(hashes, [5, 6], strict=True):
-        worker.store.frames[h] = worker.frame_of_source(src)
+        worker.store.frames[h] = worker.frame_of_source(src, h)
     worker.conn.bind_connector_metadata(
         StoreConnectorMetadata(loads=[LoadSpec("r1", [2, 3], hashes, is_async=False)])
     )
@@ -682,7 +683,8 @@ def corrupt_truncate(frame: bytes, codec: BlockCodec) -> bytes:
 
 def corrupt_other_layout(frame: bytes, codec: BlockCodec) -> bytes:
     other = BlockCodec("another-model", LAYOUT)
-    return other.encode(frame[32:])
+    # Bound to the right key (the tests corrupt block 1): only the layout differs.
+    return other.encode(frame[HEADER_BYTES:], block_hash(1))
 
 
 def corrupt_garbage(frame: bytes, codec: BlockCodec) -> bytes:
@@ -702,7 +704,7 @@ def test_bad_frame_is_a_load_error(
     after it, still land."""
     hashes = [block_hash(i) for i in range(3)]
     for h, src in zip(hashes, [1, 2, 3], strict=True):
-        worker.store.frames[h] = worker.frame_of_source(src)
+        worker.store.frames[h] = worker.frame_of_source(src, h)
     worker.store.frames[hashes[1]] = corrupt(worker.store.frames[hashes[1]], worker.codec)
     loads = [LoadSpec("r1", [7, 8, 9], hashes, is_async=is_async)]
     worker.run_step(StoreConnectorMetadata(loads=loads))
@@ -720,7 +722,7 @@ def test_bad_frame_is_a_load_error(
 def test_missing_block_is_a_load_error(worker: Worker) -> None:
     """A block evicted between lookup and load is an invalid block too."""
     hashes = [block_hash(i) for i in range(2)]
-    worker.store.frames[hashes[0]] = worker.frame_of_source(1)
+    worker.store.frames[hashes[0]] = worker.frame_of_source(1, hashes[0])
     worker.run_step(StoreConnectorMetadata(loads=[LoadSpec("r1", [3, 4], hashes, is_async=True)]))
     worker.wait_recving("r1")
     assert worker.conn.get_block_ids_with_load_errors() == {4}
@@ -773,7 +775,7 @@ def test_save_copies_out_and_frames_the_blocks(worker: Worker) -> None:
         layer.zero_()  # reused by the next step
     wait_for(lambda: len(worker.store.frames) == 2)
     for h, payload in expected.items():
-        assert bytes(worker.codec.check(worker.store.frames[h])) == payload
+        assert bytes(worker.codec.check(worker.store.frames[h], h)) == payload
     assert worker.store.puts == [block_hash(0), block_hash(1)]
 
 
@@ -788,7 +790,7 @@ def test_async_load_waits_for_the_producer() -> None:
         time.sleep(0.05)
         assert w.conn.get_finished(set()) == (None, None)
         for h, src in zip(hashes, [3, 4], strict=True):
-            w.store.frames[h] = w.frame_of_source(src)
+            w.store.frames[h] = w.frame_of_source(src, h)
         w.wait_recving("r1")
         assert w.conn.get_block_ids_with_load_errors() == set()
         assert w.holds(1, 3) and w.holds(2, 4)
@@ -802,7 +804,7 @@ def test_async_load_gives_up_after_load_wait_seconds() -> None:
     w = Worker(DictStore(), load_wait_seconds=0.1)
     try:
         hashes = [block_hash(i) for i in range(2)]
-        w.store.frames[hashes[0]] = w.frame_of_source(6)
+        w.store.frames[hashes[0]] = w.frame_of_source(6, hashes[0])
         spec = LoadSpec("r1", [1, 2], hashes, is_async=True, wait_for_producer=True)
         started = time.monotonic()
         w.run_step(StoreConnectorMetadata(loads=[spec]))
@@ -819,7 +821,7 @@ def test_a_dying_transfer_thread_shows_in_health(worker: Worker) -> None:
     health() says so, so the service can report NOT_SERVING."""
     assert worker.conn.health() is None
     worker.store.fail_get = RuntimeError("boom")
-    worker.store.frames[block_hash(0)] = worker.frame_of_source(0)
+    worker.store.frames[block_hash(0)] = worker.frame_of_source(0, block_hash(0))
     worker.run_step(
         StoreConnectorMetadata(loads=[LoadSpec("r1", [1], [block_hash(0)], is_async=True)])
     )
@@ -889,7 +891,7 @@ def test_request_with_a_bad_stored_block_still_finishes(load_async: bool, bad_bl
     sched = make_scheduler(block_size=BS, num_blocks=64, connector=sched_conn)
     request = make_request("r1", prompt_of(4 * BS + 2), max_tokens=3)
     for i, h in enumerate(request.block_hashes):
-        frame = worker.codec.encode(bytes(worker.codec.payload_bytes))
+        frame = worker.codec.encode(bytes(worker.codec.payload_bytes), h)
         store.frames[h] = corrupt_flip(frame, worker.codec) if i == bad_block else frame
     sched.add_request(request)
     try:
@@ -924,7 +926,7 @@ def test_abort_during_an_async_load_holds_the_blocks_until_it_ends() -> None:
     sched = make_scheduler(block_size=BS, num_blocks=64, connector=sched_conn)
     request = make_request("r1", prompt_of(4 * BS + 2), max_tokens=3)
     for h in request.block_hashes:
-        store.frames[h] = worker.codec.encode(bytes(worker.codec.payload_bytes))
+        store.frames[h] = worker.codec.encode(bytes(worker.codec.payload_bytes), h)
     sched.add_request(request)
     try:
         so = sched.schedule()  # admitted: the async load is issued
@@ -969,7 +971,7 @@ def test_fail_policy_frees_every_block_of_the_failed_request(load_async: bool) -
     )
     request = make_request("r1", prompt_of(4 * BS + 2), max_tokens=3)
     for i, h in enumerate(request.block_hashes):
-        frame = worker.codec.encode(bytes(worker.codec.payload_bytes))
+        frame = worker.codec.encode(bytes(worker.codec.payload_bytes), h)
         store.frames[h] = corrupt_flip(frame, worker.codec) if i == 0 else frame
     sched.add_request(request)
     try:
