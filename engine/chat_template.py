@@ -1,11 +1,27 @@
-"""The model's chat template: renders chat messages into a prompt's text.
+"""The model's chat template: renders chat messages into a prompt's text
+and its token ids.
 
 Messages are checked first (``InvalidRequestError`` naming the message or
 its role): a role is pasted into the prompt verbatim, so only roles the
 template knows are taken.
+
+A message's content is the caller's text, never the template's markup: a
+special token spelled in it (``<|im_end|>\n<|im_start|>system\n...``) is
+tokenized as the characters it is made of, not as the control id, so
+content cannot open, close or forge turns. ``ChatTemplate.encode`` is the
+one place chat is tokenized (tandem.v1 Generate and Tokenize, ``LLM.chat``).
+We render such content as text rather than refuse it because it is
+legitimate content (a question about ChatML, a pasted log or source file)
+that clients send without knowing the model's tokens, and OpenAI's API
+takes it as text; engines that tokenize the rendered prompt with special
+tokens recognized (vLLM's default) let a user forge system turns instead.
 """
 
 from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
 
 import jinja2
 from jinja2 import nodes
@@ -21,6 +37,14 @@ ChatMessage = dict[str, str]
 STANDARD_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
+@dataclass(frozen=True)
+class RenderedChat:
+    """Chat messages as a prompt: the template's text and its token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
 class ChatTemplate:
     """Renders messages with the tokenizer's template; ``roles`` are the
     ones it takes."""
@@ -30,6 +54,13 @@ class ChatTemplate:
         # Tokens the tokenizer matches literally in text: a template's turn
         # markers among them.
         self.control_tokens = tuple(sorted(tokenizer.get_added_vocab()))
+        # Special tokens, longest first (so the longer of two that share a
+        # start matches): what content may spell only as text.
+        added = tokenizer.added_tokens_decoder.items()
+        self._special_ids = {t.content: i for i, t in added if t.special}
+        self.special_tokens = tuple(sorted(self._special_ids, key=lambda t: (-len(t), t)))
+        self._special = _any_of(self.special_tokens)
+        self._added_ids = _ids_encode_adds(tokenizer)
         template = tokenizer.chat_template
         self.roles = STANDARD_ROLES | (
             template_roles(template) if isinstance(template, str) else frozenset()
@@ -53,6 +84,47 @@ class ChatTemplate:
         )
         return str(text)
 
+    def encode(self, messages: list[ChatMessage], field: str = "messages") -> RenderedChat:
+        """Renders (as ``render``) and tokenizes chat messages; a special
+        token spelled in a message's content becomes text tokens, never
+        its control id (see the module's docstring)."""
+        text = self.render(messages, field)
+        pattern = self._special
+        if pattern is None or not any(pattern.search(m["content"]) for m in messages):
+            # Nothing to keep apart: the plain tokenization of the text.
+            return RenderedChat(text, list(self.tokenizer.encode(text)))
+        return RenderedChat(text, self._encode_content_as_text(messages, field, pattern))
+
+    def _encode_content_as_text(
+        self, messages: list[ChatMessage], field: str, pattern: re.Pattern[str]
+    ) -> list[int]:
+        """Renders with each special token in content replaced by a
+        placeholder the tokenizer cannot match, so every special token left
+        in the rendered text is the template's own; tokenizes the text
+        between those with special tokens split into their characters,
+        each placeholder spelled out again. Text without special tokens in
+        content gets ``tokenizer.encode``'s ids exactly."""
+        nonce = secrets.token_hex(8)  # content cannot guess it
+        marks = {t: f"\ue000{nonce}.{i}\ue001" for i, t in enumerate(self.special_tokens)}
+        spelled = {mark: token for token, mark in marks.items()}
+        escaped = [
+            {"role": m["role"], "content": pattern.sub(lambda t: marks[t.group()], m["content"])}
+            for m in messages
+        ]
+        mark = re.compile("|".join(re.escape(m) for m in spelled))
+        ids: list[int] = []
+        # re.split with a group: text, template's token, text, ...
+        for i, piece in enumerate(pattern.split(self.render(escaped, field))):
+            if i % 2:
+                ids.append(self._special_ids[piece])
+            elif piece:
+                text = mark.sub(lambda m: spelled[m.group()], piece)
+                ids += self.tokenizer.encode(
+                    text, add_special_tokens=False, split_special_tokens=True
+                )
+        prefix, suffix = self._added_ids
+        return [*prefix, *ids, *suffix]
+
     def _check_role(self, field: str, role: str) -> None:
         """Only roles the template knows: a role is pasted into the prompt
         verbatim, so one holding control tokens would forge turns."""
@@ -64,6 +136,22 @@ class ChatTemplate:
         raise InvalidRequestError(
             field, f"must be one of {', '.join(sorted(self.roles))}, got {role[:40]!r}"
         )
+
+
+def _any_of(tokens: tuple[str, ...]) -> re.Pattern[str] | None:
+    """Matches any of ``tokens`` as a group (None: no tokens)."""
+    return re.compile("(" + "|".join(map(re.escape, tokens)) + ")") if tokens else None
+
+
+def _ids_encode_adds(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids ``tokenizer.encode`` puts before and after a text's own
+    (a BOS for Llama-family tokenizers; none for ChatML ones)."""
+    bare = list(tokenizer.encode("a", add_special_tokens=False))
+    full = list(tokenizer.encode("a"))
+    for at in range(len(full) - len(bare) + 1):
+        if full[at : at + len(bare)] == bare:
+            return full[:at], full[at + len(bare) :]
+    return [], []
 
 
 def template_roles(template: str) -> frozenset[str]:

@@ -81,8 +81,15 @@ class InputProcessor:
 
     def render_chat(self, messages: list[ChatMessage], field: str = "messages") -> str:
         """Renders chat messages with the model's chat template (checked:
-        ``ChatTemplate.render``); ``field`` names the messages in errors."""
+        ``ChatTemplate.render``); ``field`` names the messages in errors.
+        For display: tokenize chat with ``tokenize_chat`` or
+        ``process_chat``, which keep special tokens in content text."""
         return self.chat.render(messages, field)
+
+    def tokenize_chat(self, messages: list[ChatMessage], field: str = "messages") -> list[int]:
+        """Token ids of chat messages, unchecked for length (the Tokenize
+        RPC); see ``ChatTemplate.encode``."""
+        return self.chat.encode(messages, field).token_ids
 
     def process_prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
         """A prompt as ``LLM.generate`` takes it: text or token ids."""
@@ -114,10 +121,9 @@ class InputProcessor:
         rendered and tokenized when they cannot fit max_model_len."""
         contents = (m.get("content", "") for m in messages)
         self.check_size(field, sum(len(c.encode("utf-8", "surrogatepass")) for c in contents))
-        text = self.render_chat(messages, field)
-        token_ids = self.tokenize(text)
-        self.check_length(len(token_ids))
-        return ProcessedPrompt(token_ids, text)
+        chat = self.chat.encode(messages, field)
+        self.check_length(len(chat.token_ids))
+        return ProcessedPrompt(chat.token_ids, chat.text)
 
     def check_size(self, field: str, num_bytes: int) -> None:
         """Refuses text whose size alone says it cannot fit (see

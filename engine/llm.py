@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 from transformers import PreTrainedTokenizerBase
@@ -39,7 +40,7 @@ from engine.config import (
 )
 from engine.core import EngineCore
 from engine.frontend import FrontEnd
-from engine.input_processor import InputProcessor
+from engine.input_processor import InputProcessor, ProcessedPrompt
 from engine.lora.request import LoRARequest
 from engine.models.loader import load_tokenizer
 from engine.output_processor import OutputKind, RequestOutput
@@ -90,7 +91,23 @@ class LLM:
         return self.front.status
 
     def chat_prompt(self, messages: list[ChatMessage]) -> str:
+        """The chat template's text, for display. ``chat`` tokenizes chat
+        so content stays text; ``generate`` on this text would read a
+        special token spelled in content as a control token."""
         return self.inputs.render_chat(messages)
+
+    def chat(
+        self,
+        conversations: list[ChatMessage] | Sequence[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates a reply to each conversation (or to one: a list of
+        messages), in order, through the model's chat template; special
+        tokens in content are text (engine/chat_template.py)."""
+        prompts = [self.inputs.process_chat(c) for c in _as_conversations(conversations)]
+        return self._generate(prompts, sampling_params, None, None, use_tqdm)
 
     def generate(
         self,
@@ -105,25 +122,29 @@ class LLM:
         prompt order. ``lora``: a loaded adapter's name for every prompt, or
         one per prompt (None: the base model). Invalid input raises before
         anything is queued."""
-        prompt_list = _as_prompt_list(prompts)
-        count = len(prompt_list)
+        processed = [self.inputs.process_prompt(p) for p in _as_prompt_list(prompts)]
+        return self._generate(processed, sampling_params, priority, lora, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: list[ProcessedPrompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+        lora: str | Sequence[str | None] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        count = len(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), count)
         priorities = list(priority) if priority is not None else [0] * count
         loras = [lora] * count if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != count:
             raise ValueError(f"lora: got {len(loras)} names for {count} prompts")
         requests = [
-            self.inputs.make_request(
-                f"offline-{next(self._ids)}",
-                self.inputs.process_prompt(p),
-                sp,
-                priority=prio,
-                lora=name,
-            )
-            for p, sp, prio, name in zip(prompt_list, params, priorities, loras, strict=True)
+            self.inputs.make_request(f"offline-{next(self._ids)}", p, sp, priority=prio, lora=name)
+            for p, sp, prio, name in zip(prompts, params, priorities, loras, strict=True)
         ]
-        for req, p in zip(requests, prompt_list, strict=True):
-            self.front.add_request(req, p if isinstance(p, str) else None, OutputKind.FINAL)
+        for req, p in zip(requests, prompts, strict=True):
+            self.front.add_request(req, p.text, OutputKind.FINAL)
             self.core.add_request(req)
         finished = self._run({r.request_id for r in requests}, use_tqdm)
         return [finished[r.request_id] for r in requests]
@@ -170,6 +191,14 @@ class LLM:
         for rid in rest:
             self.front.abort(rid, FinishReason.ABORT)
         self.core.abort_requests(rest)
+
+
+def _as_conversations(
+    conversations: list[ChatMessage] | Sequence[list[ChatMessage]],
+) -> list[list[ChatMessage]]:
+    if conversations and isinstance(conversations[0], dict):
+        return [cast(list[ChatMessage], conversations)]
+    return [list(c) for c in cast(Sequence[list[ChatMessage]], conversations)]
 
 
 def _apply_overrides(
@@ -242,9 +271,9 @@ def _demo() -> None:
         "Write a haiku about the sea.",
         "Name three fruits that are red.",
     ]
-    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+    conversations = [[{"role": "user", "content": q}] for q in questions]
     start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=96))
+    outs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=96))
     elapsed = time.perf_counter() - start
     for q, out in zip(questions, outs, strict=True):
         print(f"\n>>> {q}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, {out.finish_reason}]")

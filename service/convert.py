@@ -159,7 +159,7 @@ def tokenize_input(msg: pb.TokenizeRequest, inputs: InputProcessor) -> list[int]
         raise InvalidRequestError("input", "set one of text or chat")
     if kind == "text":
         return inputs.tokenize_text(msg.text, "text")
-    return inputs.tokenize(inputs.render_chat(chat_messages(msg.chat), "chat.messages"))
+    return inputs.tokenize_chat(chat_messages(msg.chat), "chat.messages")
 
 
 def struct_to_dict(msg: struct_pb2.Struct) -> dict[str, Any]:
