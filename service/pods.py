@@ -25,7 +25,7 @@ import ipaddress
 import logging
 import re
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -306,6 +306,16 @@ class PodPool:
                     found.setdefault(name, adapter)
         return found
 
+    def lora_keys(self, name: str) -> frozenset[str]:
+        """The cache keys (which adapter files) the adapter `name` has on
+        this pool's healthy pods: more than one where pods loaded different
+        files under the name."""
+        return frozenset(
+            adapter.cache_key
+            for pod in self.pods
+            if pod.healthy and (adapter := pod.loras.get(name)) is not None
+        )
+
     def weight_formats(self) -> set[str]:
         """The weight formats of this pool's healthy pods (those that said one)."""
         return {p.weight_format for p in self.pods if p.healthy and p.weight_format}
@@ -317,15 +327,21 @@ class PodPool:
         return min(known, default=0)
 
     def pick(
-        self, hashes: Sequence[bytes] = (), exclude: Sequence[Pod] = (), lora: str | None = None
+        self,
+        hashes: Sequence[bytes] = (),
+        exclude: Sequence[Pod] = (),
+        lora: str | None = None,
+        lora_keys: Collection[str] | None = None,
     ) -> Pod | None:
         """The pod holding the longest prefix of `hashes`, then the least
-        loaded, among those with the LoRA adapter `lora` loaded (if given);
-        None if no healthy pod is left."""
+        loaded, among those with the LoRA adapter `lora` loaded (if given),
+        from files whose cache key is in `lora_keys` (if given: KV computed
+        under one adapter's files is only good under the same files); None
+        if no healthy pod is left."""
         candidates = [
             p
             for p in self.pods
-            if p.healthy and p not in exclude and (lora is None or lora in p.loras)
+            if p.healthy and p not in exclude and _has_adapter(p, lora, lora_keys)
         ]
         if not candidates:
             return None
@@ -371,6 +387,15 @@ class PodPool:
                 pass
             pod.blocks.clear()
             await asyncio.sleep(self.poll_seconds)
+
+
+def _has_adapter(pod: Pod, lora: str | None, keys: Collection[str] | None) -> bool:
+    """Whether `pod` serves the adapter `lora` (None: the base model, which
+    every pod does) from files with one of the cache keys `keys` (None: any)."""
+    if lora is None:
+        return True
+    adapter = pod.loras.get(lora)
+    return adapter is not None and (keys is None or adapter.cache_key in keys)
 
 
 def _apply_event(blocks: set[bytes], event: pb.KvEvent) -> None:

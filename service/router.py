@@ -14,7 +14,10 @@ Per Generate call, with a prefill pool:
    longest prefix of the prompt (SubscribeKvEvents), then the least loaded.
    Its tokens stream back; usage counts both legs. Prompt logprobs, when
    asked for, come from the prefill leg (in its first response); the
-   decode leg is not asked for them.
+   decode leg is not asked for them. Usage is what a colocated server
+   reports: the prompt, both legs' tokens, and as cached tokens the prefill
+   pod's prefix-cache hit (its leg's), not the decode pod's count, which is
+   the whole prompt it was handed.
 
 Sending the first token as part of the decode prompt (instead of letting
 decode sample it again) keeps a sampled first token and what follows it
@@ -38,6 +41,21 @@ checks stop strings once min_tokens tokens exist).
 At the decode pods' max_model_len (GetModelInfo), the request's max_tokens
 is cut to what fits, as a colocated server stops with LENGTH there: a
 prompt one token short of the limit is answered by the prefill leg alone.
+
+Request ids: each leg goes to its pod under an id of its own (the client's
+id and a random suffix), and every response carries the client's id again.
+An id is the only handle a pod has on a request (Abort, the release of its
+held KV), so a client that sends another's request_id names none of that
+request's legs. A request_id already in flight at the router is refused
+(INVALID_ARGUMENT), as a colocated pod refuses a live one. The router's
+Abort takes the client's ids and aborts those requests' live legs on their
+pods; a leg that then ends with finish reason ABORT ends the request so.
+
+A pod that ends a leg with finish reason ABORT unasked (its drain ran out of
+grace, say) has not answered it: before anything of that leg reached the
+client the router tries another pod (and then the prefill fallback), after
+it the call ends UNAVAILABLE. A pod's abort never reaches a client as a
+normal end.
 
 KV held for nobody: when no decode leg will read the prefill pod's blocks
 (the first token ended the request, or every decode pod asked refused the
@@ -66,9 +84,14 @@ LoRA adapters: a request naming one (``lora_name``) goes only to pods
 that have it loaded, as their polled status says (in P/D both legs: a
 prefill pod and a decode pod that have it); when no healthy pod that would
 serve it has it, the router answers INVALID_ARGUMENT naming the adapter and
-those loaded, as a pod would. Its block hashes, for the prefix-aware pick,
-are computed with the adapter's ``cache_key``, as the pods' engines hash
-its blocks. LoadLoraAdapter goes to every healthy pod of both pools (if one
+those loaded, as a pod would. The two legs must run the same adapter
+files, not only the same name (KV computed under one adapter is wrong
+under another): the prefill leg goes to a pod whose copy's ``cache_key`` a
+decode pod shares, and the decode leg to a pod with the prefill pod's
+``cache_key``; pools with no ``cache_key`` in common for the name get
+FAILED_PRECONDITION naming the adapter. Its block hashes, for the
+prefix-aware pick, are computed with the adapter's ``cache_key``, as the
+pods' engines hash its blocks. LoadLoraAdapter goes to every healthy pod of both pools (if one
 fails, those that loaded it unload it again, and the call fails as that pod
 did); UnloadLoraAdapter to every healthy pod (an adapter unknown to some is
 fine if one had it); ListLoraAdapters, status and model info give the union
@@ -162,6 +185,39 @@ class _LegFailed(Exception):
         self.maybe_ran = maybe_ran
 
 
+class _PodAborted(Exception):
+    """A pod ended a leg with finish reason ABORT that the client did not ask for."""
+
+
+@dataclass
+class _Call:
+    """A client's Generate while the router serves it. Its legs go to pods
+    under ids of their own (``new_leg``), never under the client's id."""
+
+    client_id: str
+    # The client's Abort named it: a leg's ABORT is then its answer.
+    aborted: bool = False
+    live: dict[str, Pod] = field(default_factory=dict)  # leg id -> the pod running it
+    served: dict[str, Pod] = field(default_factory=dict)  # leg id -> the pod that answered it
+
+    def new_leg(self) -> str:
+        return f"{self.client_id}-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class _Adapter:
+    """The LoRA adapter a leg runs under: its name, and the cache keys
+    (adapter files) a pod's copy of it may have for this leg."""
+
+    name: str
+    keys: frozenset[str]
+
+    def hash_key(self) -> str | None:
+        """The cache key the prompt's block hashes are computed with (one of
+        the allowed, the same every time)."""
+        return min(self.keys, default=None)
+
+
 # Codes a pod gives for the request itself (passed on; logged at debug).
 _REQUEST_CODES = frozenset(
     {
@@ -202,6 +258,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self.started = time.monotonic()
         self._falling_back = False  # the last request fell back (for the log)
         self._releases: set[asyncio.Task[None]] = set()  # referenced until done
+        self._calls: dict[str, _Call] = {}  # in flight, by the client's request_id
 
     # ---- Generate -----------------------------------------------------------
 
@@ -212,14 +269,13 @@ class RouterServicer(pb_grpc.GenerationServicer):
             request.request_id = uuid.uuid4().hex
         self.metrics.requests.inc()
         self.metrics.running.inc()
+        call: _Call | None = None
         try:
+            call = self._begin(request.request_id)
             ids = await self._token_ids(request)
-            self._check_lora(request.lora_name)
-            if self.prefill is None:
-                async for resp in self._forward(self.decode, request, ids, leg="colocated"):
-                    yield resp
-                return
-            async for resp in self._disaggregated(request, ids):
+            adapter = self._check_lora(request.lora_name)
+            async for resp in self._serve(call, request, ids, adapter):
+                resp.request_id = call.client_id  # the pods saw the leg's id
                 yield resp
         except _LegFailed as e:
             # Refused as a whole only if nothing ran anywhere (so nothing was
@@ -230,10 +286,38 @@ class RouterServicer(pb_grpc.GenerationServicer):
             self.metrics.cancelled.inc()
             raise
         finally:
+            if call is not None:
+                del self._calls[call.client_id]
             self.metrics.running.dec()
 
+    def _begin(self, client_id: str) -> _Call:
+        """The call in flight under `client_id`; INVALID_ARGUMENT if one is
+        already (as a colocated pod refuses a live request's id)."""
+        if client_id in self._calls:
+            raise _LegFailed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id: {client_id!r} is already in use by a live request",
+            )
+        call = self._calls[client_id] = _Call(client_id)
+        return call
+
+    async def _serve(
+        self, call: _Call, request: pb.GenerateRequest, ids: list[int], adapter: _Adapter | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.prefill is not None:
+            async for resp in self._disaggregated(call, request, ids, adapter):
+                yield resp
+            return
+        whole = pb.GenerateRequest()
+        whole.CopyFrom(request)
+        whole.request_id = call.new_leg()
+        async for resp in self._forward(
+            self.decode, whole, ids, leg="colocated", call=call, adapter=adapter
+        ):
+            yield resp
+
     async def _disaggregated(
-        self, request: pb.GenerateRequest, ids: list[int]
+        self, call: _Call, request: pb.GenerateRequest, ids: list[int], adapter: _Adapter | None
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Both legs. From the moment the prefill leg is sent until a decode
         pod took its KV, leaving here (the client cancelled, a leg failed, or
@@ -250,6 +334,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             # is theirs to refuse, as a colocated pod would.)
             max_tokens = min(max_tokens, limit - len(ids))
         prefill_req = _prefill_request(request, ids, max_tokens)
+        prefill_req.request_id = call.new_leg()
         holders: list[Pod] = []  # prefill pods that may hold the leg's KV
         # Settled: nothing is held, or a decode pod has (or may have) it.
         settled = not prefill_req.HasField("kv_transfer_params")
@@ -259,7 +344,13 @@ class RouterServicer(pb_grpc.GenerationServicer):
             streamed = False
             try:
                 async for resp in self._forward(
-                    self.prefill, prefill_req, ids, leg="prefill", holders=holders
+                    self.prefill,
+                    prefill_req,
+                    ids,
+                    leg="prefill",
+                    call=call,
+                    adapter=adapter,
+                    holders=holders,
                 ):
                     first.extend(resp.token_ids)
                     final = resp if resp.finish_reason else final
@@ -268,7 +359,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             except _LegFailed as e:
                 if streamed or not self._falls_back(e):
                     raise
-                async for resp in self._fallback(request, ids, e):
+                async for resp in self._fallback(call, request, ids, e):
                     yield resp
                 return
             self._prefill_answered()
@@ -277,11 +368,19 @@ class RouterServicer(pb_grpc.GenerationServicer):
             if final is None or _ends_request(final, max_tokens):
                 return
             decode_req = _decode_request(request, ids, first, max_tokens, final.kv_transfer_params)
+            decode_req.request_id = call.new_leg()
+            pod = call.served.get(prefill_req.request_id)
             try:
-                async for resp in self._forward(self.decode, decode_req, ids + first, leg="decode"):
+                async for resp in self._forward(
+                    self.decode,
+                    decode_req,
+                    ids + first,
+                    leg="decode",
+                    call=call,
+                    adapter=_same_files(adapter, pod),
+                ):
                     if resp.finish_reason:
-                        resp.usage.prompt_tokens = len(ids)
-                        resp.usage.completion_tokens += len(first)
+                        _whole_usage(resp, final, len(ids), len(first))
                     yield resp
                 settled = True  # the decode pod read the KV (and told the prefill pod)
             except _LegFailed as e:
@@ -299,7 +398,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         return self.prefill_fallback and error.code == grpc.StatusCode.UNAVAILABLE
 
     async def _fallback(
-        self, request: pb.GenerateRequest, ids: list[int], error: _LegFailed
+        self, call: _Call, request: pb.GenerateRequest, ids: list[int], error: _LegFailed
     ) -> AsyncIterator[pb.GenerateResponse]:
         """No prefill pod answered: the whole request to a decode pod, as a
         colocated server would serve it (nothing was streamed yet)."""
@@ -311,7 +410,18 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 error.details,
             )
         logger.debug("request %s: prefill fallback", request.request_id)
-        async for resp in self._forward(self.decode, _with_ids(request, ids), ids, leg="colocated"):
+        whole = _with_ids(request, ids)
+        whole.request_id = call.new_leg()
+        # Any decode pod's copy of the adapter will do: the whole request runs there.
+        adapter = _Adapter(request.lora_name, self.decode.lora_keys(request.lora_name))
+        async for resp in self._forward(
+            self.decode,
+            whole,
+            ids,
+            leg="colocated",
+            call=call,
+            adapter=adapter if request.lora_name else None,
+        ):
             yield resp
 
     def _prefill_answered(self) -> None:
@@ -355,23 +465,32 @@ class RouterServicer(pb_grpc.GenerationServicer):
         ids: list[int],
         *,
         leg: str,
+        call: _Call,
+        adapter: _Adapter | None = None,
         holders: list[Pod] | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream one leg from the best pod; before its first answer, an
-        unavailable pod is skipped for the next best. Each pod that may have
-        taken the request (it did not refuse it) is in `holders`."""
+        """Stream one leg (`request`, under its leg id) from the best pod
+        with `adapter`'s files; before its first answer, an unavailable pod
+        (or one that aborts it unasked) is skipped for the next best. Each
+        pod that may have taken the request (it did not refuse it) is in
+        `holders`. A call the client aborted sends nothing more: it ends."""
+        if call.aborted:
+            yield _aborted(len(ids))
+            return
         tried: list[Pod] = []
         maybe_ran = False  # whether a pod tried so far may have taken the request
-        lora = request.lora_name or None
-        hashes = self._hashes(pool, ids, lora)
+        lora = adapter.name if adapter is not None else None
+        keys = adapter.keys if adapter is not None else None
+        hashes = self._hashes(pool, ids, adapter.hash_key() if adapter is not None else None)
+        leg_id = request.request_id
         while True:
-            pod = pool.pick(hashes, exclude=tried, lora=lora)
+            pod = pool.pick(hashes, exclude=tried, lora=lora, lora_keys=keys)
             if pod is None:
                 if tried:
                     logger.warning(
                         "no %s pod available for %s (tried %s)",
                         pool.name,
-                        request.request_id,
+                        leg_id,
                         ", ".join(p.address for p in tried),
                     )
                 raise _LegFailed(
@@ -384,13 +503,34 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 holders.append(pod)
             answered = False
             pod.in_flight += 1
+            call.live[leg_id] = pod
             self.metrics.legs.labels(leg=leg).inc()
-            call = pod.stub.Generate(request, metadata=pod.metadata)
+            stream = pod.stub.Generate(request, metadata=pod.metadata)
             try:
-                async for resp in call:
-                    answered = True
+                async for resp in stream:
+                    if resp.finish_reason == pb.FINISH_REASON_ABORT and not call.aborted:
+                        raise _PodAborted
+                    if not answered:
+                        answered = True
+                        call.served[leg_id] = pod
                     yield resp
                 return
+            except _PodAborted:
+                maybe_ran = True
+                logger.warning(
+                    "%s pod %s aborted %s unasked (draining?)%s",
+                    pool.name,
+                    pod.address,
+                    leg_id,
+                    "" if answered else ": trying another",
+                )
+                if not answered:
+                    continue
+                raise _LegFailed(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{pool.name} pod aborted the request before it finished; retry it",
+                    maybe_ran=True,
+                ) from None
             except grpc.aio.AioRpcError as e:
                 # Without the pod's word (a connection broken mid-call, say)
                 # it may have taken the request.
@@ -408,7 +548,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 raise self._failed(pool, pod, e, maybe_ran) from e
             finally:
                 pod.in_flight -= 1
-                call.cancel()  # a no-op once done; aborts the leg if we were cancelled
+                call.live.pop(leg_id, None)
+                stream.cancel()  # a no-op once done; aborts the leg if we were cancelled
 
     def _failed(
         self, pool: PodPool, pod: Pod, error: grpc.aio.AioRpcError, maybe_ran: bool = False
@@ -431,24 +572,25 @@ class RouterServicer(pb_grpc.GenerationServicer):
             code, f"{pool.name} pod: {_redact(details, addresses)}", maybe_ran=maybe_ran
         )
 
-    def _hashes(self, pool: PodPool, ids: list[int], lora: str | None = None) -> list[bytes]:
+    def _hashes(self, pool: PodPool, ids: list[int], lora_key: str | None = None) -> list[bytes]:
         """The prompt's block hashes as the pool's engines compute them (the
-        same function, keyed by the LoRA adapter's cache_key under `lora`),
-        to match against their KV events."""
+        same function, keyed by a LoRA adapter's `lora_key`), to match
+        against their KV events."""
         if not pool.follow_kv_events:
             return []
         block_size = next((p.block_size for p in pool.pods if p.block_size), 0)
-        adapter = pool.lora_adapters().get(lora) if lora else None
-        lora_key = adapter.cache_key if adapter is not None else None
         return hash_chain(ids, block_size, lora_key=lora_key) if block_size else []
 
-    def _check_lora(self, name: str) -> None:
-        """Raises INVALID_ARGUMENT when the LoRA adapter `name` ("": the base
-        model) is on no healthy pod of a pool that would serve the request
-        (each leg needs a pod with it), naming the adapters that are. With
-        no healthy pod at all it passes: the legs find no pod (UNAVAILABLE)."""
+    def _check_lora(self, name: str) -> _Adapter | None:
+        """The adapter `name` ("": the base model, None) as the request's
+        legs may use it: the cache keys (files) every pool that would serve
+        it has. INVALID_ARGUMENT when it is on no healthy pod of such a pool
+        (each leg needs a pod with it), naming the adapters that are;
+        FAILED_PRECONDITION when the pools have it from different files
+        only. With no healthy pod at all it passes: the legs find no pod
+        (UNAVAILABLE)."""
         if not name:
-            return
+            return None
         pools = [p for p in (self.decode, self.prefill) if p is not None and p.any_healthy]
         loaded = [set(pool.lora_adapters()) for pool in pools]
         usable = set.intersection(*loaded) if loaded else {name}
@@ -457,6 +599,17 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"lora_name: unknown LoRA adapter {name!r}: loaded are {sorted(usable)}",
             )
+        keys = {pool.name: pool.lora_keys(name) for pool in pools}
+        common = frozenset.intersection(*keys.values()) if keys else frozenset()
+        if keys and not common:
+            each = ", ".join(f"{pool} {sorted(k)}" for pool, k in keys.items())
+            raise _LegFailed(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"lora_name: LoRA adapter {name!r} differs between the pools: no prefill "
+                f"and decode pod have it from the same files (cache keys: {each}); "
+                "load the same files under that name on both",
+            )
+        return _Adapter(name, common)
 
     async def _token_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
@@ -489,14 +642,28 @@ class RouterServicer(pb_grpc.GenerationServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        aborted: set[str] = set()
-        for pod in self._all_pods():
-            try:
-                resp = await pod.stub.Abort(request, timeout=5.0, metadata=pod.metadata)
-                aborted.update(resp.aborted_request_ids)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: pod retired
-                continue
-        return pb.AbortResponse(aborted_request_ids=sorted(aborted))
+        """Aborts the requests in flight here under the client ids named:
+        each one's live legs, on their pods, by the legs' ids (so an id
+        names nothing a pod holds for another request). Answers the ids
+        that were in flight; the others are ignored, as a pod ignores them."""
+        calls = [
+            self._calls[rid] for rid in dict.fromkeys(request.request_ids) if rid in self._calls
+        ]
+        by_pod: dict[Pod, list[str]] = {}
+        for call in calls:
+            call.aborted = True  # a leg not yet sent is not sent
+            for leg_id, pod in call.live.items():
+                by_pod.setdefault(pod, []).append(leg_id)
+        await asyncio.gather(*(self._abort_legs(pod, legs) for pod, legs in by_pod.items()))
+        return pb.AbortResponse(aborted_request_ids=sorted(c.client_id for c in calls))
+
+    async def _abort_legs(self, pod: Pod, leg_ids: list[str]) -> None:
+        try:
+            await pod.stub.Abort(
+                pb.AbortRequest(request_ids=leg_ids), timeout=5.0, metadata=pod.metadata
+            )
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:  # UsageError: pod retired
+            logger.warning("could not abort %s on pod %s: %s", leg_ids, pod.address, e)
 
     async def _forwarded(
         self, method: str, message: object, context: grpc.aio.ServicerContext
@@ -741,6 +908,36 @@ def _with_ids(request: pb.GenerateRequest, ids: list[int]) -> pb.GenerateRequest
     out.token_ids.ids.extend(ids)
     out.ClearField("kv_transfer_params")
     return out
+
+
+def _aborted(num_prompt_tokens: int) -> pb.GenerateResponse:
+    """The end of a call the client aborted before a leg was sent."""
+    resp = pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ABORT)
+    resp.usage.prompt_tokens = num_prompt_tokens
+    return resp
+
+
+def _same_files(adapter: _Adapter | None, prefill_pod: Pod | None) -> _Adapter | None:
+    """The adapter for the decode leg: the files the prefill pod computed
+    the KV with (its copy's cache key), which the decode pod must run."""
+    if adapter is None or prefill_pod is None:
+        return adapter
+    copy = prefill_pod.loras.get(adapter.name)
+    if copy is None or copy.cache_key not in adapter.keys:
+        return adapter  # unloaded since: any of the keys the pools share
+    return _Adapter(adapter.name, frozenset({copy.cache_key}))
+
+
+def _whole_usage(
+    resp: pb.GenerateResponse, first_leg: pb.GenerateResponse, num_prompt: int, num_first: int
+) -> None:
+    """The decode leg's last response's usage made the request's, as a
+    colocated server counts it: the prompt, both legs' tokens, and the
+    prefill pod's prefix-cache hit (the decode pod counts the prompt it was
+    handed as cached, which says nothing of the request's)."""
+    resp.usage.prompt_tokens = num_prompt
+    resp.usage.completion_tokens += num_first
+    resp.usage.cached_tokens = first_leg.usage.cached_tokens
 
 
 def _max_tokens(request: pb.GenerateRequest) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import grpc
@@ -14,6 +15,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from service.client import make_request
 from service.convert import dict_to_struct, struct_to_dict
+from service.errors import refused_metadata
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.pods import PodPool, PodState
 from service.router import (
@@ -233,7 +235,10 @@ def test_the_router_hashes_an_adapters_prompt_as_the_pods_engines_do() -> None:
     async def go() -> list[bytes]:
         decode = _up_pool("decode", [["a"]])
         try:
-            return RouterServicer(None, decode)._hashes(decode, ids, "a")
+            router = RouterServicer(None, decode)
+            adapter = router._check_lora("a")
+            assert adapter is not None
+            return router._hashes(decode, ids, adapter.hash_key())
         finally:
             await decode.close()
 
@@ -248,9 +253,15 @@ class _Aborted(Exception):
 
 
 class _Context:
-    """Stands in for grpc.aio.ServicerContext: abort raises."""
+    """Stands in for grpc.aio.ServicerContext: abort raises (and keeps the
+    trailing metadata it was given)."""
 
-    async def abort(self, code: grpc.StatusCode, details: str, *_: object) -> None:
+    metadata: tuple[tuple[str, str], ...] = ()
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        self.metadata = metadata
         raise _Aborted(code, details)
 
 
@@ -390,3 +401,234 @@ def test_the_router_reports_its_pods_weight_format() -> None:
     # Pods that differ: the distinct formats, joined with ",".
     mixed = asyncio.run(ask(["float32"], ["q4_1+q8_0", "int8+float32"]))
     assert mixed[:2] == ("float32,int8+float32,q4_1+q8_0",) * 2
+
+
+# --- Generate over scripted pods: leg ids, aborts, adapters' files, usage -------------
+
+Script = Callable[[pb.GenerateRequest], list[pb.GenerateResponse]]
+
+
+class _Stream:
+    """A pod's Generate call: the scripted responses, and after `hold`
+    responses it waits for `release` (a request still running)."""
+
+    def __init__(
+        self, responses: list[pb.GenerateResponse], hold: int | None, release: asyncio.Event
+    ) -> None:
+        self.responses, self.hold, self.release = responses, hold, release
+
+    def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncIterator[pb.GenerateResponse]:
+        for i, resp in enumerate(self.responses):
+            if i == self.hold:
+                await self.release.wait()
+            yield resp
+
+    def cancel(self) -> None:
+        pass
+
+
+class _GenPodStub:
+    """A pod's Generate (as `script` answers each request) and Abort."""
+
+    def __init__(self, script: Script, hold: int | None = None) -> None:
+        self.script, self.hold = script, hold
+        self.release = asyncio.Event()
+        self.requests: list[pb.GenerateRequest] = []
+        self.aborts: list[list[str]] = []
+
+    def Generate(self, request: pb.GenerateRequest, **_: object) -> _Stream:
+        self.requests.append(request)
+        return _Stream(self.script(request), self.hold, self.release)
+
+    async def Abort(self, request: pb.AbortRequest, **_: object) -> pb.AbortResponse:
+        self.aborts.append(list(request.request_ids))
+        self.release.set()  # the aborted request ends now
+        return pb.AbortResponse(aborted_request_ids=list(request.request_ids))
+
+
+def _answer(
+    tokens: list[int], finish: int, cached: int = 0, handover: bool = False
+) -> list[pb.GenerateResponse]:
+    """One response per token, the last with `finish` and usage."""
+    out = [pb.GenerateResponse(token_ids=[t]) for t in tokens] or [pb.GenerateResponse()]
+    last = out[-1]
+    last.finish_reason = finish  # type: ignore[assignment]
+    last.usage.completion_tokens, last.usage.cached_tokens = len(tokens), cached
+    if handover:
+        last.kv_transfer_params.CopyFrom(dict_to_struct({"do_remote_prefill": True}))
+    return out
+
+
+def _scripted(name: str, stubs: list[_GenPodStub], loras: list[dict[str, str]]) -> PodPool:
+    """Healthy pods answering as `stubs`; each with adapters {name: cache_key}."""
+    pool = _up_pool(name, [[] for _ in stubs])
+    for pod, stub, adapters in zip(pool.pods, stubs, loras, strict=True):
+        pod.stub = stub  # type: ignore[assignment]
+        pod.loras = {n: _adapter(n, key) for n, key in adapters.items()}
+    return pool
+
+
+async def _drain(
+    call: AsyncIterator[pb.GenerateResponse],
+) -> tuple[list[pb.GenerateResponse], _Aborted | None]:
+    got: list[pb.GenerateResponse] = []
+    try:
+        async for resp in call:
+            got.append(resp)
+    except _Aborted as e:
+        return got, e
+    return got, None
+
+
+def _ids_request(rid: str, max_tokens: int = 4, lora: str = "") -> pb.GenerateRequest:
+    return make_request(
+        token_ids=list(range(10, 19)), max_tokens=max_tokens, request_id=rid, lora_name=lora
+    )
+
+
+def test_legs_go_under_their_own_ids_and_a_reused_id_reaches_no_pod() -> None:
+    """The pods see leg ids, never the client's; the client sees its own.
+    A second call under a live call's id is refused (marked refused) and
+    sends nothing; Abort of the client's id reaches the live leg by its leg
+    id, and the leg's ABORT is then the call's answer."""
+    pod = _GenPodStub(lambda r: _answer([7, 8, 9], pb.FINISH_REASON_LENGTH), hold=1)
+
+    async def go() -> tuple[object, ...]:
+        decode = _scripted("decode", [pod], [{}])
+        context = _Context()
+        ctx = cast(grpc.aio.ServicerContext, context)
+        try:
+            router = RouterServicer(None, decode)
+            victim = router.Generate(_ids_request("victim"), ctx)
+            first = await victim.__anext__()
+            # (Bounded: a duplicate that reached the pod would wait there.)
+            duplicate = _drain(router.Generate(_ids_request("victim"), ctx))
+            _, refused = await asyncio.wait_for(duplicate, 10)
+            duplicate_metadata = context.metadata
+            answer = await router.Abort(pb.AbortRequest(request_ids=["victim", "other"]), ctx)
+            rest, error = await _drain(victim)
+            return first, refused, duplicate_metadata, answer, rest, error
+        finally:
+            await decode.close()
+
+    first, refused, metadata, answer, rest, error = asyncio.run(go())
+    assert isinstance(first, pb.GenerateResponse) and first.request_id == "victim"
+    (leg,) = pod.requests  # the duplicate reached no pod
+    assert leg.request_id.startswith("victim-") and leg.request_id != "victim"
+    assert isinstance(refused, _Aborted) and refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details == "request_id: 'victim' is already in use by a live request"
+    assert metadata == refused_metadata(True)
+    assert pod.aborts == [[leg.request_id]]
+    assert isinstance(answer, pb.AbortResponse)
+    assert list(answer.aborted_request_ids) == ["victim"]
+    assert error is None and isinstance(rest, list)
+    assert [r.request_id for r in rest] == ["victim"] * len(rest)
+
+
+def test_a_pods_unasked_abort_is_never_an_answer() -> None:
+    """A pod that aborts a leg the client did not abort (its drain's grace
+    ran out): before anything reached the client another pod answers;
+    after, the call ends UNAVAILABLE."""
+    draining = _GenPodStub(lambda r: _answer([], pb.FINISH_REASON_ABORT))
+    fine = _GenPodStub(lambda r: _answer([7, 8], pb.FINISH_REASON_LENGTH))
+    midway = _GenPodStub(lambda r: [*_answer([7], 0), *_answer([], pb.FINISH_REASON_ABORT)])
+
+    async def go(stubs: list[_GenPodStub]) -> tuple[list[pb.GenerateResponse], _Aborted | None]:
+        decode = _scripted("decode", stubs, [{} for _ in stubs])
+        decode.pods[-1].load = 5.0  # the draining pod is picked first
+        try:
+            router = RouterServicer(None, decode)
+            ctx = cast(grpc.aio.ServicerContext, _Context())
+            return await _drain(router.Generate(_ids_request("r"), ctx))
+        finally:
+            await decode.close()
+
+    got, error = asyncio.run(go([draining, fine]))
+    assert error is None and [t for r in got for t in r.token_ids] == [7, 8]
+    assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    got, error = asyncio.run(go([midway]))
+    assert [t for r in got for t in r.token_ids] == [7]
+    assert error is not None and error.code == grpc.StatusCode.UNAVAILABLE
+    assert error.details == "decode pod aborted the request before it finished; retry it"
+
+
+def _pd_router(
+    prefill_keys: list[str], decode_keys: list[str]
+) -> tuple[RouterServicer, list[_GenPodStub], list[_GenPodStub]]:
+    """Pods with the adapter "a" from the files whose cache keys are given."""
+    prefill = [
+        _GenPodStub(lambda r: _answer([7], pb.FINISH_REASON_LENGTH, 8, True)) for _ in prefill_keys
+    ]
+    # The decode pod reports the whole prompt cached: it was handed its KV.
+    decode = [
+        _GenPodStub(lambda r: _answer([8, 9], pb.FINISH_REASON_LENGTH, 9)) for _ in decode_keys
+    ]
+    router = RouterServicer(
+        _scripted("prefill", prefill, [{"a": k} for k in prefill_keys]),
+        _scripted("decode", decode, [{"a": k} for k in decode_keys]),
+    )
+    return router, prefill, decode
+
+
+async def _close(router: RouterServicer) -> None:
+    for pool in router._pools():
+        await pool.close()
+
+
+def test_both_legs_run_the_same_adapter_files() -> None:
+    """A name loaded from different files: the prefill leg goes to the pod
+    whose files a decode pod has too, and the decode leg to that decode pod."""
+
+    async def go() -> tuple[RouterServicer, list[_GenPodStub], list[_GenPodStub]]:
+        router, prefill, decode = _pd_router(["lora:x", "lora:y"], ["lora:z", "lora:y"])
+        router.prefill.pods[1].load = 5.0  # type: ignore[union-attr]  # busier, yet the one
+        ctx = cast(grpc.aio.ServicerContext, _Context())
+        try:
+            got, error = await _drain(router.Generate(_ids_request("r", lora="a"), ctx))
+            assert error is None and [t for r in got for t in r.token_ids] == [7, 8, 9]
+        finally:
+            await _close(router)
+        return router, prefill, decode
+
+    _, prefill, decode = asyncio.run(go())
+    assert [len(s.requests) for s in prefill] == [0, 1]
+    assert [len(s.requests) for s in decode] == [0, 1]
+
+
+def test_pools_with_an_adapters_name_from_different_files_are_refused() -> None:
+    async def go() -> tuple[_Aborted | None, list[_GenPodStub], list[_GenPodStub]]:
+        router, prefill, decode = _pd_router(["lora:x"], ["lora:y"])
+        ctx = cast(grpc.aio.ServicerContext, _Context())
+        try:
+            _, error = await _drain(router.Generate(_ids_request("r", lora="a"), ctx))
+        finally:
+            await _close(router)
+        return error, prefill, decode
+
+    error, prefill, decode = asyncio.run(go())
+    assert error is not None and error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.details == (
+        "lora_name: LoRA adapter 'a' differs between the pools: no prefill and decode pod "
+        "have it from the same files (cache keys: decode ['lora:y'], prefill ['lora:x']); "
+        "load the same files under that name on both"
+    )
+    assert not prefill[0].requests and not decode[0].requests
+
+
+def test_pd_usage_counts_the_prefill_pods_cache_hit_as_colocated_would() -> None:
+    async def go() -> list[pb.GenerateResponse]:
+        router, _, _ = _pd_router(["lora:x"], ["lora:x"])
+        ctx = cast(grpc.aio.ServicerContext, _Context())
+        try:
+            got, error = await _drain(router.Generate(_ids_request("r"), ctx))
+            assert error is None
+            return got
+        finally:
+            await _close(router)
+
+    last = asyncio.run(go())[-1]
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (9, 3)
+    assert last.usage.cached_tokens == 8  # the prefill pod's hit, not the decode pod's 9
