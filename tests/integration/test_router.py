@@ -1,7 +1,9 @@
 """`tandem router` as a front door, over real processes: with its only
 prefill pod down it serves requests colocated on a decode pod (unless told
 not to), counts that in its metrics and status, logs the pod's death once,
-keeps pod addresses out of client errors, and refuses a taken port.
+keeps pod addresses out of client errors, refuses a taken port (also as
+one of localhost's addresses), listens on IPv6, and refuses bodies that do
+not decode before it checks the API key.
 
 Routers start in a second or two (no model); the decode pod is the
 session's colocated server, which is also the reference."""
@@ -22,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.client import TandemClient, make_request
 from tests.integration.servers import ROOT, ServerProcess, free_port
 from tests.integration.test_pd import PROMPTS, _check_parity, _generate, _status
+from tests.integration.test_service import _undecodable
 
 
 def _metrics(port: int | None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -134,3 +137,66 @@ def test_a_router_refuses_a_taken_port(server: ServerProcess, which: str) -> Non
     assert f"cannot listen on 127.0.0.1:{taken}" in done.stderr
     assert "Traceback" not in done.stderr
     assert server.health() == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_router_refuses_localhost_when_one_of_its_addresses_is_taken(
+    server: ServerProcess,
+) -> None:
+    """The session server holds 127.0.0.1:P: a router on localhost:P would
+    have bound [::1]:P alone and taken the clients that dial localhost:P."""
+    cmd = [sys.executable, "-m", "service.cli", "router", "--decode", server.target]
+    cmd += ["--host", "localhost", "--port", str(server.port)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"--port: cannot listen on 127.0.0.1:{server.port} (localhost): " in done.stderr
+    assert "Traceback" not in done.stderr
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_router_on_every_ipv6_address_serves_both_families(server: ServerProcess) -> None:
+    """`--host ::` (once "Misformatted domain name") listens on IPv6 and,
+    dual-stack, on IPv4: health and a request answer on both loopbacks."""
+    with ServerProcess(["--decode", server.target, "--host", "::"], command="router") as router:
+        on_ipv6 = f"[::1]:{router.port}"
+        got = asyncio.run(_generate(on_ipv6, PROMPTS[0]))
+        healths = [router.health()]
+        router.target = on_ipv6
+        healths.append(router.health())
+        log = router.log()
+    assert healths == [health_pb2.HealthCheckResponse.SERVING] * 2
+    _check_parity([got], [asyncio.run(_generate(server.target, PROMPTS[0]))])
+    assert f"router on [::]:{router.port} (plaintext)" in log, log
+
+
+def test_the_router_refuses_undecodable_bodies_before_the_api_key(server: ServerProcess) -> None:
+    """Garbage, truncated or non-UTF-8 bodies sent with no key: INVALID_ARGUMENT
+    and one WARNING each, never UNKNOWN and a traceback; a body that parses
+    still needs the key."""
+    cases = _undecodable()
+
+    async def go() -> tuple[list[grpc.aio.AioRpcError], grpc.aio.AioRpcError]:
+        errors = []
+        async with grpc.aio.insecure_channel(router.target) as channel:
+            for method, raw in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    if method.endswith("/Generate"):
+                        async for _ in channel.unary_stream(method)(raw, timeout=30):
+                            pass
+                    else:
+                        await channel.unary_unary(method)(raw, timeout=30)
+                errors.append(info.value)
+        async with TandemClient(router.target) as anonymous:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await anonymous.model_info()
+        return errors, info.value
+
+    router = ServerProcess(["--decode", server.target, "--api-key", "k"], command="router")
+    with router:
+        errors, anonymous = asyncio.run(go())
+        log = router.log()
+    for (method, _), error in zip(cases, errors, strict=True):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, error.details())
+        assert (error.details() or "").startswith("request: does not decode"), error.details()
+    assert anonymous.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "Traceback" not in log and " ERROR " not in log, log
+    assert len([line for line in log.splitlines() if "does not decode" in line]) == len(cases)
