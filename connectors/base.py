@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from connectors.kv_transfer_params import KVTransferParams
 
 if TYPE_CHECKING:
+    from connectors.nixl_holds import Claim
     from engine.config import KVTransferConfig
     from engine.kv_cache.events import KVCacheEvent
     from engine.kv_cache.manager import KVCacheBlocks
@@ -205,6 +206,14 @@ class KVConnectorBase(ABC):
         """What peers fetch over this pod's gRPC side channel
         (``tandem.v1.KVTransfer/GetHandshake``), or None without one.
         Called from the service's threads: must be thread-safe."""
+        return None
+
+    def release_hold(self, claim: bytes) -> Claim | None:
+        """A peer that read blocks this pod held claims them
+        (``tandem.v1.KVTransfer/ReleaseHold``); see connectors/nixl_holds.py
+        for what the answer proves. None: this connector keeps no holds.
+        Raises ValueError for a malformed claim. Called from the service's
+        threads: must be thread-safe."""
         return None
 
     def health(self) -> str | None:

@@ -20,6 +20,9 @@ it. The keys are the ones Tandem's router and connectors exchange:
     remote_agent, remote_address, remote_request_id, remote_block_ids,
     remote_num_tokens, remote_compat
                         where a pull connector (NIXL) reads the KV from
+    remote_hold         the nonce of the producer's hold on those blocks:
+                        a consumer presents it to claim them
+                        (connectors/nixl_holds.py)
 
 Struct numbers are doubles: an integral value such as ``3.0`` is accepted
 for an int field (and returned as ``3``); ``3.5`` is not.
@@ -60,6 +63,7 @@ class KVTransferParams:
     remote_block_ids: tuple[int, ...] | None = None
     remote_num_tokens: int | None = None
     remote_compat: str | None = None
+    remote_hold: str | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KVTransferParams:

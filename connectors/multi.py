@@ -25,6 +25,7 @@ from connectors.kv_transfer_params import KVTransferParams
 from engine.config import ConfigError, KVTransferConfig
 
 if TYPE_CHECKING:
+    from connectors.nixl_holds import Claim
     from engine.kv_cache.events import KVCacheEvent
     from engine.kv_cache.manager import KVCacheBlocks
     from engine.outputs import KVConnectorOutput
@@ -186,6 +187,9 @@ class MultiConnector(KVConnectorBase):
 
     def side_channel_payload(self) -> bytes | None:
         return next((p for t in self.tiers if (p := t.side_channel_payload()) is not None), None)
+
+    def release_hold(self, claim: bytes) -> Claim | None:
+        return next((a for t in self.tiers if (a := t.release_hold(claim)) is not None), None)
 
     def health(self) -> str | None:
         return next((p for t in self.tiers if (p := t.health()) is not None), None)

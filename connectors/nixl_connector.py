@@ -6,16 +6,24 @@ How one request goes (P/D through the router):
    1) finishes; ``request_finished`` keeps its blocks (delay_free) and
    returns kv_transfer_params naming this engine's NIXL agent, its side
    channel (the pod's gRPC address), the request's id and its prompt
-   blocks. The worker holds them under a lease (see ``nixl_worker``).
+   blocks, and the nonce of its hold on them. The worker holds them under
+   a lease (see ``nixl_worker`` and ``nixl_holds``).
 2. Decode pod (kv_consumer): when the request arrives the worker starts the
    handshake with the producer (``GetHandshake`` over gRPC, cached per peer
    incarnation) and heartbeats for it. The scheduler parks it in
    WAITING_FOR_REMOTE_KVS with blocks allocated for the prompt blocks it
    lacks; the worker posts one READ of every layer's K and V of those
-   blocks; when NIXL reports it done the request is in ``finished_recving``
-   and the producer, notified by the READ itself, frees its copy.
+   blocks; when NIXL reports it done, the worker claims the hold through the
+   producer's side channel (``ReleaseHold``), which frees the producer's
+   copy and confirms the blocks were held throughout the READ; only then is
+   the request in ``finished_recving``.
 3. Anything failing on the way is reported through
    ``get_block_ids_with_load_errors`` and recomputed on the decode pod.
+4. A request reads at most once. Once its READ was posted (or it had
+   nothing to read) the producer may free those blocks, so a request
+   preempted on the decode pod later recomputes its prompt locally (its
+   loaded blocks stay in the prefix cache, so usually only the evicted
+   ones); it never reads the old hold again.
 
 Extra config (``kv_connector_extra_config``): ``side_channel_host`` and
 ``side_channel_port`` (where peers reach this pod's gRPC server; ``tandem
@@ -27,6 +35,7 @@ default 10). The lease and transfer timeout are ``--kv-lease-seconds`` and
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,6 +48,7 @@ from connectors.base import (
 )
 from connectors.kv_transfer_params import KVTransferParams
 from connectors.nixl_handshake import PeerInfo, compat_facts, compat_hash, fetch_peer_info
+from connectors.nixl_holds import NONCE_HEX, Claim, ClaimSender
 from connectors.nixl_worker import NixlWorker, RecvSpec, RemoteSource
 from engine.request import RequestStatus
 
@@ -52,9 +62,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class HoldSpec:
+    """Producer: keep a finished request's blocks for the consumer that
+    presents ``nonce``."""
+
+    req_id: str
+    nonce: str
+    block_ids: tuple[int, ...]
+
+
 @dataclass
 class NixlConnectorMetadata(KVConnectorMetadata):
-    holds: list[str] = field(default_factory=list)  # producer: keep these for a consumer
+    holds: list[HoldSpec] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # producer: nobody will read these
     expects: list[tuple[str, RemoteSource]] = field(default_factory=list)  # consumer
     recvs: list[RecvSpec] = field(default_factory=list)
@@ -82,10 +102,14 @@ class NixlConnector(KVConnectorBase):
         self._sources: dict[str, RemoteSource | None] = {}
         self._local_tokens: dict[str, int] = {}
         self._inflight: dict[str, RecvSpec] = {}
-        self._failed: set[str] = set()
+        # Requests that had their one chance to read: once a READ was posted
+        # (or nothing was left to read) the producer may free and reuse its
+        # blocks, so a preempted request recomputes; it never reads again.
+        self._consumed: set[str] = set()
         # worker half
         self.worker: NixlWorker | None = None
         self._payload: bytes | None = None
+        self._claims = ClaimSender(self.handshake_timeout)
 
     # ==== scheduler half ===================================================
 
@@ -98,7 +122,7 @@ class NixlConnector(KVConnectorBase):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         source = self._source(request)
-        if source is None or request.request_id in self._failed:
+        if source is None or request.request_id in self._consumed:
             return 0, False
         self._local_tokens[request.request_id] = num_computed_tokens
         # Every prompt token the producer computed, partial last block too;
@@ -113,8 +137,9 @@ class NixlConnector(KVConnectorBase):
         req_id = request.request_id
         source = self._source(request)
         local = self._local_tokens.pop(req_id, 0)
-        if source is None:
+        if source is None or req_id in self._consumed:
             return
+        self._consumed.add(req_id)
         if num_external_tokens == 0:
             self._meta.ended.append(req_id)  # all local: the producer may free
             return
@@ -134,18 +159,15 @@ class NixlConnector(KVConnectorBase):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        invalid = connector_output.invalid_block_ids
         for req_id in connector_output.finished_recving or ():
-            spec = self._inflight.pop(req_id, None)
-            if spec is not None and invalid.intersection(spec.local_ids):
-                self._failed.add(req_id)  # recompute; never read again
+            self._inflight.pop(req_id, None)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, KVTransferParams | None]:
         req_id = request.request_id
         self._local_tokens.pop(req_id, None)
-        self._failed.discard(req_id)
+        self._consumed.discard(req_id)
         if self._sources.pop(req_id, None) is not None:
             self._meta.ended.append(req_id)
         # A READ under way writes into these blocks: they wait for it.
@@ -167,6 +189,7 @@ class NixlConnector(KVConnectorBase):
             return False, None  # aborted or failed: nobody will read
         computed = request.num_computed_tokens
         held = min(-(-computed // self.block_size), len(block_ids))
+        nonce = secrets.token_hex(NONCE_HEX // 2)
         params = KVTransferParams(
             do_remote_prefill=True,
             kv_connector="nixl",
@@ -177,11 +200,12 @@ class NixlConnector(KVConnectorBase):
             remote_block_ids=tuple(block_ids[:held]),
             remote_num_tokens=min(computed, held * self.block_size),
             remote_compat=self.compat_hash,
+            remote_hold=nonce,
             num_blocks=held,
         )
         if held == 0:
             return False, params
-        self._meta.holds.append(request.request_id)
+        self._meta.holds.append(HoldSpec(request.request_id, nonce, tuple(block_ids[:held])))
         return True, params
 
     def request_released(self, request: Request) -> None:
@@ -219,6 +243,7 @@ class NixlConnector(KVConnectorBase):
             lease=config.kv_lease_seconds,
             timeout=config.kv_transfer_timeout,
             fetch=self._fetch,
+            claim=self._claims.send,
         )
         self._payload = PeerInfo(
             agent_name=self.agent_name,
@@ -237,13 +262,18 @@ class NixlConnector(KVConnectorBase):
     def side_channel_payload(self) -> bytes | None:
         return self._payload
 
+    def release_hold(self, claim: bytes) -> Claim | None:
+        if self.worker is None or not self.is_producer:
+            return None
+        return self.worker.claim(claim)
+
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self._metadata
         if self.worker is None or not isinstance(meta, NixlConnectorMetadata):
             return
         now = time.monotonic()
-        for req_id in meta.holds:
-            self.worker.hold(req_id, now)
+        for hold in meta.holds:
+            self.worker.hold(hold.req_id, hold.nonce, hold.block_ids, now)
         for req_id in meta.released:
             self.worker.release(req_id)
         for req_id, source in meta.expects:
@@ -277,3 +307,4 @@ class NixlConnector(KVConnectorBase):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        self._claims.close()

@@ -1,21 +1,29 @@
 """The worker half of NixlConnector: leases on the producer, READs on the consumer.
 
 Producer (prefill pod): a finished do_remote_decode request's blocks are
-*held*. The hold ends when the consumer's READ completes (NIXL delivers the
-READ's notification, ``done:<id>``), when the consumer rejects the request
-(``reject:<id>``; or this pod's service does, through ``release``, when the
-router saw the decode leg refused before any consumer engine took it), when
-the lease lapses (no ``hb:<id>`` heartbeat for ``lease`` seconds), or
-``timeout`` seconds after it began whatever the heartbeats say. Either way
-the request is reported in ``finished_sending`` and the scheduler frees its
-blocks: none is stranded.
+*held* (``connectors.nixl_holds``: a hold has a nonce, and only a consumer
+presenting it with the hold's exact blocks can claim it). The hold ends when
+the consumer claims it after its READ (the side channel's ``ReleaseHold``),
+when the consumer rejects the request (``reject``; or this pod's service
+does, through ``release``, when the router saw the decode leg refused before
+any consumer engine took it), when the lease lapses (no ``hb`` heartbeat for
+``lease`` seconds), or ``timeout`` seconds after it began whatever the
+heartbeats say. Either way the request is reported in ``finished_sending``
+and the scheduler frees its blocks: none is stranded.
 
 Consumer (decode pod): for each request that will read, the peer's handshake
 starts as soon as the request arrives (``awaiting``) and heartbeats go out
 every ``lease / 3`` seconds until the READ is over. A READ is posted once the
-blocks are allocated (``recvs``) and polled every step. Any failure (peer
-unreachable or incompatible, peer restarted, transfer error, ``timeout``)
-reports the request's blocks as invalid, and the scheduler recomputes them.
+blocks are allocated (``recvs``) and polled every step; once it is done, the
+hold is claimed (``claim``, a gRPC call on a helper thread), and only a
+HELD answer delivers the blocks. Any failure (peer unreachable or
+incompatible, peer restarted, transfer error, the hold ended before the
+claim, ``timeout``) reports the request's blocks as invalid, and the
+scheduler recomputes them: bytes that were not confirmed are never used.
+
+Notifications (consumer to producer, over NIXL): ``hb:<items>`` and
+``reject:<items>``, each item the hold's nonce (32 hex digits) then the
+request id, comma-separated.
 
 Both sides count what went wrong (``take_stats``): holds freed unread
 (``leases_lapsed``) and failed READs by kind (``engine.stats.TransferFailure``).
@@ -36,14 +44,13 @@ from typing import Any, TypeVar
 from connectors.kv_transfer_params import KVTransferParams
 from connectors.nixl_endpoint import NixlEndpoint, Peer
 from connectors.nixl_handshake import PeerInfo, incompatibility
+from connectors.nixl_holds import NONCE_HEX, Claim, HoldClaim, HoldTable
 from engine.stats import KVConnectorStats, TransferFailure
 
 logger = logging.getLogger(__name__)
 
 # A failed handshake is retried (for a new request) after this long.
 HANDSHAKE_RETRY_SECONDS = 5.0
-# A done/reject that beats the hold it is about is kept this long.
-EARLY_NOTIF_SECONDS = 60.0
 
 T = TypeVar("T")
 
@@ -58,6 +65,12 @@ class RemoteSource:
     block_ids: tuple[int, ...]  # its prompt blocks, in order (the last may be partial)
     num_tokens: int  # prompt tokens those blocks hold
     compat_hash: str
+    nonce: str  # the producer's hold: presented to claim it
+
+    @property
+    def item(self) -> bytes:
+        """This hold in a notification."""
+        return (self.nonce + self.request_id).encode()
 
     @classmethod
     def from_params(cls, params: KVTransferParams) -> RemoteSource:
@@ -70,7 +83,14 @@ class RemoteSource:
             block_ids=_required(params.remote_block_ids, "remote_block_ids"),
             num_tokens=_required(params.remote_num_tokens, "remote_num_tokens"),
             compat_hash=_required(params.remote_compat, "remote_compat"),
+            nonce=_nonce(_required(params.remote_hold, "remote_hold")),
         )
+
+
+def _nonce(value: str) -> str:
+    if len(value) != NONCE_HEX or not all(c in "0123456789abcdef" for c in value):
+        raise ValueError(f"kv_transfer_params remote_hold: expected {NONCE_HEX} hex digits")
+    return value
 
 
 def _required(value: T | None, key: str) -> T:
@@ -88,16 +108,12 @@ class RecvSpec:
 
 
 @dataclass
-class _Hold:
-    lease_until: float
-    hard_until: float
-
-
-@dataclass
 class _Read:
     spec: RecvSpec
     deadline: float
     handle: Any = None
+    # Once the READ is done: the producer's answer to our claim on the hold.
+    claim: Future[Claim] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,18 +152,21 @@ class NixlWorker:
         lease: float,
         timeout: float,
         fetch: Callable[[str], PeerInfo],
+        claim: Callable[[str, HoldClaim], Claim],
     ) -> None:
+        """``fetch``: a peer's handshake, by address; ``claim``: present a
+        claim to the producer at an address (both blocking: they run on a
+        helper thread)."""
         self.endpoint = endpoint
         self.compat = compat
         self.lease = lease
         self.timeout = timeout
         self._fetch = fetch
+        self._claim = claim
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="nixl-handshake")
         # producer
-        self.holds: dict[str, _Hold] = {}
-        self._early: dict[str, float] = {}
-        # Rejections from this side (``release``), read with the peers' own.
-        self._local_notifs: list[bytes] = []
+        self.holds = HoldTable(lease, timeout)
+        self._lapsed_seen = 0
         self.ignored_notifs = 0
         # consumer
         self.awaiting: dict[str, RemoteSource] = {}
@@ -160,13 +179,18 @@ class NixlWorker:
 
     # ---- instructions from the scheduler half -----------------------------
 
-    def hold(self, req_id: str, now: float) -> None:
-        self.holds[req_id] = _Hold(now + self.lease, now + self.timeout)
+    def hold(self, req_id: str, nonce: str, block_ids: tuple[int, ...], now: float) -> None:
+        self.holds.add(req_id, nonce, block_ids, now)
 
     def release(self, req_id: str) -> None:
         """Nobody will read ``req_id``'s held blocks: free them at the next
         poll, exactly as a consumer's ``reject`` would."""
-        self._local_notifs.append(b"reject:" + req_id.encode())
+        self.holds.reject(req_id, None, time.monotonic())
+
+    def claim(self, payload: bytes) -> Claim:
+        """The side channel's ReleaseHold (any thread): a consumer read the
+        blocks; raises ValueError for a malformed claim."""
+        return self.holds.claim(HoldClaim.from_bytes(payload), time.monotonic())
 
     def expect(self, req_id: str, source: RemoteSource) -> None:
         """A request will read from ``source``: handshake now, heartbeat on."""
@@ -211,37 +235,20 @@ class NixlWorker:
     # ---- producer -------------------------------------------------------------
 
     def _poll_holds(self, now: float) -> set[str]:
-        released: set[str] = set()
-        local, self._local_notifs = self._local_notifs, []
-        for message in [*local, *self.endpoint.take_notifs()]:
-            kind, _, ids = message.decode(errors="replace").partition(":")
-            for req_id in ids.split(","):
-                self._on_notif(kind, req_id, now, released)
-        for req_id, when in list(self._early.items()):
-            if req_id in self.holds:
-                released.add(req_id)
-            elif now - when > EARLY_NOTIF_SECONDS:
-                del self._early[req_id]
-        for req_id, hold in self.holds.items():
-            if now >= min(hold.lease_until, hold.hard_until):
-                why = "lease lapsed" if now < hold.hard_until else "transfer timeout"
-                logger.warning("freeing KV blocks of %s nobody fetched (%s)", req_id, why)
-                released.add(req_id)
-                self._stats.leases_lapsed += 1
-        for req_id in released:
-            self.holds.pop(req_id, None)
-            self._early.pop(req_id, None)
+        for message in self.endpoint.take_notifs():
+            kind, _, items = message.decode(errors="replace").partition(":")
+            for item in items.split(","):
+                self._on_notif(kind, item[:NONCE_HEX], item[NONCE_HEX:], now)
+        released = self.holds.take_ended(now)
+        lapsed = self.holds.leases_lapsed
+        self._stats.leases_lapsed += lapsed - self._lapsed_seen
+        self._lapsed_seen = lapsed
         return released
 
-    def _on_notif(self, kind: str, req_id: str, now: float, released: set[str]) -> None:
-        hold = self.holds.get(req_id)
-        if kind in ("done", "reject") and hold is not None:
-            released.add(req_id)
-        elif kind == "hb" and hold is not None:
-            hold.lease_until = min(now + self.lease, hold.hard_until)
-        elif kind in ("done", "reject"):
-            self._early[req_id] = now  # its hold may arrive next step
-        else:
+    def _on_notif(self, kind: str, nonce: str, req_id: str, now: float) -> None:
+        if kind == "reject":
+            self.holds.reject(req_id, nonce, now)
+        elif kind != "hb" or not self.holds.heartbeat(req_id, nonce, now):
             self.ignored_notifs += 1
             logger.info("ignoring NIXL notification %s:%s (no such hold)", kind, req_id)
 
@@ -269,7 +276,10 @@ class NixlWorker:
         return done, released
 
     def _advance(self, read: _Read, now: float, abandon: bool) -> _Outcome | None:
-        """None while the READ is pending; else how it ended."""
+        """None while the READ (or the claim after it) is pending; else how
+        it ended."""
+        if read.claim is not None:
+            return _ABANDONED if abandon else self._claimed(read, now)
         if read.handle is None:
             if abandon:
                 return _ABANDONED
@@ -290,19 +300,39 @@ class NixlWorker:
         if not self.endpoint.release(read.handle):  # aborts it if running
             return None  # NIXL still owns the blocks: try again next step
         read.handle = None
-        if state == "DONE":
-            return _DONE
+        if state == "DONE" and not abandon:
+            # The bytes count only once the producer confirms it held them
+            # throughout: claim the hold.
+            source = read.spec.source
+            claim = HoldClaim(source.request_id, source.nonce, tuple(read.spec.remote_ids))
+            read.claim = self._pool.submit(self._claim, source.address, claim)
+            return None
         if state == "ERR":
             return _Outcome(TransferFailure.TRANSFER_ERROR, "transfer error")
         if abandon:
             return _ABANDONED
         return _Outcome(TransferFailure.TIMED_OUT, "transfer timed out")
 
+    def _claimed(self, read: _Read, now: float) -> _Outcome | None:
+        """The producer's answer to our claim; None while it is on its way."""
+        assert read.claim is not None
+        if not read.claim.done():
+            if now >= read.deadline:
+                return _Outcome(TransferFailure.TIMED_OUT, "claiming the hold timed out")
+            return None
+        try:
+            answer = read.claim.result()
+        except Exception as e:
+            return _Outcome(TransferFailure.PEER_UNREACHABLE, f"claiming the hold failed: {e}")
+        if answer is Claim.HELD:
+            return _DONE
+        why = f"the producer no longer held the blocks ({answer.value})"
+        return _Outcome(TransferFailure.HOLD_LOST, why)
+
     def _post(self, read: _Read, peer: Peer) -> _Outcome | None:
         spec = read.spec
-        notif = b"done:" + spec.source.request_id.encode()
         try:
-            read.handle = self.endpoint.read(peer, spec.local_ids, spec.remote_ids, notif)
+            read.handle = self.endpoint.read(peer, spec.local_ids, spec.remote_ids, b"")
         except Exception as e:
             return _Outcome(TransferFailure.TRANSFER_ERROR, f"posting the READ failed: {e}")
         return None
@@ -359,14 +389,14 @@ class NixlWorker:
     def _heartbeat(self, now: float) -> None:
         """One hb message per producer naming every request still to read
         from it (resolving a handshake that finished meanwhile)."""
-        by_agent: dict[str, list[str]] = {}
+        by_agent: dict[str, list[bytes]] = {}
         for source in self.awaiting.values():
             peer = self._resolve(source, now)
             if not isinstance(peer, Peer):
                 continue
-            by_agent.setdefault(source.agent_name, []).append(source.request_id)
-        for agent, ids in by_agent.items():
-            self.endpoint.notify(agent, b"hb:" + ",".join(ids).encode())
+            by_agent.setdefault(source.agent_name, []).append(source.item)
+        for agent, items in by_agent.items():
+            self.endpoint.notify(agent, b"hb:" + b",".join(items))
 
     def _tell(self, source: RemoteSource, kind: bytes) -> None:
         slot = self.slots.get(source.address)
@@ -374,7 +404,7 @@ class NixlWorker:
             return
         known = {slot.notify_only, slot.peer.info.agent_name if slot.peer else None}
         if source.agent_name in known:
-            self.endpoint.notify(source.agent_name, kind + b":" + source.request_id.encode())
+            self.endpoint.notify(source.agent_name, kind + b":" + source.item)
 
     def health(self) -> str | None:
         return None

@@ -23,6 +23,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
@@ -46,6 +47,9 @@ from engine.request import FinishReason, Request
 from engine.status import EngineStatus
 from engine.streams import RequestStream, RequestStreams
 from engine.worker.worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from connectors.nixl_holds import Claim
 
 
 @dataclass
@@ -226,6 +230,13 @@ class AsyncEngine:
         any thread: the connector computed it when the engine started."""
         connector = self._core.worker_connector
         return connector.side_channel_payload() if connector is not None else None
+
+    def release_hold(self, claim: bytes) -> Claim | None:
+        """A peer's claim on KV this pod holds for it (the KV connector's
+        ``release_hold``), or None without a connector that holds. Safe
+        from any thread: the connector's holds take a lock."""
+        connector = self._core.worker_connector
+        return connector.release_hold(claim) if connector is not None else None
 
     def add_failure_listener(self, listener: Callable[[BaseException], None]) -> None:
         """Called on the event loop if the engine thread fails (e.g. to turn

@@ -181,6 +181,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
 
+    def ready_to_admit(self) -> None:
+        """Back from WAITING_FOR_REMOTE_KVS: WAITING, or PREEMPTED if it
+        was preempted before (the runner then resumes it from all its
+        tokens; as a new request it would know only the prompt)."""
+        self.status = RequestStatus.PREEMPTED if self.num_preemptions else RequestStatus.WAITING
+
     def get_finished_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
 

@@ -47,6 +47,7 @@ class TransferFailure(enum.Enum):
     PEER_RESTARTED = "peer_restarted"  # the producer's incarnation is gone
     TRANSFER_ERROR = "transfer_error"  # the READ failed or could not be posted
     TIMED_OUT = "timed_out"  # the handshake or READ outlived the timeout
+    HOLD_LOST = "hold_lost"  # the producer had freed the blocks before the READ was claimed
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """``tandem.v1.KVTransfer``: the side channel KV connectors' peers call.
 
 A decode pod's NixlConnector fetches a prefill pod's handshake (its NIXL
-agent metadata and KV layout) here, on the prefill pod's own gRPC port. The
+agent metadata and KV layout) here, on the prefill pod's own gRPC port, and
+claims each hold whose blocks it read (ReleaseHold). The
 servicer only relays the engine connector's payload; the connector owns
 what it means, and its class says whether it has one
 (``KVConnectorBase.needs_side_channel``; a multi connector asks its tiers).
@@ -9,16 +10,23 @@ what it means, and its class says whether it has one
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from dataclasses import replace
 
 import grpc
 from google.protobuf import wrappers_pb2
 
 from connectors.factory import UnknownConnectorError, connector_class
+from connectors.nixl_holds import Claim
 from engine.async_engine import AsyncEngine
 from engine.config import ConfigError, EngineConfig, KVTransferConfig
 from service.gen.tandem.v1 import kv_transfer_pb2_grpc
+
+# How long a claim on a hold not registered yet waits for it (a hold is
+# registered at the producer's next engine step, milliseconds away).
+UNKNOWN_HOLD_WAIT_SECONDS = 5.0
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
@@ -45,6 +53,28 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 f"connector: this pod runs {name!r}, not {request.value!r}",
             )
         return wrappers_pb2.BytesValue(value=payload)
+
+    async def ReleaseHold(
+        self, request: wrappers_pb2.BytesValue, context: grpc.aio.ServicerContext
+    ) -> wrappers_pb2.BoolValue:
+        """A consumer's claim on a hold. A hold is registered at the engine
+        step after its request finished, and a fast consumer can claim it
+        before that: an UNKNOWN answer is asked again for a while."""
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading")
+        assert self.engine is not None
+        deadline = time.monotonic() + UNKNOWN_HOLD_WAIT_SECONDS
+        while True:
+            try:
+                answer = self.engine.release_hold(request.value)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                raise  # context.abort raises; this keeps the type checker informed
+            if answer is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "this pod's connector holds no KV")
+            if answer is not Claim.UNKNOWN or time.monotonic() >= deadline:
+                return wrappers_pb2.BoolValue(value=answer is Claim.HELD)
+            await asyncio.sleep(0.01)
 
 
 def _publishers(kv: KVTransferConfig | None) -> tuple[str, ...]:

@@ -74,6 +74,12 @@ class KVTransfers:
         # failure cuts back from there, and the connector hits are counted
         # once the step's output says what really loaded.
         self._started: dict[str, int] = {}
+        # Requests parked in WAITING_FOR_REMOTE_KVS -> the tokens in place
+        # once their load delivers (local hit + what the connector brings).
+        # Only these count as computed: the last block's unread slots (a
+        # partial block, or a request whose tokens grew before a
+        # preemption) are never taken for delivered KV.
+        self._loading: dict[str, int] = {}
         self.hit_stats: PrefixCacheStats | None = (
             PrefixCacheStats() if connector is not None and log_stats else None
         )
@@ -93,9 +99,15 @@ class KVTransfers:
         if self.connector is not None:
             self._started[request_id] = num_computed_tokens
 
+    def load_started(self, request_id: str, num_tokens: int) -> None:
+        """An asynchronous load began that leaves ``num_tokens`` of the
+        request in place when it delivers."""
+        self._loading[request_id] = num_tokens
+
     def request_finished(self, request: Request) -> tuple[bool, KVTransferParams | None]:
         """Tell the connector; returns (whether it holds the blocks while
         it sends them, the kv_transfer_params for the output)."""
+        self._loading.pop(request.request_id, None)
         if self.connector is None:
             return False, None
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
@@ -119,6 +131,7 @@ class KVTransfers:
         if request_id not in self.finished_loads:
             return False
         kvm = self.kv_cache_manager
+        delivered = self._loading.pop(request_id, 0)
         if request_id in self.failed_loads:
             # num_computed_tokens was already cut back to the valid prefix.
             if request.num_computed_tokens:
@@ -127,9 +140,8 @@ class KVTransfers:
                 kvm.free(request)  # nothing valid; a local hit may do better
             self.failed_loads.remove(request_id)
         else:
-            num_computed = min(kvm.num_blocks(request_id) * self.block_size, request.num_tokens)
-            if num_computed == request.num_tokens:
-                num_computed -= 1  # the last token is always computed
+            # The last token is always computed here.
+            num_computed = min(delivered, request.num_tokens - 1)
             kvm.cache_blocks(request, num_computed)
             request.num_computed_tokens = num_computed
         self.finished_loads.remove(request_id)
@@ -165,7 +177,7 @@ class KVTransfers:
                 # this also offers what arrived to the prefix cache.
                 if not self.load_ready(request):
                     continue
-                request.status = RequestStatus.WAITING
+                request.ready_to_admit()
             logger.warning(
                 "releasing the blocks of waiting request %s to avoid a deadlock: %s",
                 request_id,
@@ -301,7 +313,7 @@ class KVTransfers:
         for request in requests:
             req_id = request.request_id
             block_ids = self.kv_cache_manager.get_block_ids(req_id)
-            valid_tokens = self._valid_tokens(request, len(block_ids))
+            valid_tokens = self._valid_tokens(request)
             num_blocks = -(-valid_tokens // self.block_size)
             is_affected = claimed_one = False
             for idx, block_id in enumerate(block_ids[:num_blocks]):
@@ -334,7 +346,7 @@ class KVTransfers:
                 affected.add(req_id)
         return affected, total_tokens
 
-    def _valid_tokens(self, request: Request, num_blocks: int) -> int:
+    def _valid_tokens(self, request: Request) -> int:
         """The leading tokens a request counts as computed, of which a
         failed load may take some back."""
         if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -344,6 +356,5 @@ class KVTransfers:
             return self._started.get(request.request_id, request.num_cached_tokens)
         if request.request_id in self.failed_loads:
             return request.num_computed_tokens  # already cut by an earlier failure
-        # What the async load brings, as load_ready counts it: its blocks,
-        # short of the last token (always computed).
-        return min(num_blocks * self.block_size, request.num_tokens - 1)
+        # What the async load brings, as load_ready counts it.
+        return min(self._loading.get(request.request_id, 0), request.num_tokens - 1)

@@ -416,7 +416,7 @@ class Scheduler(SchedulerInterface):
                 if not self.kv_transfers.load_ready(request):
                     skipped.prepend_request(waiting.pop_request())
                     continue
-                request.status = RequestStatus.WAITING
+                request.ready_to_admit()
             if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(
                 request, skipped
             ):
@@ -523,6 +523,7 @@ class Scheduler(SchedulerInterface):
         if load_async:
             skipped.prepend_request(request)
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.kv_transfers.load_started(request.request_id, num_computed)
             return True
         self._start_running(request, num_new, num_computed, plan)
         return True

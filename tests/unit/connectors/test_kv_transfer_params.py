@@ -23,6 +23,7 @@ EVERY_FIELD = KVTransferParams(
     remote_block_ids=(3, 4, 5),
     remote_num_tokens=40,
     remote_compat="abc",
+    remote_hold="ab" * 16,
 )
 
 

@@ -8,6 +8,7 @@ leases and heartbeats, refusals.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -23,6 +24,7 @@ from connectors.nixl_handshake import (
     compat_facts,
     incompatibility,
 )
+from connectors.nixl_holds import Claim, HoldClaim
 from connectors.nixl_worker import RecvSpec, RemoteSource
 from engine.stats import TransferFailure
 
@@ -60,8 +62,17 @@ class Pair:
         )
         self.fetches = 0
         self.serve: Callable[[], PeerInfo] = lambda: self.info
-        self.producer = NixlWorker(prod, COMPAT, lease, timeout, fetch=self._never)
-        self.consumer = NixlWorker(cons, COMPAT, lease, timeout, fetch=self._fetch)
+        self.producer = NixlWorker(
+            prod, COMPAT, lease, timeout, fetch=self._never, claim=self._no_claims
+        )
+        self.consumer = NixlWorker(
+            cons, COMPAT, lease, timeout, fetch=self._fetch, claim=self._claim
+        )
+        self.claims: list[HoldClaim] = []
+        # What the current pump() has seen so far, for its `until`.
+        self.sent: set[str] = set()
+        self.released: set[str] = set()
+        self.done: set[str] = set()
 
     def _fetch(self, address: str) -> PeerInfo:
         assert address == ADDRESS
@@ -71,17 +82,33 @@ class Pair:
     def _never(self, address: str) -> PeerInfo:
         raise AssertionError("the producer never fetches")
 
+    def _claim(self, address: str, claim: HoldClaim) -> Claim:
+        """The side channel's ReleaseHold, in process (UNKNOWN: the
+        servicer would wait, then answer no)."""
+        assert address == ADDRESS
+        self.claims.append(claim)
+        answer = self.producer.claim(claim.to_bytes())
+        return Claim.HELD if answer is Claim.HELD else Claim.GONE
+
+    def _no_claims(self, address: str, claim: HoldClaim) -> Claim:
+        raise AssertionError("the producer never claims")
+
     def source(self, req: str = "r1", agent: str | None = None) -> RemoteSource:
-        return RemoteSource(ADDRESS, agent or self.info.agent_name, req, (5, 3, 7), 12, "h")
+        agent = agent or self.info.agent_name
+        return RemoteSource(ADDRESS, agent, req, (5, 3, 7), 12, "h", nonce(req))
+
+    def hold(self, req: str, blocks: tuple[int, ...]) -> None:
+        """The producer holds ``blocks`` for ``req`` (under nonce(req))."""
+        self.producer.hold(req, nonce(req), blocks, time.monotonic())
 
     def pump(
         self, until: Callable[[], bool], seconds: float = 5.0, finished: set[str] | None = None
     ) -> tuple[set[str], set[str], set[str]]:
         """Polls both workers until `until()` or `seconds`; returns (producer
         finished_sending, consumer finished_sending, consumer finished_recving)."""
-        sent: set[str] = set()
-        released: set[str] = set()
-        done: set[str] = set()
+        self.sent = sent = set[str]()
+        self.released = released = set[str]()
+        self.done = done = set[str]()
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             released_now, done_now = self.consumer.poll(finished or set())
@@ -96,6 +123,10 @@ class Pair:
     def close(self) -> None:
         self.producer.close()
         self.consumer.close()
+
+
+def nonce(req: str) -> str:
+    return hashlib.md5(req.encode()).hexdigest()
 
 
 @pytest.fixture
@@ -122,13 +153,14 @@ def test_descriptor_table_and_indices_address_every_layer_and_half() -> None:
 
 
 def test_read_copies_the_blocks_and_frees_the_producer(pair: Pair) -> None:
-    pair.producer.hold("r1", time.monotonic())
+    pair.hold("r1", (5, 3))
     source = pair.source()
     pair.consumer.expect("r1", source)
     pair.consumer.receive(RecvSpec("r1", source, [0, 4], [5, 3]), time.monotonic())
-    sent, released, done = pair.pump(lambda: bool(pair.producer.holds == {}))
+    sent, released, done = pair.pump(lambda: bool(pair.done and pair.sent))
     assert done == {"r1"} and not released
-    assert sent == {"r1"}, "the READ's notification did not release the hold"
+    assert sent == {"r1"}, "the claim did not release the hold"
+    assert pair.claims == [HoldClaim("r1", nonce("r1"), (5, 3))]
     assert pair.consumer.take_invalid() == set()
     for local, remote in ((0, 5), (4, 3)):
         assert torch.equal(_block(pair.cons_caches, local), _block(pair.prod_caches, remote))
@@ -139,7 +171,7 @@ def test_read_copies_the_blocks_and_frees_the_producer(pair: Pair) -> None:
 def test_heartbeats_keep_a_hold_past_its_lease_until_the_consumer_rejects() -> None:
     pair = Pair(lease=0.3, timeout=30.0)
     try:
-        pair.producer.hold("r1", time.monotonic())
+        pair.hold("r1", (5, 3, 7))
         pair.consumer.expect("r1", pair.source())
         sent, _, _ = pair.pump(lambda: False, seconds=1.2)
         assert sent == set() and "r1" in pair.producer.holds
@@ -154,8 +186,8 @@ def test_a_hold_lapses_without_heartbeats_and_at_the_transfer_timeout() -> None:
     pair = Pair(lease=0.2, timeout=0.6)
     try:
         now = time.monotonic()
-        pair.producer.hold("silent", now)
-        pair.producer.hold("beating", now)
+        pair.hold("silent", (1,))
+        pair.hold("beating", (2,))
         pair.consumer.expect("beating", pair.source("beating"))
         sent, _, _ = pair.pump(lambda: "silent" not in pair.producer.holds, seconds=2.0)
         lapsed = time.monotonic() - now
@@ -168,14 +200,26 @@ def test_a_hold_lapses_without_heartbeats_and_at_the_transfer_timeout() -> None:
         pair.close()
 
 
-def test_a_done_that_beats_its_hold_still_releases_it(pair: Pair) -> None:
+def test_a_reject_that_beats_its_hold_still_releases_it(pair: Pair) -> None:
     pair.consumer.expect("r1", pair.source())
     pair.pump(lambda: pair.consumer.slots[ADDRESS].peer is not None)
     pair.consumer.end("r1")  # sends reject:r1 before the producer holds r1
-    pair.pump(lambda: "r1" in pair.producer._early, seconds=2.0)
-    pair.producer.hold("r1", time.monotonic())
+    pair.pump(lambda: pair.producer.ignored_notifs > 0 or bool(pair.producer.holds._early))
+    pair.hold("r1", (5, 3, 7))
     sent, _, _ = pair.pump(lambda: not pair.producer.holds, seconds=2.0)
     assert sent == {"r1"}
+
+
+def test_a_reject_or_heartbeat_under_another_nonce_is_ignored(pair: Pair) -> None:
+    """Only the consumer the hold was offered to knows its nonce: params
+    naming the request under any other nonce neither free nor keep it."""
+    pair.hold("r1", (5, 3, 7))
+    forged = replace(pair.source(), nonce="0" * 32)
+    pair.consumer.expect("r1", forged)
+    pair.pump(lambda: pair.consumer.slots[ADDRESS].peer is not None)
+    pair.consumer.end("r1")  # reject under the forged nonce
+    pair.pump(lambda: False, seconds=0.3)
+    assert "r1" in pair.producer.holds
 
 
 def test_unknown_notifications_are_counted_not_fatal(pair: Pair) -> None:
@@ -187,7 +231,7 @@ def test_unknown_notifications_are_counted_not_fatal(pair: Pair) -> None:
 def test_an_incompatible_peer_is_refused_and_the_blocks_recomputed(pair: Pair) -> None:
     pair.serve = lambda: replace(pair.info, compat={**COMPAT, "block_size": 32})
     source = pair.source()
-    pair.producer.hold("r1", time.monotonic())
+    pair.hold("r1", (5, 3, 7))
     pair.consumer.receive(RecvSpec("r1", source, [0, 1], [5, 3]), time.monotonic())
     sent, released, done = pair.pump(lambda: not pair.producer.holds)
     assert done == {"r1"} and not released
@@ -223,6 +267,7 @@ def test_a_request_from_a_gone_incarnation_fails_after_one_refetch(pair: Pair) -
     assert stats is not None and stats.failures == {TransferFailure.PEER_RESTARTED: 1}
     # A request naming the current incarnation reads without a new handshake.
     good = pair.source("r2")
+    pair.hold("r2", (7,))
     pair.consumer.receive(RecvSpec("r2", good, [1], [7]), time.monotonic())
     _, _, done = pair.pump(lambda: "r2" not in pair.consumer.reads)
     assert done == {"r2"} and pair.consumer.take_invalid() == set()
@@ -248,7 +293,7 @@ def test_a_request_finished_mid_read_aborts_it_at_the_next_poll(pair: Pair) -> N
     cancels makes the router release the producer's hold too, and an idle
     producer stops polling: the consumer must abort the READ, not wait for
     it (it used to wait out the whole transfer timeout, holding blocks)."""
-    pair.producer.hold("r1", time.monotonic())
+    pair.hold("r1", (5, 3, 7))
     source = pair.source()
     pair.consumer.expect("r1", source)
     pair.consumer.receive(RecvSpec("r1", source, [0, 4], [5, 3]), time.monotonic())
@@ -281,8 +326,61 @@ def test_handshake_facts_name_each_difference() -> None:
 def test_a_release_from_the_service_frees_a_hold_at_the_next_poll(pair: Pair) -> None:
     """The router says no decode pod will read (its decode leg was refused
     before any engine saw it): the hold ends without waiting for the lease."""
-    pair.producer.hold("r1", time.monotonic())
-    pair.producer.hold("r2", time.monotonic())
+    pair.hold("r1", (1,))
+    pair.hold("r2", (2,))
     pair.producer.release("r1")
     assert pair.producer.poll(set())[0] == {"r1"}
-    assert set(pair.producer.holds) == {"r2"}
+    assert "r1" not in pair.producer.holds and "r2" in pair.producer.holds
+
+
+def _read_after(pair: Pair, end_hold: Callable[[], None]) -> tuple[set[str], set[int]]:
+    """A READ of r1's held blocks whose hold ``end_hold`` ends before the
+    claim: (consumer finished_recving, invalid block ids)."""
+    pair.hold("r1", (5, 3))
+    end_hold()
+    pair.producer.poll(set())  # the hold leaves; its blocks could be reused
+    source = pair.source()
+    pair.consumer.expect("r1", source)
+    pair.consumer.receive(RecvSpec("r1", source, [0, 4], [5, 3]), time.monotonic())
+    _, _, done = pair.pump(lambda: bool(pair.done))
+    return done, pair.consumer.take_invalid()
+
+
+def test_bytes_read_after_the_hold_was_released_are_never_used(pair: Pair) -> None:
+    """The READ itself succeeds (NIXL cannot refuse it), but the claim finds
+    the hold gone: the blocks are invalid and recomputed, counted."""
+    done, invalid = _read_after(pair, lambda: pair.producer.release("r1"))
+    assert done == {"r1"} and invalid == {0, 4}
+    stats = pair.consumer.take_stats()
+    assert stats is not None and stats.failures == {TransferFailure.HOLD_LOST: 1}
+
+
+def test_bytes_read_after_the_lease_lapsed_are_never_used() -> None:
+    pair = Pair(lease=0.05, timeout=30.0)
+    try:
+        done, invalid = _read_after(pair, lambda: time.sleep(0.1))
+        assert done == {"r1"} and invalid == {0, 4}
+        stats = pair.consumer.take_stats()
+        assert stats is not None and stats.failures == {TransferFailure.HOLD_LOST: 1}
+    finally:
+        pair.close()
+
+
+def test_a_claim_naming_other_blocks_is_refused_and_keeps_the_hold(pair: Pair) -> None:
+    """Forged params (the right id and nonce, other blocks): the claim is
+    refused, so the bytes are not used, and the real hold stays."""
+    pair.hold("r1", (5, 3))
+    source = pair.source()
+    pair.consumer.expect("r1", source)
+    pair.consumer.receive(RecvSpec("r1", source, [0], [7]), time.monotonic())
+    _, _, done = pair.pump(lambda: bool(pair.done))
+    assert done == {"r1"} and pair.consumer.take_invalid() == {0}
+    pair.hold("r2", (4, 6))
+    for forged in (HoldClaim("r2", nonce("r2"), (4,)), HoldClaim("r2", nonce("r1"), (4, 6))):
+        assert pair.producer.claim(forged.to_bytes()) is Claim.GONE
+    assert "r2" in pair.producer.holds
+    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (4, 6)).to_bytes()) is Claim.HELD
+    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (4, 6)).to_bytes()) is Claim.GONE
+    assert pair.producer.claim(HoldClaim("r9", nonce("r9"), (1,)).to_bytes()) is Claim.UNKNOWN
+    with pytest.raises(ValueError, match="malformed hold claim"):
+        pair.producer.claim(b'{"request_id": "r1"}')

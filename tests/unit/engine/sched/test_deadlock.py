@@ -15,7 +15,7 @@ from tests.unit.engine.sched.test_kv_transfers import loading, make_transfers, r
 def parked_setup() -> tuple[DeadlockBreaker, KVTransfers, KVCacheManager, list[Request]]:
     """r0 and r1 park the blocks of finished loads; r2 is the request in need."""
     transfers, kvm, requests = make_transfers()
-    parked = [loading(kvm, requests, rid, 50, 32) for rid in ("r0", "r1")]
+    parked = [loading(transfers, kvm, requests, rid, 50, 32) for rid in ("r0", "r1")]
     transfers.completions(KVConnectorOutput(finished_recving={"r0", "r1"}))
     return DeadlockBreaker(transfers), transfers, kvm, parked
 
@@ -29,7 +29,7 @@ def test_a_head_that_does_not_fit_waits_while_something_runs() -> None:
 
 def test_a_head_that_does_not_fit_waits_for_a_pending_transfer() -> None:
     breaker, transfers, kvm, parked = parked_setup()
-    loading(kvm, transfers.requests, "r9", 50, 16)  # still writing
+    loading(transfers, kvm, transfers.requests, "r9", 50, 16)  # still writing
     assert not breaker.unblock_head(parked[0], False, [], parked)
     assert kvm.num_blocks("r1") == 2
 

@@ -36,13 +36,20 @@ def hashed(rid: str, prompt: int) -> Request:
 
 
 def loading(
-    kvm: KVCacheManager, requests: dict[str, Request], rid: str, prompt: int, external: int
+    transfers: KVTransfers,
+    kvm: KVCacheManager,
+    requests: dict[str, Request],
+    rid: str,
+    prompt: int,
+    external: int,
 ) -> Request:
-    """A request parked while an async load of ``external`` tokens runs."""
+    """A request parked while an async load of ``external`` tokens runs
+    (as the scheduler parks one)."""
     request = hashed(rid, prompt)
     requests[rid] = request
     assert kvm.allocate_slots(request, external, delay_cache_blocks=True) is not None
     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    transfers.load_started(rid, external)
     return request
 
 
@@ -62,7 +69,7 @@ def test_an_unknown_failure_policy_is_refused_by_name() -> None:
 
 def test_a_finished_load_sets_what_arrived_as_computed() -> None:
     transfers, kvm, requests = make_transfers()
-    r0 = loading(kvm, requests, "r0", 50, 32)
+    r0 = loading(transfers, kvm, requests, "r0", 50, 32)
     assert not transfers.load_ready(r0)  # still loading
     transfers.completions(KVConnectorOutput(finished_recving={"r0"}))
     assert transfers.load_ready(r0)
@@ -73,15 +80,28 @@ def test_a_finished_load_sets_what_arrived_as_computed() -> None:
 
 def test_a_load_of_the_whole_prompt_leaves_the_last_token_to_compute() -> None:
     transfers, kvm, requests = make_transfers()
-    r0 = loading(kvm, requests, "r0", 32, 31)
+    r0 = loading(transfers, kvm, requests, "r0", 32, 31)
     transfers.completions(KVConnectorOutput(finished_recving={"r0"}))
     assert transfers.load_ready(r0)
     assert r0.num_computed_tokens == 31
 
 
+def test_a_load_counts_only_the_tokens_it_delivered() -> None:
+    """A load of 37 tokens fills 3 blocks, the last one partly: the 11
+    slots past them were never written, even though the request (resumed
+    after a preemption, say) now has more tokens than the blocks hold."""
+    transfers, kvm, requests = make_transfers()
+    r0 = loading(transfers, kvm, requests, "r0", 60, 37)
+    assert kvm.num_blocks("r0") == 3
+    transfers.completions(KVConnectorOutput(finished_recving={"r0"}))
+    assert transfers.load_ready(r0)
+    assert r0.num_computed_tokens == 37
+    assert len(kvm.block_pool.cached_blocks) == 2  # the partial block is not cached
+
+
 def test_a_load_that_lost_every_block_gives_them_back() -> None:
     transfers, kvm, requests = make_transfers()
-    r0 = loading(kvm, requests, "r0", 50, 32)
+    r0 = loading(transfers, kvm, requests, "r0", 50, 32)
     first_block = kvm.get_block_ids("r0")[0]
     void = transfers.output_received(KVConnectorOutput(invalid_block_ids={first_block}), [], [r0])
     assert void == set()  # an async load has no tokens in this step
@@ -109,7 +129,7 @@ def test_a_lost_block_in_a_sync_load_rewinds_the_running_request() -> None:
 
 def test_fail_policy_fails_a_sync_load_at_once_and_an_async_one_when_it_ends() -> None:
     transfers, kvm, requests = make_transfers(policy="fail")
-    r0 = loading(kvm, requests, "r0", 50, 32)
+    r0 = loading(transfers, kvm, requests, "r0", 50, 32)
     bad = kvm.get_block_ids("r0")[0]
     transfers.output_received(KVConnectorOutput(invalid_block_ids={bad}), [], [r0])
     assert transfers.take_failed_loads(set()) == set()  # the transfer may still write
@@ -175,10 +195,10 @@ def test_connector_totals_are_summed_into_a_new_object() -> None:
 
 def test_release_one_parked_frees_the_least_urgent_finished_load() -> None:
     transfers, kvm, requests = make_transfers()
-    head = loading(kvm, requests, "r0", 50, 32)
-    first = loading(kvm, requests, "r1", 50, 32)
-    last = loading(kvm, requests, "r2", 50, 32)
-    still_loading = loading(kvm, requests, "r3", 50, 32)
+    head = loading(transfers, kvm, requests, "r0", 50, 32)
+    first = loading(transfers, kvm, requests, "r1", 50, 32)
+    last = loading(transfers, kvm, requests, "r2", 50, 32)
+    still_loading = loading(transfers, kvm, requests, "r3", 50, 32)
     transfers.completions(KVConnectorOutput(finished_recving={"r0", "r1", "r2"}))
     queue = [head, first, last, still_loading]
     free_before = kvm.get_num_free_blocks()
@@ -197,7 +217,7 @@ def test_release_one_parked_frees_the_least_urgent_finished_load() -> None:
 def test_pending_while_a_load_runs_or_a_connector_holds_blocks() -> None:
     transfers, kvm, requests = make_transfers()
     assert not transfers.pending()
-    r0 = loading(kvm, requests, "r0", 50, 32)
+    r0 = loading(transfers, kvm, requests, "r0", 50, 32)
     assert transfers.pending()  # its load still writes
     transfers.completions(KVConnectorOutput(finished_recving={"r0"}))
     assert not transfers.pending()  # parked, but nothing will change on its own

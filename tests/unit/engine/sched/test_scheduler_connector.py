@@ -350,3 +350,40 @@ def test_fail_policy_with_completion_and_error_in_one_step():
 def test_unknown_failure_policy_is_refused():
     with pytest.raises(ValueError, match="kv_load_failure_policy='sometimes'"):
         make_scheduler(kv_load_failure_policy="sometimes")
+
+
+def test_a_preempted_request_back_from_an_async_load_resumes_with_all_its_tokens():
+    """A preempted request whose prompt a store connector loads again: once
+    the load is in, it resumes (the runner gets all its tokens), never
+    starts as a new request (which the runner would know only by its
+    prompt, computing its outputs' KV from the wrong tokens)."""
+    conn = FakeConnector(load_async=True)
+    sched = make_scheduler(
+        num_blocks=8,
+        max_model_len=112,
+        max_num_batched_tokens=128,
+        prefix_caching=False,
+        connector=conn,
+    )
+    sched.add_request(make_request("r0", 48, max_tokens=20))
+    sched.add_request(make_request("r1", 48, max_tokens=20))
+    step(sched)
+    assert step(sched).sched_out.preempted_req_ids == {"r1"}
+    r1 = sched.requests["r1"]
+    conn.external["r1"] = 32  # the store holds its first two blocks
+
+    def loads_at_once(so: SchedulerOutput) -> KVConnectorOutput | None:
+        parked = r1.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        return KVConnectorOutput(finished_recving={"r1"}) if parked else None
+
+    resumed = None
+    while sched.has_unfinished_requests():
+        result = step(sched, kv_connector_output=loads_at_once)
+        assert "r1" not in {n.req_id for n in result.sched_out.scheduled_new_reqs}
+        if "r1" in result.sched_out.scheduled_cached_reqs.resumed_req_ids:
+            resumed = result
+    assert resumed is not None and r1.num_preemptions == 1
+    cached = resumed.sched_out.scheduled_cached_reqs
+    assert cached.all_token_ids["r1"] == r1.all_token_ids[: len(cached.all_token_ids["r1"])]
+    assert resumed.scheduled["r1"] == 49 - 32  # the loaded 32 are not recomputed
+    assert r1.output_token_ids == [1001 + 7 * i for i in range(20)]

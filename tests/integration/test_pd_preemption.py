@@ -1,0 +1,102 @@
+"""P/D under decode-pod preemption, over each connector, with real processes.
+
+The decode pod's cache is too small for the requests it runs at once, so it
+preempts (and resumes by recomputation) requests whose prompt KV came from
+the prefill pod. The rule being tested: once a request's remote KV has
+loaded it is never read again (the prefill pod may have freed and reused
+those blocks), and a load counts as computed only the tokens it delivered.
+Answers must equal the colocated server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from service.gen.tandem.v1 import generation_pb2 as pb
+from tests.integration.redis_server import REDIS_SERVER, RedisServer
+from tests.integration.servers import ServerProcess, serving
+from tests.integration.test_pd import (
+    PROMPTS,
+    _generate,
+    _kv,
+    _status,
+    _wait_idle,
+    wait_router_sees_pods,
+)
+
+# 24 MiB of float32 KV is 32 blocks (512 tokens) of the default model: one
+# request fits, four of ~70 + 120 tokens do not.
+TINY = ["--kv-cache-memory", "24M", "--max-model-len", "512"]
+MAX_TOKENS = 120
+CONCURRENT = PROMPTS[:4]
+
+HAS_NIXL = importlib.util.find_spec("nixl_cu12") is not None
+
+
+@pytest.fixture(scope="module")
+def reference(server: ServerProcess) -> list[pb.GenerateResponse]:
+    return asyncio.run(_all(server.target))
+
+
+async def _all(target: str) -> list[pb.GenerateResponse]:
+    return list(await asyncio.gather(*(_generate(target, p, MAX_TOKENS) for p in CONCURRENT)))
+
+
+def _extra(connector: str, redis_url: str | None) -> dict[str, object]:
+    if connector == "shm":
+        return {"pool_name": f"pre-{uuid.uuid4().hex[:8]}", "capacity_bytes": 64 << 20}
+    if connector == "redis":
+        return {"url": redis_url, "key_prefix": f"p{uuid.uuid4().hex[:6]}:"}
+    return {}
+
+
+@pytest.fixture(scope="module", params=["nixl", "shm", "redis"])
+def tiny_pd(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, str]]:
+    """(connector, router, prefill, decode): pods with tiny caches."""
+    connector = str(request.param)
+    if connector == "nixl" and not HAS_NIXL:
+        pytest.skip("nixl-cu12 not installed")
+    if connector == "redis" and REDIS_SERVER is None:
+        pytest.skip("redis-server not installed")
+    with RedisServer() if connector == "redis" else _no_redis() as redis:
+        extra = _extra(connector, redis.url if redis is not None else None)
+        prefill = ServerProcess(["--role", "prefill", *TINY, *_kv(connector, "kv_producer", extra)])
+        decode = ServerProcess(["--role", "decode", *TINY, *_kv(connector, "kv_consumer", extra)])
+        router = ServerProcess(
+            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+            command="router",
+        )
+        with serving(prefill, decode, router):
+            wait_router_sees_pods(router.target)
+            yield connector, router.target, prefill.target, decode.target
+
+
+class _no_redis:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_decode_preemption_keeps_answers(
+    tiny_pd: tuple[str, str, str, str], reference: list[pb.GenerateResponse]
+) -> None:
+    connector, router, prefill, decode = tiny_pd
+    got = asyncio.run(_all(router))
+    status = asyncio.run(_status(decode))
+    assert status.num_preemptions > 0, f"{connector}: the decode pod never preempted"
+    for i, (g, w) in enumerate(zip(got, reference, strict=True)):
+        assert list(g.token_ids) == list(w.token_ids), (
+            f"{connector} prompt {i}: {g.text!r} != {w.text!r}"
+        )
+        assert g.text == w.text
+    # Nothing left held or running on either pod.
+    for target in (prefill, decode):
+        idle = asyncio.run(_wait_idle(target))
+        assert (idle.num_running, idle.num_waiting, idle.kv_cache_usage) == (0, 0, 0.0)
