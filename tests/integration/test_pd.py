@@ -71,8 +71,10 @@ async def _generate(
         return merged
 
 
-async def _generate_all(target: str, prompts: list[str]) -> list[pb.GenerateResponse]:
-    return list(await asyncio.gather(*(_generate(target, p) for p in prompts)))
+async def _generate_all(
+    target: str, prompts: list[str], max_tokens: int | None = 12
+) -> list[pb.GenerateResponse]:
+    return list(await asyncio.gather(*(_generate(target, p, max_tokens) for p in prompts)))
 
 
 async def _status(target: str) -> pb.ServerStatus:
@@ -194,9 +196,11 @@ def test_pd_over_redis_matches_colocated(
     with redis_server.client() as client:
         mgets = client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
     assert mgets > 0, "the decode pod never read from Redis"
-    assert first.usage.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
-    # The decode pod's own counters say the prompt came through the connector.
-    assert asyncio.run(_status(decode)).kv_connector_hits >= first.usage.cached_tokens
+    # The decode pod's own counters say the prompt came through the connector
+    # (the client's cached_tokens are the prefill pod's hit, as colocated: 0).
+    hits = asyncio.run(_status(decode)).kv_connector_hits
+    assert hits >= 16 * (first.usage.prompt_tokens // 16 - 1)
+    assert first.usage.cached_tokens == 0
     got = asyncio.run(_generate_all(router, PROMPTS))
     _check_parity([first], reference[:1])
     _check_parity(got, reference)
@@ -211,9 +215,9 @@ def test_pd_over_shared_memory_matches_colocated(
 ) -> None:
     router, prefill, decode = shm_pd
     first = asyncio.run(_generate(router, PROMPTS[0]))
-    assert first.usage.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
     # The decode pod's own counters say the prompt came through the connector.
-    assert asyncio.run(_status(decode)).kv_connector_hits >= first.usage.cached_tokens
+    hits = asyncio.run(_status(decode)).kv_connector_hits
+    assert hits >= 16 * (first.usage.prompt_tokens // 16 - 1)
     got = asyncio.run(_generate_all(router, PROMPTS))
     _check_parity([first], reference[:1])
     _check_parity(got, reference)
@@ -224,6 +228,21 @@ def test_pd_over_shared_memory_matches_colocated(
     spec = asyncio.run(_status(decode)).spec_decoding
     assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0
     assert not asyncio.run(_status(prefill)).HasField("spec_decoding")
+
+
+def test_pd_usage_equals_colocated(server: ServerProcess, shm_pd: tuple[str, str, str]) -> None:
+    """A new prompt, then again: the router reports the usage a colocated
+    server does, cached tokens included (the prefill pod's prefix-cache
+    hit: none, then the prompt's full blocks), not the decode pod's count
+    of the KV it was handed (the whole prompt, both times)."""
+    router = shm_pd[0]
+    prompt = f"Run {uuid.uuid4().hex[:8]}. {SYSTEM}Name a fruit."
+    for run in ("new", "again"):
+        want = asyncio.run(_generate(server.target, prompt))
+        got = asyncio.run(_generate(router, prompt))
+        _check_parity([got], [want])
+        assert got.usage.cached_tokens == want.usage.cached_tokens, run
+    assert want.usage.cached_tokens > 0  # the second run hit the prefix cache
 
 
 def test_first_token_comes_from_the_prefill_leg(shm_pd: tuple[str, str, str]) -> None:
@@ -563,6 +582,59 @@ def test_router_passes_pod_errors_through(shm_pd: tuple[str, str, str]) -> None:
     for target in shm_pd:
         assert target.rpartition(":")[2] not in details, details
     assert was_refused(err.value)  # the prefill pod refused: nothing ran anywhere
+
+
+def test_a_pod_drained_with_a_short_grace_never_answers_ok_with_abort(
+    server: ServerProcess,
+) -> None:
+    """SIGTERM to a pod with --drain-grace 0.3 while the router streams
+    requests from it: those the drain aborts end UNAVAILABLE (the pod's
+    own abort, not the client's), the rest are the colocated answers;
+    none comes back OK with finish reason ABORT."""
+    pod = ServerProcess([*SMALL, "--drain-grace", "0.3"])
+    router = ServerProcess(["--decode", pod.target, "--poll-seconds", "0.2"], command="router")
+    prompts = [f"Case {i}. {SYSTEM}Count to fifty." for i in range(6)]
+    with serving(pod, router):
+        wait_router_sees_pods(router.target)
+        want = asyncio.run(_generate_all(server.target, prompts, max_tokens=40))
+        got = asyncio.run(_drained_mid_run(router.target, prompts, pod))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if isinstance(g, grpc.aio.AioRpcError):
+            assert g.code() == grpc.StatusCode.UNAVAILABLE, (i, g.details())
+        else:
+            assert g.finish_reason != pb.FINISH_REASON_ABORT, f"prompt {i}: OK with ABORT"
+            _check_parity([g], [w])
+    cut = [g for g in got if isinstance(g, grpc.aio.AioRpcError)]
+    assert cut, "the drain aborted nothing: the case under test did not happen"
+
+
+async def _drained_mid_run(
+    router: str, prompts: list[str], pod: ServerProcess
+) -> list[pb.GenerateResponse | grpc.aio.AioRpcError]:
+    """`prompts` through the router (40 greedy tokens each); `pod` is sent
+    SIGTERM once the first token has reached a client."""
+    started = asyncio.Event()
+
+    async def one(prompt: str) -> pb.GenerateResponse | grpc.aio.AioRpcError:
+        merged = pb.GenerateResponse()
+        request = make_request(text=prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
+        try:
+            async with TandemClient(router) as client:
+                async for chunk in client.stub.Generate(request, timeout=120):
+                    started.set()
+                    merged.token_ids.extend(chunk.token_ids)
+                    merged.text += chunk.text
+                    if chunk.finish_reason:
+                        merged.finish_reason = chunk.finish_reason
+                        merged.usage.CopyFrom(chunk.usage)
+        except grpc.aio.AioRpcError as e:
+            return e
+        return merged
+
+    calls = [asyncio.create_task(one(p)) for p in prompts]
+    await asyncio.wait_for(started.wait(), 120)
+    pod.signal_drain()
+    return list(await asyncio.gather(*calls))
 
 
 def test_prefix_aware_routing_between_colocated_pods(
