@@ -14,19 +14,23 @@ import glob
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import pytest
 
 from connectors.block_codec import BlockCodec
+from connectors.shm_connector import ShmBlockStore
 from connectors.shm_pool import segment_names
 from engine.config import KVTransferConfig
-from engine.kv_cache.hashing import hash_block_tokens
+from engine.kv_cache.hashing import hash_block_tokens, hash_chain
 from engine.llm import LLM
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import TransferFailure
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -331,3 +335,138 @@ def test_redis_killed_during_the_run(
     finally:
         stop.set()
         llm.core.shutdown()
+
+
+# ---- frames under the wrong keys ------------------------------------------------
+
+# Another user's prompt: its frames are valid, their KV is not the victim's.
+OTHER = "Write a short poem about the sea, the wind and a lighthouse keeper at night. " * 6
+
+
+@dataclass
+class StoreAccess:
+    """Raw frames of a store by block hash, behind the connector's back."""
+
+    get: Callable[[bytes], bytes]
+    put: Callable[[bytes, bytes], None]
+
+
+def block_keys(llm: LLM, prompt: str) -> list[bytes]:
+    """The block hashes of ``prompt``'s full blocks (no LoRA, no salt)."""
+    return hash_chain(llm.inputs.tokenize(prompt), llm.core._connector_context().layout.block_size)
+
+
+def misplace(access: StoreAccess, victim: list[bytes], other: list[bytes], how: str) -> None:
+    """``wrong-key``: the other prompt's third frame written under the
+    victim's third key; ``swapped``: the victim's fourth and fifth frames
+    trade places."""
+    if how == "wrong-key":
+        access.put(victim[2], access.get(other[2]))
+    else:
+        fourth, fifth = access.get(victim[3]), access.get(victim[4])
+        access.put(victim[3], fifth)
+        access.put(victim[4], fourth)
+
+
+def corrupt_loads(llm: LLM) -> int:
+    stats = llm.core.scheduler.make_stats()
+    assert stats is not None
+    return stats.kv_connector_totals.failures.get(TransferFailure.CORRUPT, 0)
+
+
+def run_victim(llm: LLM, baseline: dict[str, list[int]]) -> None:
+    """The victim's prompt on an engine that finds misplaced frames: the
+    same tokens as without a connector, and one load counted corrupt."""
+    assert tokens(generate(llm, PROMPTS[:1])) == expected(baseline, PROMPTS[:1])
+    assert corrupt_loads(llm) == 1
+    assert_idle(llm)
+
+
+MISPLACEMENTS = ["wrong-key", "swapped"]
+
+
+@needs_redis
+@pytest.mark.parametrize("how", MISPLACEMENTS)
+def test_redis_frames_under_the_wrong_keys_are_counted_misses(
+    redis_server: RedisServer, baseline: dict[str, list[int]], how: str
+) -> None:
+    """Another prompt's valid frame written under the victim's key, or two
+    of the victim's frames swapped, in Redis: the next engine rejects them
+    (a miss, counted corrupt) and recomputes; the answer is unchanged."""
+    kv = redis_kv(redis_server)
+    llm = make_llm(kv)
+    try:
+        assert tokens(generate(llm, PROMPTS[:1])) == expected(baseline, PROMPTS[:1])
+        generate(llm, [OTHER])
+        ctx = llm.core._connector_context()
+        codec = BlockCodec(ctx.model_name, ctx.layout)
+        victim, other = block_keys(llm, PROMPTS[0]), block_keys(llm, OTHER)
+    finally:
+        llm.core.shutdown()
+    client = redis_server.client()
+
+    def key(block_hash: bytes) -> str:
+        return codec.text_key(block_hash, "tandem:")
+
+    def get(block_hash: bytes) -> bytes:
+        value = client.get(key(block_hash))
+        assert value is not None, "the first engine did not save the block"
+        return cast(bytes, value)
+
+    def put(block_hash: bytes, frame: bytes) -> None:
+        client.set(key(block_hash), frame)
+
+    misplace(StoreAccess(get, put), victim, other, how)
+    llm = make_llm(kv)
+    try:
+        run_victim(llm, baseline)
+    finally:
+        llm.core.shutdown()
+    assert mget_calls(client) > 0
+
+
+@needs_shm
+@pytest.mark.parametrize("how", MISPLACEMENTS)
+def test_shm_frames_under_the_wrong_keys_are_counted_misses(
+    baseline: dict[str, list[int]], how: str
+) -> None:
+    """The same in a shared-memory pool (the frames moved in place, in
+    their slots): the second engine's load rejects them. Loads are
+    asynchronous here: a failed synchronous load in a real engine leaves
+    the runner holding the voided token, and the request never finishes,
+    whatever failed (a flipped payload byte too); the in-place synchronous
+    path's rejection is tested in tests/unit/connectors/test_frame_binding.py."""
+    pool = f"test-{uuid.uuid4().hex[:12]}"
+    extra = {"pool_name": pool, "capacity_bytes": SHM_CAPACITY, "load_async": True}
+    kv = KVTransferConfig("shm", "kv_both", extra)
+    engines: list[LLM] = []
+    try:
+        a = make_llm(kv)
+        engines.append(a)
+        assert tokens(generate(a, PROMPTS[:1])) == expected(baseline, PROMPTS[:1])
+        generate(a, [OTHER])
+        store = getattr(a.core.scheduler.connector, "store", None)
+        assert isinstance(store, ShmBlockStore)
+        misplace(shm_access(store), block_keys(a, PROMPTS[0]), block_keys(a, OTHER), how)
+        b = make_llm(kv)
+        engines.append(b)
+        run_victim(b, baseline)
+    finally:
+        for llm in engines:
+            llm.core.shutdown()
+
+
+def shm_access(store: ShmBlockStore) -> StoreAccess:
+    def get(block_hash: bytes) -> bytes:
+        (frame,) = store.pool.get_many([store.codec.digest_key(block_hash)])
+        assert frame is not None, "the first engine did not save the block"
+        return frame
+
+    def put(block_hash: bytes, frame: bytes) -> None:
+        def write(data: Any, indices: list[int], slots: list[int], lengths: list[int]) -> None:
+            assert slots, "no slot to overwrite"
+            data[slots[0], : len(frame)] = np.frombuffer(frame, np.uint8)
+
+        store.pool.read_with([store.codec.digest_key(block_hash)], write)
+
+    return StoreAccess(get, put)
