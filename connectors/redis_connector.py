@@ -1,10 +1,11 @@
 """RedisConnector: KV blocks in Redis, shared by every pod of a model.
 
 Each block is one Redis string under ``{key_prefix}kv:{namespace}:{block
-hash}`` (``connectors.block_codec``): a pod with the same model and layout
-reuses any other pod's prefix. One pipeline per batch: a lookup is one round
-trip of EXISTS for a request's blocks, a load one MGET, a save one pipeline
-of SETs.
+hash}`` (``connectors.block_codec``): a pod with the same model, weight
+format and layout reuses any other pod's prefix; a frame found under another
+block's key is refused (counted ``corrupt``) and the block recomputed. One
+pipeline per batch: a lookup is one round trip of EXISTS for a request's
+blocks, a load one MGET, a save one pipeline of SETs.
 
 Extra config (``kv_connector_extra_config``):
 
