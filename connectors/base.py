@@ -208,6 +208,16 @@ class KVConnectorBase(ABC):
         Called from the service's threads: must be thread-safe."""
         return None
 
+    # Seconds between ``poll_idle`` calls while the engine has no work;
+    # None: the connector needs none (nothing progresses without a step).
+    idle_poll_seconds: float | None = None
+
+    def poll_idle(self) -> None:
+        """Worker role, engine thread, while the engine is idle: progress
+        transfers that peers run against this pod (NIXL READs of our blocks
+        need our side polled). Changes nothing the scheduler reads."""
+        return None
+
     def release_hold(self, claim: bytes) -> Claim | None:
         """A peer that read blocks this pod held claims them
         (``tandem.v1.KVTransfer/ReleaseHold``); see connectors/nixl_holds.py

@@ -188,6 +188,15 @@ class MultiConnector(KVConnectorBase):
     def side_channel_payload(self) -> bytes | None:
         return next((p for t in self.tiers if (p := t.side_channel_payload()) is not None), None)
 
+    @property
+    def idle_poll_seconds(self) -> float | None:  # type: ignore[override]
+        wanted = [t.idle_poll_seconds for t in self.tiers if t.idle_poll_seconds is not None]
+        return min(wanted) if wanted else None
+
+    def poll_idle(self) -> None:
+        for tier in self.tiers:
+            tier.poll_idle()
+
     def release_hold(self, claim: bytes) -> Claim | None:
         return next((a for t in self.tiers if (a := t.release_hold(claim)) is not None), None)
 

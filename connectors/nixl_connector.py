@@ -61,6 +61,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# An idle producer polls NIXL this often (a READ of its blocks progresses
+# only while it does): 200 wake-ups a second, nothing when no peer reads.
+IDLE_POLL_SECONDS = 0.005
+
 
 @dataclass(frozen=True)
 class HoldSpec:
@@ -93,6 +97,8 @@ class NixlConnector(KVConnectorBase):
         self.is_consumer = config.is_consumer
         self.agent_name = f"tandem-{context.engine_id}"
         host = str(extra.get("side_channel_host", "127.0.0.1"))
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 literal, as gRPC targets write it
         self.address = f"{host}:{extra.get('side_channel_port', 50051)}"
         self.compat = compat_facts(context.model_name, context.layout)
         self.compat_hash = compat_hash(self.compat)
@@ -261,6 +267,16 @@ class NixlConnector(KVConnectorBase):
 
     def side_channel_payload(self) -> bytes | None:
         return self._payload
+
+    @property
+    def idle_poll_seconds(self) -> float | None:  # type: ignore[override]
+        # A consumer may still be READing blocks of a hold that ended (it
+        # then recomputes), and its READ completes only while we poll.
+        return IDLE_POLL_SECONDS if self.worker is not None and self.is_producer else None
+
+    def poll_idle(self) -> None:
+        if self.worker is not None:
+            self.worker.poll_idle()
 
     def release_hold(self, claim: bytes) -> Claim | None:
         if self.worker is None or not self.is_producer:

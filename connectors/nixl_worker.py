@@ -222,6 +222,12 @@ class NixlWorker:
             self._next_heartbeat = now + self.lease / 3
         return sending | released, done
 
+    def poll_idle(self) -> None:
+        """The engine is idle (no holds, no reads): progress NIXL, so a
+        peer's READ of blocks we no longer hold ends, and heed its
+        notifications."""
+        self._take_notifs(time.monotonic())
+
     def take_invalid(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()
         return invalid
@@ -235,15 +241,18 @@ class NixlWorker:
     # ---- producer -------------------------------------------------------------
 
     def _poll_holds(self, now: float) -> set[str]:
-        for message in self.endpoint.take_notifs():
-            kind, _, items = message.decode(errors="replace").partition(":")
-            for item in items.split(","):
-                self._on_notif(kind, item[:NONCE_HEX], item[NONCE_HEX:], now)
+        self._take_notifs(now)
         released = self.holds.take_ended(now)
         lapsed = self.holds.leases_lapsed
         self._stats.leases_lapsed += lapsed - self._lapsed_seen
         self._lapsed_seen = lapsed
         return released
+
+    def _take_notifs(self, now: float) -> None:
+        for message in self.endpoint.take_notifs():
+            kind, _, items = message.decode(errors="replace").partition(":")
+            for item in items.split(","):
+                self._on_notif(kind, item[:NONCE_HEX], item[NONCE_HEX:], now)
 
     def _on_notif(self, kind: str, nonce: str, req_id: str, now: float) -> None:
         if kind == "reject":

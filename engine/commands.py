@@ -11,6 +11,7 @@ engine thread -> loop: ``EngineEvent``s, handed over in order
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -94,13 +95,17 @@ class CommandQueue:
             self.queue.append(command)
             self.lock.notify()
 
-    def take(self, wait: bool) -> list[Command]:
+    def take(self, wait: bool, timeout: float | None = None) -> list[Command]:
         """Every queued command, oldest first; with ``wait``, blocks until
-        there is one."""
+        there is one (or ``timeout`` seconds passed: then maybe none)."""
         with self.lock:
             if wait:
+                deadline = None if timeout is None else time.monotonic() + timeout
                 while not self.queue:
-                    self.lock.wait()
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self.lock.wait(left)
             items = list(self.queue)
             self.queue.clear()
             return items

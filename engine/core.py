@@ -180,6 +180,17 @@ class EngineCore:
         if self.pipeline is not None:
             self.pipeline.wait_idle()
 
+    @property
+    def idle_poll_seconds(self) -> float | None:
+        """How often the KV connector wants ``poll_idle`` while the engine
+        has no work (None: never)."""
+        connector = self.worker_connector
+        return connector.idle_poll_seconds if connector is not None else None
+
+    def poll_idle(self) -> None:
+        if self.worker_connector is not None:
+            self.worker_connector.poll_idle()
+
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or (
             self.pipeline is not None and self.pipeline.has_in_flight

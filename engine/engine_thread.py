@@ -151,7 +151,10 @@ class EngineThread(threading.Thread):
         num_added = 0  # reported with each step: the loop's admission counts on it
         try:
             while True:
-                commands = self._commands.take(wait=not core.has_work())
+                idle = not core.has_work()
+                commands = self._commands.take(wait=idle, timeout=core.idle_poll_seconds)
+                if idle and not commands:
+                    core.poll_idle()  # a peer may be reading our KV cache
                 for command in commands:
                     if isinstance(command, Stop):
                         return

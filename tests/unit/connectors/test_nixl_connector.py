@@ -159,3 +159,13 @@ def test_params_without_a_hold_nonce_are_recomputed(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.ERROR):
         assert consumer.get_num_new_matched_tokens(decode, 0) == (0, False)
     assert "remote_hold: expected 32 hex digits" in caplog.text
+
+
+def test_an_ipv6_side_channel_host_is_bracketed() -> None:
+    config = KVTransferConfig(
+        "nixl", "kv_producer", {"side_channel_host": "::1", "side_channel_port": 7}
+    )
+    connector = NixlConnector(
+        KVConnectorRole.SCHEDULER, ConnectorContext(config, "m", LAYOUT, "p1")
+    )
+    assert connector.address == "[::1]:7"
