@@ -6,11 +6,12 @@ colocated server as the reference."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -814,3 +815,143 @@ def test_router_resolves_pool_names_into_pods(server: ServerProcess) -> None:
     _check_parity([got], [asyncio.run(_generate(server.target, PROMPTS[0]))])
     assert f"added (localhost:{port})" in log
     assert f"tandem-nowhere.invalid:{port} resolves to no address" in log
+
+
+# --- a client reusing another's request_id (over NIXL: the prefill pod holds KV) -------
+
+needs_nixl = pytest.mark.skipif(
+    importlib.util.find_spec("nixl_cu12") is None, reason="nixl-cu12 not installed"
+)
+VICTIM = "Victim question: what is the tallest mountain on Earth, and where is it?"
+# Prompts the prefill pod serves meanwhile: with its 24M cache they take the
+# blocks a released hold would have left free.
+OTHERS = [f"Other {i}: " + "a long story about a red fox and a brown dog. " * 13 for i in range(4)]
+FILLER = "Filler: " + SYSTEM + "Count from one to one thousand."
+
+
+@pytest.fixture(scope="module")
+def nixl_busy_decode() -> Iterator[tuple[str, str, str]]:
+    """Router, NIXL prefill pod (a small cache) and a decode pod that runs
+    one request at a time: a second decode leg waits in its queue while
+    the prefill pod holds that leg's KV."""
+    prefill = ServerProcess(
+        [
+            "--role",
+            "prefill",
+            "--kv-cache-memory",
+            "24M",
+            "--max-model-len",
+            "512",
+            *_kv("nixl", "kv_producer", {}),
+        ]
+    )
+    decode = ServerProcess(
+        ["--role", "decode", *SMALL, "--max-num-seqs", "1", *_kv("nixl", "kv_consumer", {})]
+    )
+    router = ServerProcess(
+        ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+        command="router",
+    )
+    with serving(prefill, decode, router):
+        wait_router_sees_pods(router.target)
+        yield router.target, prefill.target, decode.target
+
+
+async def _held_leg(target: str, request_id: str, token_ids: list[int]) -> pb.GenerateResponse:
+    """A prefill leg sent straight to `target` under `request_id` (its KV
+    then held for a decode leg), merged."""
+    request = make_request(
+        token_ids=token_ids, max_tokens=1, temperature=0.0, request_id=request_id
+    )
+    request.kv_transfer_params.CopyFrom(dict_to_struct({"do_remote_decode": True}))
+    merged = pb.GenerateResponse()
+    async with TandemClient(target) as client:
+        async for chunk in client.stub.Generate(request, timeout=120):
+            merged.MergeFrom(chunk)
+    return merged
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.1)
+
+
+@needs_nixl
+def test_a_prefill_pods_refusal_of_a_held_id_is_marked_refused(
+    nixl_busy_decode: tuple[str, str, str],
+) -> None:
+    """An id the prefill pod's scheduler still holds (a finished prefill
+    leg's, its KV kept for a decode pod): a second request under it is
+    refused, marked refused, and the hold is left alone."""
+    prefill = nixl_busy_decode[1]
+
+    async def go() -> tuple[grpc.aio.AioRpcError, int]:
+        ids = await _tokenize(prefill, VICTIM)
+        await _held_leg(prefill, "held-id", ids)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _held_leg(prefill, "held-id", ids)
+        held = (await _status(prefill)).kv_held_requests
+        async with TandemClient(prefill) as client:  # releases it
+            await client.stub.Abort(pb.AbortRequest(request_ids=["held-id"]))
+        return err.value, held
+
+    error, held = asyncio.run(go())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already in use by a finished request" in (error.details() or "")
+    assert was_refused(error)
+    assert held == 1
+    status = asyncio.run(_wait_idle(prefill))
+    assert (status.kv_held_requests, status.kv_cache_usage) == (0, 0.0)
+
+
+@needs_nixl
+def test_a_reused_request_id_never_releases_the_victims_hold(
+    server: ServerProcess, nixl_busy_decode: tuple[str, str, str]
+) -> None:
+    """The victim's decode leg waits behind a filler while the prefill pod
+    holds its KV; a second client sends the victim's request_id through the
+    router, and the prefill pod then serves other prompts. The hold stays
+    (the duplicate names no leg of the victim's), and the victim's answer
+    is the colocated one, read over NIXL, nothing recomputed."""
+    router, prefill, decode = nixl_busy_decode
+    want = asyncio.run(_generate(server.target, VICTIM))
+
+    async def go() -> tuple[pb.GenerateResponse, grpc.aio.AioRpcError | None, int]:
+        recomputed = (await _status(decode)).kv_recomputed_tokens
+        filler = asyncio.create_task(_generate(router, FILLER, max_tokens=400))
+        await _until(lambda: _running(decode, 1, 0), "the filler decodes")
+        victim = asyncio.create_task(_generate(router, VICTIM, request_id="victim"))
+        await _until(lambda: _running(decode, 1, 1), "the victim's decode leg waits")
+        await _until(lambda: _holds(prefill, 1), "the prefill pod holds the victim's KV")
+        duplicate: grpc.aio.AioRpcError | None = None
+        try:
+            await _generate(router, "Another question.", request_id="victim")
+        except grpc.aio.AioRpcError as e:
+            duplicate = e
+        await asyncio.sleep(1.0)  # a release, had one been sent, lands meanwhile
+        for prompt in OTHERS:
+            await _generate(prefill, prompt, max_tokens=1)
+        held = (await _status(prefill)).kv_held_requests
+        assert held == 1, "the prefill pod released the victim's hold"
+        filler.cancel()
+        got = await victim
+        return got, duplicate, (await _status(decode)).kv_recomputed_tokens - recomputed
+
+    got, duplicate, recomputed = asyncio.run(go())
+    _check_parity([got], [want])
+    assert recomputed == 0
+    # The duplicate was refused as a colocated server refuses a live id.
+    assert duplicate is not None and duplicate.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert duplicate.details() == "request_id: 'victim' is already in use by a live request"
+    assert was_refused(duplicate)
+
+
+async def _running(target: str, running: int, waiting: int) -> bool:
+    status = await _status(target)
+    return (status.num_running, status.num_waiting) == (running, waiting)
+
+
+async def _holds(target: str, count: int) -> bool:
+    return (await _status(target)).kv_held_requests == count
