@@ -76,6 +76,15 @@ class ScriptedCore:
     def has_work(self) -> bool:
         return bool(self.live or self.held_kv)
 
+    # A connector that polls while idle, when set (see idle_polls).
+    idle_poll_seconds: float | None = None
+    idle_polls = 0
+
+    def poll_idle(self) -> None:
+        if self.idle_poll_seconds is None:
+            raise AssertionError("poll_idle without idle_poll_seconds")
+        self.idle_polls += 1
+
     def step(self) -> dict[int, EngineCoreOutputs]:
         # A real step's forward releases the GIL for most of its time.
         time.sleep(0.001)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -97,6 +98,30 @@ def test_steps_report_how_many_requests_the_core_took() -> None:
     assert isinstance(step, StepDone)
     assert step.num_added == 1 and step.seconds > 0
     assert [o.request_id for o in step.outputs[0].outputs] == ["a"]
+
+
+def test_take_with_a_timeout_returns_empty_when_nothing_came() -> None:
+    queue = CommandQueue()
+    start = time.monotonic()
+    assert queue.take(wait=True, timeout=0.05) == []
+    assert time.monotonic() - start >= 0.05
+
+
+def test_an_idle_engine_polls_a_connector_that_asks_for_it() -> None:
+    """A prefill pod's NIXL connector must be polled while the engine is
+    idle: a peer's READ of its blocks progresses only then."""
+    core = ScriptedCore()
+    core.idle_poll_seconds = 0.01
+
+    async def go() -> None:
+        thread, _ = await EngineThread.launch(lambda: core)  # type: ignore[arg-type,return-value]
+        await asyncio.sleep(0.3)
+        thread.stop()
+        await asyncio.to_thread(thread.join, 10)
+        thread.handoff.close()
+
+    asyncio.run(go())
+    assert core.idle_polls >= 5
 
 
 def test_a_failing_step_is_reported_and_ends_the_thread() -> None:
