@@ -25,7 +25,7 @@ import pytest
 
 from service.client import TandemClient
 from service.gen.tandem.v1 import generation_pb2 as pb
-from tests.integration.servers import ServerProcess
+from tests.integration.servers import ServerProcess, serving
 from tests.integration.test_router import _wait_pods_healthy
 from tests.lora_adapters import MAX_TOKENS, TEXTS
 
@@ -258,3 +258,33 @@ def test_the_router_sends_adapter_requests_only_where_the_adapter_is(
     assert isinstance(load, grpc.aio.AioRpcError)
     assert load.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert [a.lora_name for a in after] == ["qv8"]  # attn16 unloaded again
+
+
+def test_the_router_refuses_an_adapter_its_pools_load_from_different_files(
+    lora_adapters: dict[str, Path],
+) -> None:
+    """The prefill pool's "poems" is qv8's files, the decode pool's attn16's:
+    KV the prefill pod computes under one is wrong under the other, so the
+    router sends neither leg and names the adapter and the disagreement."""
+    args = ["--max-num-seqs", "4", "--max-model-len", "512", "--kv-cache-memory", "64M"]
+    args += ["--enable-lora", "--max-loras", "1"]
+    prefill = ServerProcess([*args, "--lora-modules", f"poems={lora_adapters['qv8']}"])
+    decode = ServerProcess([*args, "--lora-modules", f"poems={lora_adapters['attn16']}"])
+    router = ServerProcess(
+        ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+        command="router",
+    )
+    with serving(prefill, decode, router):
+        assert _wait_pods_healthy(router.target, 2) == 2
+        error = _run(
+            lambda c: _error(c.generate(token_ids=[1, 2, 3], lora_name="poems")), router.target
+        )
+        pods = (prefill, decode)
+        keys = [_run(lambda c: c.list_loras(), pod.target)[0].cache_key for pod in pods]
+        # A request an engine took would have queried its prefix cache.
+        queries = [_run(lambda c: c.status(), pod.target).prefix_cache_queries for pod in pods]
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = error.details() or ""
+    assert details.startswith("lora_name: LoRA adapter 'poems' differs between the pools"), details
+    assert keys[0] != keys[1] and all(key in details for key in keys)
+    assert queries == [0, 0]  # neither leg was sent
