@@ -146,6 +146,10 @@ class Scheduler(SchedulerInterface):
         self.finished_req_ids: set[str] = set()
         # The previous step's num_scheduled_tokens (only membership is used).
         self._prev_step_scheduled: dict[str, int] = {}
+        # Running requests whose last step's tokens were voided (a failed
+        # KV load rewound them): the runner appended the token it sampled,
+        # so the next step re-sends all their tokens.
+        self._resync: set[str] = set()
         self.num_preemptions = 0
         self.deadlock_breaker = DeadlockBreaker(self.kv_transfers)
         self.structured_output = structured_output
@@ -657,6 +661,7 @@ class Scheduler(SchedulerInterface):
         """Deltas for the running (then resumed) requests scheduled."""
         data = CachedRequestData()
         prev = self._prev_step_scheduled
+        resync, self._resync = self._resync, set()
         new_blocks = plan.req_to_new_blocks
         req_ids = data.req_ids
         new_block_ids = data.new_block_ids
@@ -665,8 +670,9 @@ class Scheduler(SchedulerInterface):
         for req in plan.running_reqs:
             req_id = req.request_id
             req_ids.append(req_id)
-            if req_id not in prev:
-                # Skipped last step: the runner may lack its newest token.
+            if req_id not in prev or req_id in resync:
+                # Skipped last step: the runner may lack its newest token;
+                # rewound: the runner holds a token that was voided.
                 data.all_token_ids[req_id] = req.all_token_ids.copy()
             blocks = new_blocks[req_id].blocks
             new_block_ids.append([b.block_id for b in blocks] if blocks else None)
@@ -702,6 +708,7 @@ class Scheduler(SchedulerInterface):
         recovered = self.kv_transfers.output_received(kv_output, self.running, self.waiting)
         for req_id in recovered:
             self._void_in_flight(self.requests[req_id])
+        self._resync |= recovered
 
         stopped_running: set[Request] = set()
         stopped_preempted: set[Request] = set()

@@ -434,12 +434,11 @@ def test_shm_frames_under_the_wrong_keys_are_counted_misses(
 ) -> None:
     """The same in a shared-memory pool (the frames moved in place, in
     their slots): the second engine's load rejects them. Loads are
-    asynchronous here: a failed synchronous load in a real engine leaves
-    the runner holding the voided token, and the request never finishes,
-    whatever failed (a flipped payload byte too); the in-place synchronous
-    path's rejection is tested in tests/unit/connectors/test_frame_binding.py."""
+    synchronous here: the step that loaded them is void, and its token,
+    which the runner had appended, is re-synced (a failed synchronous load
+    once left the request waiting forever)."""
     pool = f"test-{uuid.uuid4().hex[:12]}"
-    extra = {"pool_name": pool, "capacity_bytes": SHM_CAPACITY, "load_async": True}
+    extra = {"pool_name": pool, "capacity_bytes": SHM_CAPACITY, "load_async": False}
     kv = KVTransferConfig("shm", "kv_both", extra)
     engines: list[LLM] = []
     try:

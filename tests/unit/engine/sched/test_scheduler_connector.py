@@ -210,7 +210,12 @@ def test_invalid_block_in_a_sync_load_is_recomputed():
     assert s1.outputs == []  # the step's token is void
     assert r0.num_computed_tokens == 16
     assert r0.num_external_computed_tokens == 16
-    assert step(sched).scheduled == {"r0": 34}
+    s2 = step(sched)
+    assert s2.scheduled == {"r0": 34}
+    # The runner appended the token it sampled in the void step: it gets
+    # the request's tokens anew (else it would count one token more than
+    # the scheduler, and never sample again).
+    assert s2.sched_out.scheduled_cached_reqs.all_token_ids["r0"] == r0.all_token_ids[:50]
     run_to_completion(sched)
     assert r0.output_token_ids == reference_tokens({"r0": 50})["r0"]
 
