@@ -8,8 +8,10 @@ learns it.
 A NIXL READ is one-sided: the producer cannot refuse it, and bytes read
 after the hold ended may be another request's KV. So a consumer uses what
 it read only once the producer *confirms* the hold: it presents (request
-id, nonce, block ids) through the side channel (``ReleaseHold``), and the
-answer is HELD only if that very hold is still in this table. That proves
+id, nonce, the block ids it read) through the side channel
+(``ReleaseHold``), and the answer is HELD only if that very hold is still
+in this table and owns every one of those blocks (a consumer with a local
+prefix hit reads only the hold's tail). That proves
 the READ saw the right bytes: a hold leaves the table exactly once, and its
 blocks are freed (and may be reused) only after it left. Any other answer
 (the lease lapsed, the transfer timeout passed, the service released it,
@@ -123,14 +125,16 @@ class HoldTable:
                 self._early[(req_id, nonce)] = now
 
     def claim(self, claim: HoldClaim, now: float) -> Claim:
-        """A consumer read the hold's blocks: HELD (and released) if the
-        hold is live and matches exactly; else GONE or UNKNOWN."""
+        """A consumer read some of the hold's blocks: HELD (and released)
+        if the hold is live, under this nonce, and owns each block read;
+        else GONE or UNKNOWN."""
         with self._lock:
             hold = self._holds.get(claim.request_id)
             if hold is None:
                 key = (claim.request_id, claim.nonce)
                 return Claim.GONE if key in self._gone else Claim.UNKNOWN
-            if hold.nonce != claim.nonce or hold.block_ids != claim.block_ids:
+            # A consumer with a local prefix hit reads only the tail blocks.
+            if hold.nonce != claim.nonce or not set(claim.block_ids) <= set(hold.block_ids):
                 logger.warning(
                     "refusing a claim on the hold of %s: its nonce or blocks do not match",
                     claim.request_id,
@@ -186,7 +190,11 @@ class ClaimSender:
         if key := os.environ.get("TANDEM_API_KEY"):
             metadata.append(("authorization", f"Bearer {key}"))
         request = wrappers_pb2.BytesValue(value=claim.to_bytes())
-        reply = self._call(address)(request, timeout=self.timeout, metadata=metadata)
+        # wait_for_ready: a kept channel to a producer that restarted on the
+        # same address is in reconnect backoff; fail-fast would call the
+        # live new incarnation unreachable.
+        call = self._call(address)
+        reply = call(request, timeout=self.timeout, metadata=metadata, wait_for_ready=True)
         return Claim.HELD if reply.value else Claim.GONE
 
     def _call(self, address: str) -> Any:

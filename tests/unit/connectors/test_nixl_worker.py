@@ -376,11 +376,12 @@ def test_a_claim_naming_other_blocks_is_refused_and_keeps_the_hold(pair: Pair) -
     _, _, done = pair.pump(lambda: bool(pair.done))
     assert done == {"r1"} and pair.consumer.take_invalid() == {0}
     pair.hold("r2", (4, 6))
-    for forged in (HoldClaim("r2", nonce("r2"), (4,)), HoldClaim("r2", nonce("r1"), (4, 6))):
+    for forged in (HoldClaim("r2", nonce("r2"), (6, 7)), HoldClaim("r2", nonce("r1"), (4, 6))):
         assert pair.producer.claim(forged.to_bytes()) is Claim.GONE
     assert "r2" in pair.producer.holds
-    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (4, 6)).to_bytes()) is Claim.HELD
-    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (4, 6)).to_bytes()) is Claim.GONE
+    # A consumer with a local prefix hit reads (and claims) only the tail.
+    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (6,)).to_bytes()) is Claim.HELD
+    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (6,)).to_bytes()) is Claim.GONE
     assert pair.producer.claim(HoldClaim("r9", nonce("r9"), (1,)).to_bytes()) is Claim.UNKNOWN
     with pytest.raises(ValueError, match="malformed hold claim"):
         pair.producer.claim(b'{"request_id": "r1"}')
