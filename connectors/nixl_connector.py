@@ -62,8 +62,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # An idle producer polls NIXL this often (a READ of its blocks progresses
-# only while it does): 200 wake-ups a second, nothing when no peer reads.
-IDLE_POLL_SECONDS = 0.005
+# only while it does): an idle pod measured 1.3% of a core (3.3% at 5 ms).
+IDLE_POLL_SECONDS = 0.02
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,12 @@ learns it.
 A NIXL READ is one-sided: the producer cannot refuse it, and bytes read
 after the hold ended may be another request's KV. So a consumer uses what
 it read only once the producer *confirms* the hold: it presents (request
-id, nonce, the block ids it read) through the side channel
-(``ReleaseHold``), and the answer is HELD only if that very hold is still
-in this table and owns every one of those blocks (a consumer with a local
-prefix hit reads only the hold's tail). That proves
+id, nonce, the hold's block ids as its params listed them) through the
+side channel (``ReleaseHold``), and the answer is HELD only if that very
+hold is still in this table with exactly those blocks in that order. (A
+consumer with a local prefix hit reads only the tail of that list; the
+whole list binds each block it read to its position, so params that
+reorder or swap a hold's own blocks are refused too.) That proves
 the READ saw the right bytes: a hold leaves the table exactly once, and its
 blocks are freed (and may be reused) only after it left. Any other answer
 (the lease lapsed, the transfer timeout passed, the service released it,
@@ -125,16 +127,14 @@ class HoldTable:
                 self._early[(req_id, nonce)] = now
 
     def claim(self, claim: HoldClaim, now: float) -> Claim:
-        """A consumer read some of the hold's blocks: HELD (and released)
-        if the hold is live, under this nonce, and owns each block read;
-        else GONE or UNKNOWN."""
+        """A consumer read (some of) the hold's blocks: HELD (and released)
+        if the hold is live and matches exactly; else GONE or UNKNOWN."""
         with self._lock:
             hold = self._holds.get(claim.request_id)
             if hold is None:
                 key = (claim.request_id, claim.nonce)
                 return Claim.GONE if key in self._gone else Claim.UNKNOWN
-            # A consumer with a local prefix hit reads only the tail blocks.
-            if hold.nonce != claim.nonce or not set(claim.block_ids) <= set(hold.block_ids):
+            if hold.nonce != claim.nonce or hold.block_ids != claim.block_ids:
                 logger.warning(
                     "refusing a claim on the hold of %s: its nonce or blocks do not match",
                     claim.request_id,

@@ -313,7 +313,9 @@ class NixlWorker:
             # The bytes count only once the producer confirms it held them
             # throughout: claim the hold.
             source = read.spec.source
-            claim = HoldClaim(source.request_id, source.nonce, tuple(read.spec.remote_ids))
+            # The whole list the params named: it binds each block read
+            # (a tail of it, after a local prefix hit) to its position.
+            claim = HoldClaim(source.request_id, source.nonce, source.block_ids)
             read.claim = self._pool.submit(self._claim, source.address, claim)
             return None
         if state == "ERR":

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +28,7 @@ from tests.integration.test_pd import SMALL, _generate, _kv, _leg, _status, _tok
 
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
 
-TIMEOUT = 4.0  # the prefill pod's --kv-transfer-timeout
+TIMEOUT = 2.0  # the prefill pod's --kv-transfer-timeout
 VICTIM = "Victim question: what is the tallest mountain on Earth, and where is it?"
 # Other prompts the prefill pod serves meanwhile, at once: with its cache of
 # 34 blocks, their ~36 blocks take every free one, the victim's included.
@@ -87,24 +86,47 @@ def _victim_after(
 ) -> list[int]:
     """The victim's two legs with its decode leg queued behind a filler on
     the decode pod while ``end_hold(prefill leg id)`` frees its hold and
-    other prompts reuse the blocks. Returns the victim's tokens."""
+    other prompts reuse the blocks; then the filler is cancelled and the
+    victim runs. Returns the victim's tokens."""
     prefill, decode = pods.prefill.target, pods.decode.target
 
     async def run() -> list[int]:
-        filler = asyncio.create_task(_generate(decode, "A filler that keeps the pod busy.", 300))
+        filler = asyncio.create_task(_generate(decode, "A filler that keeps the pod busy.", 1500))
+        await _until(lambda: _running(decode, 1, 0), "the filler decodes")
         first = await _leg(prefill, ids, 1, {"do_remote_decode": True})
         params = forge(struct_to_dict(first.kv_transfer_params))
         victim = asyncio.create_task(_leg(decode, ids + list(first.token_ids), 11, params))
-        await asyncio.sleep(0.3)  # the victim's decode leg is queued
-        assert not victim.done(), "the decode leg did not wait behind the filler"
+        await _until(lambda: _running(decode, 1, 1), "the victim's decode leg waits")
         await asyncio.to_thread(end_hold, str(params["remote_request_id"]))
         # Their KV goes where the victim's was.
         await asyncio.gather(*(_generate(prefill, prompt, 1) for prompt in OTHERS))
-        await filler
+        assert not victim.done(), "the decode leg did not wait behind the filler"
+        filler.cancel()  # the decode pod aborts it: the victim's turn
         rest = await victim
         return list(first.token_ids) + list(rest.token_ids)
 
     return asyncio.run(run())
+
+
+async def _running(target: str, running: int, waiting: int) -> bool:
+    status = await _status(target)
+    return (status.num_running, status.num_waiting) == (running, waiting)
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.05)
+
+
+def _until_lapsed(target: str, lapsed: int) -> None:
+    """Until the prefill pod has freed ``lapsed`` holds unread."""
+
+    async def check() -> bool:
+        return (await _status(target)).kv_leases_lapsed >= lapsed
+
+    asyncio.run(_until(check, f"{lapsed} holds lapsed", timeout=TIMEOUT + 30))
 
 
 def _check(pods: Pods, got: list[int], want: list[int], lost_before: int) -> None:
@@ -131,7 +153,7 @@ def test_the_transfer_timeout_lapsing_while_the_decode_leg_waits(
     ids, tokens = want
     before = _hold_lost(pods.decode.target)
     lapsed = asyncio.run(_status(pods.prefill.target)).kv_leases_lapsed
-    got = _victim_after(pods, ids, lambda rid: time.sleep(TIMEOUT + 0.5))
+    got = _victim_after(pods, ids, lambda rid: _until_lapsed(pods.prefill.target, lapsed + 1))
     _check(pods, got, tokens, before)
     assert asyncio.run(_status(pods.prefill.target)).kv_leases_lapsed == lapsed + 1
 

@@ -153,14 +153,15 @@ def test_descriptor_table_and_indices_address_every_layer_and_half() -> None:
 
 
 def test_read_copies_the_blocks_and_frees_the_producer(pair: Pair) -> None:
-    pair.hold("r1", (5, 3))
+    pair.hold("r1", (5, 3, 7))
     source = pair.source()
     pair.consumer.expect("r1", source)
     pair.consumer.receive(RecvSpec("r1", source, [0, 4], [5, 3]), time.monotonic())
     sent, released, done = pair.pump(lambda: bool(pair.done and pair.sent))
     assert done == {"r1"} and not released
     assert sent == {"r1"}, "the claim did not release the hold"
-    assert pair.claims == [HoldClaim("r1", nonce("r1"), (5, 3))]
+    # The claim names the whole list the params gave (it binds positions).
+    assert pair.claims == [HoldClaim("r1", nonce("r1"), (5, 3, 7))]
     assert pair.consumer.take_invalid() == set()
     for local, remote in ((0, 5), (4, 3)):
         assert torch.equal(_block(pair.cons_caches, local), _block(pair.prod_caches, remote))
@@ -267,7 +268,7 @@ def test_a_request_from_a_gone_incarnation_fails_after_one_refetch(pair: Pair) -
     assert stats is not None and stats.failures == {TransferFailure.PEER_RESTARTED: 1}
     # A request naming the current incarnation reads without a new handshake.
     good = pair.source("r2")
-    pair.hold("r2", (7,))
+    pair.hold("r2", (5, 3, 7))
     pair.consumer.receive(RecvSpec("r2", good, [1], [7]), time.monotonic())
     _, _, done = pair.pump(lambda: "r2" not in pair.consumer.reads)
     assert done == {"r2"} and pair.consumer.take_invalid() == set()
@@ -336,7 +337,7 @@ def test_a_release_from_the_service_frees_a_hold_at_the_next_poll(pair: Pair) ->
 def _read_after(pair: Pair, end_hold: Callable[[], None]) -> tuple[set[str], set[int]]:
     """A READ of r1's held blocks whose hold ``end_hold`` ends before the
     claim: (consumer finished_recving, invalid block ids)."""
-    pair.hold("r1", (5, 3))
+    pair.hold("r1", (5, 3, 7))
     end_hold()
     pair.producer.poll(set())  # the hold leaves; its blocks could be reused
     source = pair.source()
@@ -344,6 +345,16 @@ def _read_after(pair: Pair, end_hold: Callable[[], None]) -> tuple[set[str], set
     pair.consumer.receive(RecvSpec("r1", source, [0, 4], [5, 3]), time.monotonic())
     _, _, done = pair.pump(lambda: bool(pair.done))
     return done, pair.consumer.take_invalid()
+
+
+def test_a_read_of_the_holds_tail_after_a_local_prefix_hit_is_confirmed(pair: Pair) -> None:
+    pair.hold("r1", (5, 3, 7))
+    source = pair.source()
+    pair.consumer.expect("r1", source)
+    pair.consumer.receive(RecvSpec("r1", source, [2], [7]), time.monotonic())
+    _, _, done = pair.pump(lambda: bool(pair.done))
+    assert done == {"r1"} and pair.consumer.take_invalid() == set()
+    assert torch.equal(_block(pair.cons_caches, 2), _block(pair.prod_caches, 7))
 
 
 def test_bytes_read_after_the_hold_was_released_are_never_used(pair: Pair) -> None:
@@ -376,12 +387,13 @@ def test_a_claim_naming_other_blocks_is_refused_and_keeps_the_hold(pair: Pair) -
     _, _, done = pair.pump(lambda: bool(pair.done))
     assert done == {"r1"} and pair.consumer.take_invalid() == {0}
     pair.hold("r2", (4, 6))
-    for forged in (HoldClaim("r2", nonce("r2"), (6, 7)), HoldClaim("r2", nonce("r1"), (4, 6))):
-        assert pair.producer.claim(forged.to_bytes()) is Claim.GONE
+    forgeries = [(6,), (6, 4), (4, 6, 7)]  # a part, reordered (positions swapped), more
+    for blocks in forgeries:
+        assert pair.producer.claim(HoldClaim("r2", nonce("r2"), blocks).to_bytes()) is Claim.GONE
+    assert pair.producer.claim(HoldClaim("r2", nonce("r1"), (4, 6)).to_bytes()) is Claim.GONE
     assert "r2" in pair.producer.holds
-    # A consumer with a local prefix hit reads (and claims) only the tail.
-    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (6,)).to_bytes()) is Claim.HELD
-    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (6,)).to_bytes()) is Claim.GONE
+    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (4, 6)).to_bytes()) is Claim.HELD
+    assert pair.producer.claim(HoldClaim("r2", nonce("r2"), (4, 6)).to_bytes()) is Claim.GONE
     assert pair.producer.claim(HoldClaim("r9", nonce("r9"), (1,)).to_bytes()) is Claim.UNKNOWN
     with pytest.raises(ValueError, match="malformed hold claim"):
         pair.producer.claim(b'{"request_id": "r1"}')
