@@ -134,10 +134,14 @@ def wait_router_sees_pods(router: str, timeout: float = 60.0) -> None:
 
 
 def _pd_stack(
-    producer: list[str], consumer: list[str], both: tuple[str, ...] = ()
+    producer: list[str],
+    consumer: list[str],
+    both: tuple[str, ...] = (),
+    prefill_cache: list[str] = SMALL,
+    decode_cache: list[str] = SMALL,
 ) -> Iterator[tuple[str, str, str]]:
-    prefill = ServerProcess(["--role", "prefill", *SMALL, *producer, *both])
-    decode = ServerProcess(["--role", "decode", *SMALL, *consumer, *both])
+    prefill = ServerProcess(["--role", "prefill", *prefill_cache, *producer, *both])
+    decode = ServerProcess(["--role", "decode", *decode_cache, *consumer, *both])
     router = ServerProcess(
         ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
         command="router",
@@ -834,27 +838,12 @@ def nixl_busy_decode() -> Iterator[tuple[str, str, str]]:
     """Router, NIXL prefill pod (a small cache) and a decode pod that runs
     one request at a time: a second decode leg waits in its queue while
     the prefill pod holds that leg's KV."""
-    prefill = ServerProcess(
-        [
-            "--role",
-            "prefill",
-            "--kv-cache-memory",
-            "24M",
-            "--max-model-len",
-            "512",
-            *_kv("nixl", "kv_producer", {}),
-        ]
+    yield from _pd_stack(
+        _kv("nixl", "kv_producer", {}),
+        _kv("nixl", "kv_consumer", {}),
+        prefill_cache=["--kv-cache-memory", "24M", "--max-model-len", "512"],
+        decode_cache=[*SMALL, "--max-num-seqs", "1"],
     )
-    decode = ServerProcess(
-        ["--role", "decode", *SMALL, "--max-num-seqs", "1", *_kv("nixl", "kv_consumer", {})]
-    )
-    router = ServerProcess(
-        ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
-        command="router",
-    )
-    with serving(prefill, decode, router):
-        wait_router_sees_pods(router.target)
-        yield router.target, prefill.target, decode.target
 
 
 async def _held_leg(target: str, request_id: str, token_ids: list[int]) -> pb.GenerateResponse:

@@ -11,6 +11,8 @@ Answers must equal the colocated server's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import importlib.util
 import uuid
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ import pytest
 
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
-from tests.integration.servers import ServerProcess, serving
+from tests.integration.servers import ServerProcess, launched
 from tests.integration.test_pd import (
     PROMPTS,
     _generate,
@@ -55,48 +57,67 @@ def _extra(connector: str, redis_url: str | None) -> dict[str, object]:
     return {}
 
 
-@pytest.fixture(scope="module", params=["nixl", "shm", "redis"])
-def tiny_pd(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str, str]]:
-    """(connector, router, prefill, decode): pods with tiny caches."""
-    connector = str(request.param)
-    if connector == "nixl" and not HAS_NIXL:
-        pytest.skip("nixl-cu12 not installed")
-    if connector == "redis" and REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
-    with RedisServer() if connector == "redis" else _no_redis() as redis:
-        extra = _extra(connector, redis.url if redis is not None else None)
-        prefill = ServerProcess(["--role", "prefill", *TINY, *_kv(connector, "kv_producer", extra)])
-        decode = ServerProcess(["--role", "decode", *TINY, *_kv(connector, "kv_consumer", extra)])
-        router = ServerProcess(
-            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
-            command="router",
-        )
-        with serving(prefill, decode, router):
-            wait_router_sees_pods(router.target)
-            yield connector, router.target, prefill.target, decode.target
+def _pod(role: str, kv: list[str]) -> ServerProcess:
+    return ServerProcess(["--role", role, *TINY, *kv])
 
 
-class _no_redis:
-    def __enter__(self) -> None:
-        return None
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    router: ServerProcess
+    prefill: ServerProcess
+    decode: ServerProcess
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+
+@pytest.fixture(scope="module")
+def stacks() -> Iterator[dict[str, Stack]]:
+    """A router, prefill and decode pod with tiny caches per connector,
+    launched together (their start-ups overlap); each test enters its own."""
+    with contextlib.ExitStack() as resources:
+        stacks: dict[str, Stack] = {}
+        for connector in CONNECTORS:
+            if connector == "nixl" and not HAS_NIXL:
+                continue
+            if connector == "redis" and REDIS_SERVER is None:
+                continue
+            url = resources.enter_context(RedisServer()).url if connector == "redis" else None
+            extra = _extra(connector, url)
+            prefill = ServerProcess(
+                ["--role", "prefill", *TINY, *_kv(connector, "kv_producer", extra)]
+            )
+            decode = ServerProcess(
+                ["--role", "decode", *TINY, *_kv(connector, "kv_consumer", extra)]
+            )
+            router = ServerProcess(
+                ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+                command="router",
+            )
+            stacks[connector] = Stack(router, prefill, decode)
+        servers = [p for s in stacks.values() for p in (s.prefill, s.decode, s.router)]
+        resources.enter_context(launched(*servers))
+        yield stacks
 
 
+CONNECTORS = ["nixl", "shm", "redis"]
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
 def test_decode_preemption_keeps_answers(
-    tiny_pd: tuple[str, str, str, str], reference: list[pb.GenerateResponse]
+    stacks: dict[str, Stack], reference: list[pb.GenerateResponse], connector: str
 ) -> None:
-    connector, router, prefill, decode = tiny_pd
-    got = asyncio.run(_all(router))
-    status = asyncio.run(_status(decode))
-    assert status.num_preemptions > 0, f"{connector}: the decode pod never preempted"
-    for i, (g, w) in enumerate(zip(got, reference, strict=True)):
-        assert list(g.token_ids) == list(w.token_ids), (
-            f"{connector} prompt {i}: {g.text!r} != {w.text!r}"
-        )
-        assert g.text == w.text
-    # Nothing left held or running on either pod.
-    for target in (prefill, decode):
-        idle = asyncio.run(_wait_idle(target))
-        assert (idle.num_running, idle.num_waiting, idle.kv_cache_usage) == (0, 0, 0.0)
+    if connector not in stacks:
+        pytest.skip(f"{connector}: not installed here")
+    stack = stacks[connector]
+    with stack.prefill, stack.decode, stack.router:
+        wait_router_sees_pods(stack.router.target)
+        got = asyncio.run(_all(stack.router.target))
+        status = asyncio.run(_status(stack.decode.target))
+        assert status.num_preemptions > 0, f"{connector}: the decode pod never preempted"
+        for i, (g, w) in enumerate(zip(got, reference, strict=True)):
+            assert list(g.token_ids) == list(w.token_ids), (
+                f"{connector} prompt {i}: {g.text!r} != {w.text!r}"
+            )
+            assert g.text == w.text
+        # Nothing left held or running on either pod.
+        for pod in (stack.prefill, stack.decode):
+            idle = asyncio.run(_wait_idle(pod.target))
+            assert (idle.num_running, idle.num_waiting, idle.kv_cache_usage) == (0, 0, 0.0)

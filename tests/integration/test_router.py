@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.client import TandemClient, make_request
 from tests.integration.servers import ROOT, ServerProcess, free_port
 from tests.integration.test_pd import PROMPTS, _check_parity, _generate, _status
-from tests.integration.test_service import _undecodable
+from tests.integration.test_service import _send_raw, _undecodable
 
 
 def _metrics(port: int | None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -175,16 +175,7 @@ def test_the_router_refuses_undecodable_bodies_before_the_api_key(server: Server
     cases = _undecodable()
 
     async def go() -> tuple[list[grpc.aio.AioRpcError], grpc.aio.AioRpcError]:
-        errors = []
-        async with grpc.aio.insecure_channel(router.target) as channel:
-            for method, raw in cases:
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    if method.endswith("/Generate"):
-                        async for _ in channel.unary_stream(method)(raw, timeout=30):
-                            pass
-                    else:
-                        await channel.unary_unary(method)(raw, timeout=30)
-                errors.append(info.value)
+        errors = await _send_raw(router.target, cases)
         async with TandemClient(router.target) as anonymous:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await anonymous.model_info()

@@ -568,6 +568,21 @@ def _undecodable() -> list[tuple[str, bytes]]:
     ]
 
 
+async def _send_raw(target: str, cases: list[tuple[str, bytes]]) -> list[grpc.aio.AioRpcError]:
+    """Each raw body to its method; the error each ends with."""
+    errors = []
+    async with grpc.aio.insecure_channel(target) as channel:
+        for method, raw in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                if method.endswith("/Generate"):
+                    async for _ in channel.unary_stream(method)(raw, timeout=30):
+                        pass
+                else:
+                    await channel.unary_unary(method)(raw, timeout=30)
+            errors.append(info.value)
+    return errors
+
+
 def test_undecodable_messages_get_invalid_argument_and_no_traceback(
     server: ServerProcess,
 ) -> None:
@@ -575,20 +590,7 @@ def test_undecodable_messages_get_invalid_argument_and_no_traceback(
     start = len(server.log_path.read_bytes())
     cases = _undecodable()
 
-    async def go() -> list[grpc.aio.AioRpcError]:
-        errors = []
-        async with grpc.aio.insecure_channel(server.target) as channel:
-            for method, raw in cases:
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    if method.endswith("/Generate"):
-                        async for _ in channel.unary_stream(method)(raw, timeout=30):
-                            pass
-                    else:
-                        await channel.unary_unary(method)(raw, timeout=30)
-                errors.append(info.value)
-        return errors
-
-    for (method, _), error in zip(cases, asyncio.run(go()), strict=True):
+    for (method, _), error in zip(cases, asyncio.run(_send_raw(server.target, cases)), strict=True):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, error.details())
         assert (error.details() or "").startswith("request: does not decode"), error.details()
     log = server.log_path.read_bytes()[start:].decode(errors="replace")
