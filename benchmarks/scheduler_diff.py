@@ -175,7 +175,7 @@ class TandemSide:
         so = self.pending.popleft()
         req_ids = list(so.num_scheduled_tokens)
         kv_output = None
-        if self.sched.connector is not None:
+        if self.sched.kv_transfers.has_connector:
             kv_output = KVConnectorOutput(
                 finished_sending=finished_sending,
                 finished_recving=finished_recving,
@@ -190,8 +190,7 @@ class TandemSide:
         outputs = self.sched.update_from_output(so, output)
         return {
             o.request_id: str(o.finish_reason)
-            for eco in outputs.values()
-            for o in eco.outputs
+            for o in outputs.outputs
             if o.finish_reason is not None
         }
 

@@ -4,14 +4,19 @@ stream and 16 concurrent.
 
 Engines, all alive at once and run interleaved (base, ngram, draft, base,
 ngram, draft, ...): ``base`` (no speculation), ``ngram`` (prompt lookup,
-``--k`` drafts, n-grams of 1-4 tokens) and ``draft`` (the default model
+``--k`` drafts at most, sent where the adaptive policy says they pay),
+``fixed`` (the same, every draft sent), ``async`` (``ngram`` under
+asynchronous scheduling) and ``draft`` (the default model
 drafting for itself: an upper bound on acceptance; its cost is one draft
 forward per draft token, so on a CPU, where a forward costs about as much
 as the target's, it cannot win).
 
 Workloads (chat-templated): ``copy``, outputs that largely copy the prompt
 (repeat a passage, fix its spelling, rename a function in code, reformat
-a list), and ``free``, open questions. Single stream: each prompt alone, one
+a list), ``hand``, the same kind of task around text written by other
+people, read at run time (functions of the standard library, a package's
+README paragraph: not shaped for the proposer), and ``free``, open
+questions. Single stream: each prompt alone, one
 after another; 16 concurrent: 16 prompts (the workload's, cycled) in one
 ``generate``. A run's figure is its output tokens / wall seconds; ratios are
 taken per round against that round's base run, then the median (min-max).
@@ -31,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +72,51 @@ COPY_TASKS = [
     "Rewrite this list with one item per line: apples, pears, plums, grapes, lemons, "
     "cherries, peaches, melons, oranges, limes.",
 ]
+
+
+def hand_tasks() -> list[str]:
+    """Copy-heavy prompts around text written by other people, read at run
+    time from the standard library and an installed package (not chosen or
+    shaped for the proposer): rewrite it with one small change."""
+    import fnmatch
+    import inspect
+    import json
+    import shlex
+    import statistics
+    import textwrap
+
+    def source(obj: object) -> str:
+        return textwrap.dedent(inspect.getsource(obj))  # type: ignore[arg-type]
+
+    doc = (json.__doc__ or "").strip().split("\n\n")[0]
+    return [
+        f"Rewrite this function, renaming the variable chunks to pieces:\n\n"
+        f"{source(textwrap.TextWrapper._split)}",
+        f"Rewrite this function, renaming the parameter data to values:\n\n"
+        f"{source(statistics.median)}",
+        f"Rewrite this function under the name shell_quote:\n\n{source(shlex.quote)}",
+        f"Rewrite this function, adding a comment above its last line:\n\n"
+        f"{source(fnmatch.fnmatch)}",
+        f"Rewrite this paragraph, changing the word 'JSON' to 'Json':\n\n{doc}",
+        f"Rewrite this paragraph with 'HTTP' in lower case:\n\n{_readme_paragraph()}",
+    ]
+
+
+def _readme_paragraph() -> str:
+    """The first prose paragraph of requests' README (its package metadata),
+    or of the textwrap module's docstring where requests is missing."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        body = metadata("requests").get_payload()  # type: ignore[attr-defined]
+    except PackageNotFoundError:
+        import textwrap
+
+        return textwrap.__doc__ or ""
+    paragraphs = [p.strip() for p in str(body).split("\n\n")]
+    return next(p for p in paragraphs if p[:1].isalpha() and len(p) > 200)
+
+
 FREE_TASKS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how an airplane stays in the air.",
@@ -95,20 +145,30 @@ def _engines(names: list[str], k: int, lookup: tuple[int, int]) -> dict[str, LLM
     from engine.llm import LLM
     from engine.models.loader import resolve_model
 
+    ngram = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=k,
+        prompt_lookup_min=lookup[0],
+        prompt_lookup_max=lookup[1],
+    )
     specs = {
         "base": None,
-        "ngram": SpeculativeConfig(
-            method="ngram",
-            num_speculative_tokens=k,
-            prompt_lookup_min=lookup[0],
-            prompt_lookup_max=lookup[1],
-        ),
+        "ngram": ngram,
+        # Every draft sent, whatever it costs (the adaptive policy off).
+        "fixed": replace(ngram, adaptive=False),
+        "async": ngram,
         "draft": SpeculativeConfig(
             method="draft_model", model=str(resolve_model(None)), num_speculative_tokens=k
         ),
     }
     return {
-        n: LLM(max_model_len=2048, kv_cache_memory=1 << 30, speculative=specs[n]) for n in names
+        n: LLM(
+            max_model_len=2048,
+            kv_cache_memory=1 << 30,
+            speculative=specs[n],
+            async_scheduling=n == "async",
+        )
+        for n in names
     }
 
 
@@ -144,10 +204,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--engines", default="base,ngram,draft")
+    ap.add_argument("--engines", default="base,ngram,draft", help="of base,ngram,fixed,async,draft")
     ap.add_argument("--lookup", default="", help="ngram's prompt_lookup_min,max")
     ap.add_argument("--modes", default="single,c16")
-    ap.add_argument("--workloads", default="copy,free")
+    ap.add_argument("--workloads", default="copy,hand,free")
     args = ap.parse_args()
     names = args.engines.split(",")
     if names[0] != "base":
@@ -163,7 +223,7 @@ def main() -> None:
     print(f"ngram prompt_lookup_min,max = {lookup}")
     engines = _engines(names, args.k, lookup)
     llm0 = next(iter(engines.values()))
-    tasks = {"copy": COPY_TASKS, "free": FREE_TASKS}
+    tasks = {"copy": COPY_TASKS, "hand": hand_tasks(), "free": FREE_TASKS}
     cases = [(w, m) for w in args.workloads.split(",") for m in args.modes.split(",")]
     runs: dict[tuple[str, str, str], list[Run]] = {}
     for r in range(args.rounds):

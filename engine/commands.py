@@ -119,7 +119,7 @@ class StepDone:
     """A step's outputs, or (``seconds`` 0) the stats of an idle engine
     after commands changed its state."""
 
-    outputs: dict[int, EngineCoreOutputs]
+    outputs: EngineCoreOutputs
     num_added: int  # AddRequest commands applied so far
     seconds: float  # how long the step took
     timestamp: float  # wall clock at hand-off (KV events carry it)

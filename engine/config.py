@@ -322,6 +322,12 @@ class SpeculativeConfig:
     target's vocabulary (``model``: its directory or .gguf) drafts greedily.
     Either way the target verifies ``num_speculative_tokens`` drafts per
     step in one forward, so outputs are distributed as without drafts.
+
+    ``adaptive`` (Tandem's own): each request sends only the drafts that
+    its measured acceptance and this machine's measured cost of a token row
+    say pay, none when none do (engine/spec_decode/adaptive.py).
+    ``disable_by_batch_size`` (vLLM's): no drafts while this many requests
+    or more are running.
     """
 
     method: SpecMethod = "ngram"
@@ -329,6 +335,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None
+    adaptive: bool = True
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -352,6 +360,13 @@ class SpeculativeConfig:
             "model",
             self.model,
             "a draft model path with method 'draft_model', and none with 'ngram'",
+        )
+        limit = self.disable_by_batch_size
+        _require(
+            limit is None or (isinstance(limit, int) and limit >= 1),
+            "disable_by_batch_size",
+            limit,
+            "a positive int or null",
         )
 
     @classmethod

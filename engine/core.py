@@ -119,7 +119,7 @@ class EngineCore:
 
     def connector_health(self) -> str | None:
         """Why a KV connector is not working, or None."""
-        for connector in (self.scheduler.connector, self.worker_connector):
+        for connector in (self.scheduler.kv_transfers.connector, self.worker_connector):
             problem = connector.health() if connector is not None else None
             if problem is not None:
                 return problem
@@ -196,8 +196,8 @@ class EngineCore:
             self.pipeline is not None and self.pipeline.has_in_flight
         )
 
-    def step(self) -> dict[int, EngineCoreOutputs]:
-        """Runs one step; returns outputs grouped by client index. With
+    def step(self) -> EngineCoreOutputs:
+        """Runs one step; returns its outputs. With
         asynchronous scheduling: submits the next step and returns the
         outputs of the one that was in flight."""
         if self.pipeline is not None:
@@ -206,7 +206,7 @@ class EngineCore:
                 self._remove_idle_loras()
             return outputs
         if not self.scheduler.has_requests():
-            return {}
+            return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.worker.execute_model(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -219,10 +219,10 @@ class EngineCore:
             self._remove_idle_loras()
         return outputs
 
-    def stats_only(self) -> dict[int, EngineCoreOutputs]:
+    def stats_only(self) -> EngineCoreOutputs:
         """A step's worth of stats without a step: what an idle engine
         reports after commands (aborts) changed its state."""
-        return {0: EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())}
+        return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
 
     def shutdown(self) -> None:
         if self.pipeline is not None:

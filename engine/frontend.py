@@ -73,27 +73,22 @@ class FrontEnd:
     def has_unfinished(self) -> bool:
         return self._outputs.has_unfinished()
 
-    def process_step(self, step: dict[int, EngineCoreOutputs], seconds: float) -> FrontEndStep:
+    def process_step(self, step: EngineCoreOutputs, seconds: float) -> FrontEndStep:
         """One step's core outputs (``seconds``: how long it took; 0 for an
         idle engine's stats) into request outputs and status."""
         result = FrontEndStep()
-        later_tokens = 0
-        for engine_outputs in step.values():
-            processed = self._outputs.process(engine_outputs.outputs)
-            if processed.stopped_by_string:
-                self._core.abort_requests(
-                    processed.stopped_by_string, RequestStatus.FINISHED_STOPPED
-                )
-            result.outputs.extend(processed.outputs)
-            later_tokens += processed.num_later_tokens
-            if engine_outputs.scheduler_stats is not None:
-                self.status.record(engine_outputs.scheduler_stats)
-                result.scheduler_stats.append(engine_outputs.scheduler_stats)
-            if engine_outputs.kv_events:
-                result.kv_events.extend(engine_outputs.kv_events)
+        processed = self._outputs.process(step.outputs)
+        if processed.stopped_by_string:
+            self._core.abort_requests(processed.stopped_by_string, RequestStatus.FINISHED_STOPPED)
+        result.outputs.extend(processed.outputs)
+        if step.scheduler_stats is not None:
+            self.status.record(step.scheduler_stats)
+            result.scheduler_stats.append(step.scheduler_stats)
+        if step.kv_events:
+            result.kv_events.extend(step.kv_events)
         if seconds > 0:
             self.status.num_steps += 1
-            self._step_times.add(seconds, later_tokens)
+            self._step_times.add(seconds, processed.num_later_tokens)
         return result
 
     def abort(self, request_id: str, reason: FinishReason) -> RequestOutput:

@@ -101,6 +101,11 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     kv_connector_output: KVConnectorOutput | None = None
     prompt_logprobs_dict: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Asynchronous scheduling: requests whose drafts were placeholders, and
+    # how many real drafts the runner verified in their place (the rest were
+    # never computed; the scheduler counts them as rejected, its stats not
+    # as drafts). None when no step had placeholders.
+    num_verified_drafts: dict[str, int] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

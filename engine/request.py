@@ -77,7 +77,6 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
-    client_index: int = 0
     # P/D: what the prefill leg keeps for a decode pod, or where the decode
     # leg finds it (connectors.kv_transfer_params).
     kv_transfer_params: KVTransferParams | None = None

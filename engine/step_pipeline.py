@@ -49,11 +49,11 @@ class StepPipeline:
     def has_in_flight(self) -> bool:
         return self._in_flight is not None
 
-    def step(self, scheduler: Scheduler, worker: Worker) -> dict[int, EngineCoreOutputs]:
+    def step(self, scheduler: Scheduler, worker: Worker) -> EngineCoreOutputs:
         """Schedules and submits the next step, then returns the outputs of
         the one that was in flight ({} if none was)."""
         previous, self._in_flight = self._in_flight, None
-        outputs: dict[int, EngineCoreOutputs] = {}
+        outputs = EngineCoreOutputs()
         so = scheduler.schedule() if scheduler.has_requests() else None
         if so is not None:
             if so.pending_grammar:
@@ -71,7 +71,7 @@ class StepPipeline:
         return outputs
 
     @staticmethod
-    def _finish(step: _InFlight, scheduler: Scheduler) -> dict[int, EngineCoreOutputs]:
+    def _finish(step: _InFlight, scheduler: Scheduler) -> EngineCoreOutputs:
         runner_output = step.future.result()  # what the runner raised, raises here
         return scheduler.update_from_output(step.scheduler_output, runner_output)
 

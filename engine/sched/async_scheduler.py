@@ -10,7 +10,9 @@ flight is scheduled again for it, and not at all once the step in flight
 reaches ``max_tokens``); here they are added after each schedule and
 resolved when the real tokens arrive. With speculative decoding the drafts
 for the next step are placeholders too (-1): the model runner, which
-proposed them, puts its own in their place.
+proposed them, runs its own in their place, and only those (fewer, or none,
+when its proposer found fewer); it reports how many it verified, and the
+rest are rewound as rejected but not counted as drafts.
 
 Decisions equal vLLM 0.12.0's ``AsyncScheduler`` (its ``vllm/v1/core/
 sched/async_scheduler.py``), with two choices of Tandem's: a request under

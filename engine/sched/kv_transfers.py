@@ -32,9 +32,12 @@ from engine.request import Request, RequestStatus
 from engine.stats import KVConnectorStats, PrefixCacheStats, SchedulerStats
 
 if TYPE_CHECKING:
-    from connectors.base import KVConnectorBase
+    from connectors.base import KVConnectorBase, KVConnectorMetadata
     from connectors.kv_transfer_params import KVTransferParams
+    from engine.kv_cache.events import KVCacheEvent
+    from engine.kv_cache.manager import KVCacheBlocks
     from engine.outputs import KVConnectorOutput
+    from engine.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,40 @@ class KVTransfers:
     # ------------------------------------------------------------------
     # As the scheduler decides
     # ------------------------------------------------------------------
+
+    # -- the connector's scheduler side: the scheduler calls it only here --
+
+    @property
+    def has_connector(self) -> bool:
+        return self.connector is not None
+
+    def request_added(self, request: Request) -> None:
+        if self.connector is not None:
+            self.connector.request_added(request)
+
+    def external_hit(self, request: Request, num_local: int) -> tuple[int | None, bool]:
+        """Tokens past the local hit the connector can bring (None: it does
+        not know yet, ask next step) and whether it loads them asynchronously."""
+        if self.connector is None or request.skip_reading_prefix_cache:
+            return 0, False
+        return self.connector.get_num_new_matched_tokens(request, num_local)
+
+    def blocks_allocated(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(request, blocks, num_external)
+
+    def connector_metadata(self, output: SchedulerOutput) -> KVConnectorMetadata | None:
+        """What the workers' connectors do this step."""
+        return None if self.connector is None else self.connector.build_connector_meta(output)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return [] if self.connector is None else self.connector.take_events()
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+
+    # -- the scheduler's record of transfers --
 
     def request_started(self, request_id: str, num_computed_tokens: int) -> None:
         """It starts with this many tokens in place (local and connector

@@ -95,10 +95,10 @@ class SchedulerOutput:
     # Structured output: one mask row per constrained request that samples
     # this step (None when none does).
     grammar_bitmask: GrammarBitmask | None = None
-    # Asynchronous scheduling: constrained requests whose masks wait for the
-    # step in flight (Scheduler.fill_grammar_bitmask); the engine fills them
-    # before this step runs.
-    pending_grammar: list[Request] = field(default_factory=list)
+    # Asynchronous scheduling: constrained requests (ids) whose masks wait
+    # for the step in flight (Scheduler.fill_grammar_bitmask); the engine
+    # fills them before this step runs.
+    pending_grammar: list[str] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -9,17 +9,15 @@ one mechanism.
 
 What a KV connector moves (loads finished or failed, blocks held while they
 are sent, blocks parked by finished loads, the connector's counts) is kept
-by ``KVTransfers`` (kv_transfers.py); the scheduler calls into it. Whether
+by ``KVTransfers`` (kv_transfers.py), the one holder of the connector: the
+scheduler reaches the connector only through it. Whether
 parked blocks must go back, where vLLM would stay stuck, is decided by
 ``DeadlockBreaker`` (deadlock.py).
 
 Structured output follows the seeds too: a constrained request waits in
 WAITING_FOR_FSM (skipped, not blocking the queue) until its grammar
-compiled in the manager's pool; each step's output carries one bitmask row
-per constrained request that samples; accepted tokens advance its matcher,
-and drafts are cut to what its grammar accepts. A grammar that completes
-ends the request ("stop"); one that fails to compile ends it with an error
-naming the field.
+compiled; ``SchedulerGrammars`` (grammars.py) keeps the grammars: masks,
+advancing, drafts, and a grammar's end or failure.
 
 LoRA adapters too: at most ``max_loras`` distinct adapters run in a step; a
 waiting request that would add one more is skipped, not blocking the queue.
@@ -33,7 +31,6 @@ loop counts output placeholders, which only AsyncScheduler
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,16 +46,16 @@ from engine.outputs import (
     ModelRunnerOutput,
 )
 from engine.request import FinishReason, Request, RequestStatus
+from engine.sched.adapter_budget import AdapterBudget
 from engine.sched.deadlock import DeadlockBreaker
-from engine.sched.interface import SchedulerInterface
+from engine.sched.grammars import SchedulerGrammars
 from engine.sched.kv_transfers import KVTransfers
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.partial_prefill import Admission, PartialPrefillLimiter
 from engine.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from engine.sched.stop import check_stop, remove_all
 from engine.stats import SchedulerStats, SpecDecodingStats
-from engine.structured_output.backend import Grammar
-from engine.structured_output.request import GrammarState
+from engine.structured_output.request import Advance, GrammarState
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorBase
@@ -82,11 +79,9 @@ class _StepPlan:
     spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The waiting head's last try found too few free blocks.
     head_lacks_blocks: bool = False
-    # LoRA adapters (lora_int_id) of the requests running this step.
-    scheduled_loras: set[int] = field(default_factory=set)
 
 
-class Scheduler(SchedulerInterface):
+class Scheduler:
     """Owns the waiting queue, the running list and the KV cache manager.
 
     Single-threaded: the engine core calls every method from one thread.
@@ -119,7 +114,6 @@ class Scheduler(SchedulerInterface):
         self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self._check_cache_fits_one_request()
-        self.connector = connector
         self.log_stats = log_stats
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
@@ -152,13 +146,13 @@ class Scheduler(SchedulerInterface):
         self._resync: set[str] = set()
         self.num_preemptions = 0
         self.deadlock_breaker = DeadlockBreaker(self.kv_transfers)
-        self.structured_output = structured_output
+        self.grammars = SchedulerGrammars(structured_output)
         self.num_spec_tokens = num_spec_tokens
         self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
-        self.max_loras = max_loras
+        self.adapters = AdapterBudget(max_loras)
         # Requests whose grammar failed to compile, ended during schedule():
         # their outputs go out with this step's.
-        self._refused: list[tuple[int, EngineCoreOutput]] = []
+        self._refused: list[EngineCoreOutput] = []
 
     def _check_cache_fits_one_request(self) -> None:
         # A request that cannot fit even alone would block the queue forever.
@@ -183,20 +177,16 @@ class Scheduler(SchedulerInterface):
                 f"prompt_token_ids: {request.num_prompt_tokens} tokens exceed "
                 f"max_model_len={self.max_model_len}"
             )
-        if request.structured_output_request is not None:
-            if self.structured_output is None:
-                raise ValueError("structured_outputs: this engine has no grammar backend")
-            self.structured_output.grammar_init(request)
+        self.grammars.admit(request)
         # Connectors key stored KV by block hash, so they need hashes even
         # without local prefix caching (as vLLM's engine decides).
-        needs_hashes = self.cache_config.enable_prefix_caching or self.connector is not None
+        needs_hashes = self.cache_config.enable_prefix_caching or self.kv_transfers.has_connector
         if request.block_hasher is None and needs_hashes:
             request.block_hasher = self.block_hasher
             request.block_hashes = self.block_hasher(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
-        if self.connector is not None:
-            self.connector.request_added(request)
+        self.kv_transfers.request_added(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
@@ -244,6 +234,9 @@ class Scheduler(SchedulerInterface):
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
 
     def has_finished_requests(self) -> bool:
         return bool(self.finished_req_ids)
@@ -409,9 +402,7 @@ class Scheduler(SchedulerInterface):
         skipped = create_request_queue(self.policy)
         waiting = self.waiting
         limiter = self.partial_prefills
-        if self.max_loras:
-            plan.scheduled_loras = {r.lora_int_id for r in plan.running_reqs if r.lora_int_id}
-            assert len(plan.scheduled_loras) <= self.max_loras
+        self.adapters.start_step(plan.running_reqs)
         while waiting and plan.token_budget > 0:
             if len(self.running) == self.max_num_running_reqs:
                 break
@@ -425,7 +416,7 @@ class Scheduler(SchedulerInterface):
                 request, skipped
             ):
                 continue
-            if self._exceeds_max_loras(request, plan):
+            if not self.adapters.admits(request):
                 skipped.prepend_request(waiting.pop_request())
                 continue
             if limiter is not None:
@@ -448,19 +439,11 @@ class Scheduler(SchedulerInterface):
         if skipped:
             waiting.prepend_requests(skipped)
 
-    def _exceeds_max_loras(self, request: Request, plan: _StepPlan) -> bool:
-        """The step already runs max_loras adapters and this request needs
-        another: skipped (not blocking the queue), as in the seed."""
-        loras = plan.scheduled_loras
-        lora = request.lora_int_id
-        return bool(self.max_loras and lora) and len(loras) == self.max_loras and lora not in loras
-
     def _grammar_ready(self, request: Request, skipped: RequestQueue) -> bool:
         """For the waiting head in WAITING_FOR_FSM: True once its grammar
         compiled (it is WAITING now); else it leaves the head, skipped while
         compiling, ended if the grammar failed."""
-        assert self.structured_output is not None
-        state = self.structured_output.activate(request)
+        state = self.grammars.activate(request)
         if state is GrammarState.READY:
             request.status = RequestStatus.WAITING
             return True
@@ -480,7 +463,7 @@ class Scheduler(SchedulerInterface):
         output = EngineCoreOutput(
             request.request_id, [], FinishReason.ERROR, stop_reason=str(error), error=error
         )
-        self._refused.append((request.client_index, output))
+        self._refused.append(output)
 
     def _try_admit(self, request: Request, plan: _StepPlan, skipped: RequestQueue) -> bool:
         """Try to start (or resume) the request at the head of the queue.
@@ -490,13 +473,12 @@ class Scheduler(SchedulerInterface):
         load_async = False
         if request.num_computed_tokens == 0:
             computed_blocks, num_local = self._local_prefix(request)
-            if self.connector is not None and not request.skip_reading_prefix_cache:
-                ext, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
-                if ext is None:
-                    # The connector does not know yet; ask again next step.
-                    skipped.prepend_request(self.waiting.pop_request())
-                    return True
-                request.num_external_computed_tokens = num_external = ext
+            ext, load_async = self.kv_transfers.external_hit(request, num_local)
+            if ext is None:
+                # The connector does not know yet; ask again next step.
+                skipped.prepend_request(self.waiting.pop_request())
+                return True
+            request.num_external_computed_tokens = num_external = ext
             num_computed = num_local + num_external
         else:
             # Back from an async KV load with some tokens already in place.
@@ -519,10 +501,7 @@ class Scheduler(SchedulerInterface):
         if new_blocks is None:
             plan.head_lacks_blocks = True
             return False
-        if self.connector is not None:
-            self.connector.update_state_after_alloc(
-                request, computed_blocks + new_blocks, num_external
-            )
+        self.kv_transfers.blocks_allocated(request, computed_blocks + new_blocks, num_external)
         self.waiting.pop_request()
         if load_async:
             skipped.prepend_request(request)
@@ -579,8 +558,7 @@ class Scheduler(SchedulerInterface):
         plan.token_budget -= num_new
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
-        if request.lora_int_id:
-            plan.scheduled_loras.add(request.lora_int_id)
+        self.adapters.add(request)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed
 
@@ -605,10 +583,8 @@ class Scheduler(SchedulerInterface):
             preempted_req_ids={r.request_id for r in plan.preempted_reqs},
         )
         self._prev_step_scheduled = num_scheduled
-        if self.structured_output is not None:
-            self._plan_grammar_bitmask(output)
-        if self.connector is not None:
-            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        self.grammars.plan_masks(output, self.requests)
+        output.kv_connector_metadata = self.kv_transfers.connector_metadata(output)
         # Only now advance progress: the output (and the connector) saw where
         # each request starts this step. Rejected drafts are rewound later.
         requests = self.requests
@@ -625,37 +601,10 @@ class Scheduler(SchedulerInterface):
         """Hook for AsyncScheduler: ``request`` was rewound for
         recomputation (a failed KV load, a forced reset)."""
 
-    def _plan_grammar_bitmask(self, output: SchedulerOutput) -> None:
-        """The masks for the constrained requests that sample this step. A
-        request whose previous token is still in flight (asynchronous
-        scheduling) has a grammar that has not seen it: the whole mask
-        waits for ``fill_grammar_bitmask`` once that step's output is in."""
-        assert self.structured_output is not None
-        requests = self.requests
-        sampling = [
-            r
-            for rid, n in output.num_scheduled_tokens.items()
-            if (r := requests[rid]).structured_output_request is not None
-            and r.num_computed_tokens + n >= r.num_tokens + r.num_output_placeholders
-        ]
-        if any(r.num_output_placeholders for r in sampling):
-            output.pending_grammar = sampling
-        else:
-            self._set_grammar_bitmask(output, sampling)
-
     def fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
-        """Asynchronous scheduling: ``output``'s masks, once the output of
-        the step before it has advanced every grammar. Requests that ended
-        meanwhile get no row (their tokens from this step are dropped)."""
-        sampling = [r for r in output.pending_grammar if not r.is_finished()]
-        output.pending_grammar = []
-        self._set_grammar_bitmask(output, sampling)
-
-    def _set_grammar_bitmask(self, output: SchedulerOutput, sampling: list[Request]) -> None:
-        assert self.structured_output is not None
-        if sampling:
-            drafts = output.scheduled_spec_decode_tokens
-            output.grammar_bitmask = self.structured_output.grammar_bitmask(sampling, drafts)
+        """Asynchronous scheduling: ``output``'s masks, once the step before
+        it has advanced every grammar (SchedulerGrammars.fill_pending)."""
+        self.grammars.fill_pending(output, self.requests)
 
     def _make_cached_request_data(self, plan: _StepPlan) -> CachedRequestData:
         """Deltas for the running (then resumed) requests scheduled."""
@@ -696,14 +645,17 @@ class Scheduler(SchedulerInterface):
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> dict[int, EngineCoreOutputs]:
+    ) -> EngineCoreOutputs:
+        """Apply a step's results: append tokens, check stops (and
+        grammars), free finished requests, rewind rejected drafts."""
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
         req_id_to_index = model_runner_output.req_id_to_index
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        verified = model_runner_output.num_verified_drafts
         kv_output = model_runner_output.kv_connector_output
-        outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
+        outputs: list[EngineCoreOutput] = []
         # Running requests whose loaded KV was lost: rewound, tokens void.
         recovered = self.kv_transfers.output_received(kv_output, self.running, self.waiting)
         for req_id in recovered:
@@ -728,11 +680,11 @@ class Scheduler(SchedulerInterface):
                 if drafts and not request.discard_latest_async_tokens:
                     self._rewind_rejected_drafts(request, len(drafts), len(new_token_ids))
                     if self.spec_stats is not None and new_token_ids:
-                        self.spec_stats.observe_draft(len(drafts), len(new_token_ids) - 1)
+                        self._observe_drafts(req_id, len(drafts), verified, len(new_token_ids))
             if not new_token_ids:
                 # Mid-prefill: nothing to report but prompt logprobs.
                 if prompt_logprobs and req_id in prompt_logprobs:
-                    outputs[request.client_index].append(
+                    outputs.append(
                         EngineCoreOutput(
                             req_id,
                             [],
@@ -743,11 +695,8 @@ class Scheduler(SchedulerInterface):
                 continue
             status_before = request.status
             new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
-            if not new_token_ids:
+            if not new_token_ids and not stopped:
                 continue  # discarded (asynchronous scheduling)
-            so_request = request.structured_output_request
-            if so_request is not None and so_request.grammar is not None:
-                stopped = self._advance_grammar(request, so_request.grammar, new_token_ids, stopped)
             finish_reason = kv_transfer_params = None
             if stopped:
                 finish_reason = request.get_finished_reason()
@@ -761,7 +710,7 @@ class Scheduler(SchedulerInterface):
                 if logprobs is not None and request.sampling_params.logprobs is not None
                 else None
             )
-            outputs[request.client_index].append(
+            outputs.append(
                 EngineCoreOutput(
                     req_id,
                     new_token_ids,
@@ -785,41 +734,52 @@ class Scheduler(SchedulerInterface):
         if failed:
             self._end_failed_loads(failed, outputs)
         if self._refused:
-            for client, refused in self._refused:
-                outputs[client].append(refused)
+            outputs.extend(self._refused)
             self._refused = []
         if outputs:
             self.deadlock_breaker.step_had_output()
         return self._package_outputs(outputs)
-
-    @staticmethod
-    def _advance_grammar(
-        request: Request, grammar: Grammar, new_token_ids: list[int], stopped: bool
-    ) -> bool:
-        """Feed the step's tokens to the request's grammar; True if the
-        request ends: it already stopped, or its grammar is complete."""
-        accepted = grammar.accept_tokens(new_token_ids)
-        if stopped:
-            return True
-        if not accepted:  # the mask makes this unreachable; never emit it unchecked
-            logger.error("request %s: grammar refused %s", request.request_id, new_token_ids)
-            request.status = RequestStatus.FINISHED_ERROR
-            request.stop_reason = f"the grammar refused the sampled tokens {new_token_ids}"
-            return True
-        if grammar.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        return False
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
         """Append the step's tokens; returns those kept (cut after a stop)
         and whether the request stopped."""
+        step = self.grammars.advance(request, new_token_ids)
+        if step is not None:
+            return self._update_constrained(request, step, new_token_ids)
         if len(new_token_ids) == 1:  # the common case, every request every step
             request.append_output_token_id(new_token_ids[0])
             return new_token_ids, check_stop(request, self.max_model_len)
         return self._append_tokens(request, new_token_ids, self.max_model_len)
+
+    def _update_constrained(
+        self, request: Request, step: Advance, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        """As above, after the grammar saw the tokens (``step``): tokens past
+        its end are dropped; a grammar that completes ends the request
+        ("stop"); one that refused a token or failed ends this request
+        alone, with an error."""
+        kept, stopped = self._append_tokens(request, new_token_ids[: step.kept], self.max_model_len)
+        if step.error is not None:
+            logger.error("request %s: %s", request.request_id, step.error)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = step.error
+            return kept, True
+        if step.ended and not stopped:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return kept, True
+        return kept, stopped
+
+    def _observe_drafts(
+        self, req_id: str, num_planned: int, verified: dict[str, int] | None, num_new: int
+    ) -> None:
+        """Stats count the drafts the runner verified: under asynchronous
+        scheduling a placeholder it had no draft for is not a draft."""
+        assert self.spec_stats is not None
+        num_drafts = num_planned if verified is None else verified.get(req_id, num_planned)
+        if num_drafts:
+            self.spec_stats.observe_draft(num_drafts, num_new - 1)
 
     @staticmethod
     def _rewind_rejected_drafts(request: Request, num_drafts: int, num_generated: int) -> None:
@@ -843,22 +803,10 @@ class Scheduler(SchedulerInterface):
                 return new_token_ids, True
         return new_token_ids, False
 
-    def _package_outputs(
-        self, outputs: dict[int, list[EngineCoreOutput]]
-    ) -> dict[int, EngineCoreOutputs]:
-        engine_outputs = {client: EngineCoreOutputs(outs) for client, outs in outputs.items()}
+    def _package_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         events = self.kv_cache_manager.take_events()
-        if self.connector is not None:
-            events.extend(self.connector.take_events())
-        stats = self.make_stats()
-        if stats is not None or events:
-            # Stats and events go to one client; client 0 if none had output.
-            first = next(iter(engine_outputs.values()), None)
-            if first is None:
-                first = engine_outputs[0] = EngineCoreOutputs()
-            first.scheduler_stats = stats
-            first.kv_events = events or None
-        return engine_outputs
+        events.extend(self.kv_transfers.take_events())
+        return EngineCoreOutputs(outputs, self.make_stats(), events or None)
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         for req_id, drafts in zip(
@@ -867,16 +815,9 @@ class Scheduler(SchedulerInterface):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            so_request = request.structured_output_request
-            if drafts and so_request is not None and so_request.grammar is not None:
-                # Drafts past what the grammar accepts would be rejected anyway.
-                request.spec_token_ids = so_request.grammar.validate_tokens(list(drafts))
-                continue
-            request.spec_token_ids = list(drafts)
+            request.spec_token_ids = self.grammars.cut_drafts(request, drafts)
 
-    def _end_failed_loads(
-        self, failed: set[str], outputs: defaultdict[int, list[EngineCoreOutput]]
-    ) -> None:
+    def _end_failed_loads(self, failed: set[str], outputs: list[EngineCoreOutput]) -> None:
         """Policy "fail": requests whose load lost blocks end with an error
         instead of recomputing."""
         requests = [r for rid in failed if (r := self.requests.get(rid)) is not None]
@@ -886,7 +827,7 @@ class Scheduler(SchedulerInterface):
         )
         self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         for request in requests:
-            outputs[request.client_index].append(
+            outputs.append(
                 EngineCoreOutput(
                     request.request_id,
                     [],
@@ -940,5 +881,4 @@ class Scheduler(SchedulerInterface):
         return stats
 
     def shutdown(self) -> None:
-        if self.connector is not None:
-            self.connector.shutdown()
+        self.kv_transfers.shutdown()

@@ -12,6 +12,11 @@ The grammar library sits behind ``backend.py``'s small interface;
 ``xgrammar_backend.py`` is the one implementation (see
 benchmarks/structured_output_bench.py for why xgrammar).
 
-``engine.sched`` imports only ``params``, ``request`` and ``backend``
-(neither numpy nor torch, which tests/unit/test_imports.py checks).
+A schema keeps the client's key order (objects are generated in it), and
+one with a keyword the backend would silently drop is refused up front
+(``schema_check.py``, which ``params`` runs).
+
+``engine.sched`` imports only ``params`` (with ``schema_check``), ``request``
+and ``backend`` (neither numpy nor torch, which tests/unit/test_imports.py
+checks).
 """

@@ -11,6 +11,7 @@ layout both).
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from engine.structured_output.params import StructuredOutputParams
@@ -75,3 +76,13 @@ class GrammarBackend(Protocol):
     def fill_bitmasks(self, grammars: list[Grammar], bitmask: Bitmask) -> None:
         """Row i of ``bitmask`` for ``grammars[i]`` (a batch call may use threads)."""
         ...
+
+
+# xgrammar's C++ log prefix on its error text: "[03:39:44] /project/cpp/x.cc:83: ".
+_LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ", re.MULTILINE)
+
+
+def library_message(exc: Exception) -> str:
+    """The library's own words for a client: its build paths, line numbers
+    and clock say nothing to one."""
+    return _LOG_PREFIX.sub("", str(exc)).strip() or type(exc).__name__

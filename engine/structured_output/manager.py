@@ -25,6 +25,7 @@ from engine.structured_output.backend import (
     Grammar,
     GrammarBackend,
     GrammarCompileError,
+    library_message,
 )
 from engine.structured_output.request import GrammarState, StructuredOutputRequest
 
@@ -118,40 +119,78 @@ class StructuredOutputManager:
     ) -> GrammarBitmask:
         """One row per request (each READY), in order; a request verifying
         drafts (``drafts``, already validated) gets a row per draft first,
-        each after the drafts before it."""
-        backend = self.backend()
-        grammars = []
-        for r in requests:
-            so = r.structured_output_request
-            assert so is not None and so.grammar is not None
-            grammars.append(so.grammar)
+        each after the drafts before it. A request whose grammar fails here
+        gets rows that allow every token and its ``failure`` set: it ends
+        with an error when this step's tokens come back, alone."""
         req_ids = [r.request_id for r in requests]
         if not drafts or not any(rid in drafts for rid in req_ids):
-            bitmask = backend.allocate_bitmask(len(requests))
-            backend.fill_bitmasks(grammars, bitmask)
+            bitmask = self.backend().allocate_bitmask(len(requests))
+            self._fill_plain(requests, bitmask)
             return GrammarBitmask(req_ids, bitmask)
         counts = [len(drafts.get(rid, ())) + 1 for rid in req_ids]
-        bitmask = backend.allocate_bitmask(sum(counts))
+        bitmask = self.backend().allocate_bitmask(sum(counts))
         row = 0
-        for grammar, rid in zip(grammars, req_ids, strict=True):
-            row = _fill_with_drafts(grammar, drafts.get(rid, []), bitmask, row)
+        for request, count in zip(requests, counts, strict=True):
+            _fill_guarded(_ready(request), drafts.get(request.request_id, []), bitmask, row)
+            row += count
         return GrammarBitmask(req_ids, bitmask, counts)
+
+    def _fill_plain(self, requests: Sequence[Request], bitmask: Bitmask) -> None:
+        """One row each, in one batch call; if that fails, row by row, so
+        that only the failing request pays."""
+        grammars = [g for r in requests if (g := _ready(r).grammar) is not None]
+        try:
+            self.backend().fill_bitmasks(grammars, bitmask)
+            return
+        except Exception:
+            logger.exception("batched grammar mask failed; filling row by row")
+        bitmask.fill(-1)
+        for row, request in enumerate(requests):
+            _fill_guarded(_ready(request), [], bitmask, row)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _fill_with_drafts(grammar: Grammar, drafts: list[int], bitmask: Bitmask, row: int) -> int:
-    """Rows ``row ..`` : the mask before each draft and after the last; the
-    grammar ends where it began. Returns the next free row."""
+def _ready(request: Request) -> StructuredOutputRequest:
+    so = request.structured_output_request
+    assert so is not None and so.grammar is not None
+    return so
+
+
+def _fill_guarded(
+    so: StructuredOutputRequest, drafts: list[int], bitmask: Bitmask, row: int
+) -> None:
+    """``_fill_with_drafts`` for one request; on any error its rows allow
+    every token and the failure is recorded (the request alone ends)."""
+    try:
+        _fill_with_drafts(so.grammar, drafts, bitmask, row)
+    except Exception as exc:
+        logger.error("grammar mask failed for a request: %s", exc)
+        so.failure = f"the grammar failed: {library_message(exc)}"
+        bitmask[row : row + len(drafts) + 1] = -1
+
+
+def _fill_with_drafts(
+    grammar: Grammar | None, drafts: list[int], bitmask: Bitmask, row: int
+) -> None:
+    """Rows ``row ..``: the mask before each draft and after the last; the
+    grammar ends where it began. A draft that completes the grammar (its
+    stop token) leaves the rows after it allowing every token: whatever is
+    sampled there is dropped (``StructuredOutputRequest.advance``), and a
+    completed grammar has no next-token mask to ask for."""
+    assert grammar is not None
     grammar.fill_bitmask(bitmask, row)
-    for accepted, token in enumerate(drafts, 1):
+    accepted = 0
+    for token in drafts:
         if not grammar.accept_tokens([token]):
             raise RuntimeError(f"grammar refused draft token {token} it had validated")
+        accepted += 1
+        if grammar.is_terminated():
+            break
         grammar.fill_bitmask(bitmask, row + accepted)
-    if drafts:
-        grammar.rollback(len(drafts))
-    return row + len(drafts) + 1
+    if accepted:
+        grammar.rollback(accepted)
 
 
 __all__ = ["GrammarBitmask", "StructuredOutputManager", "StructuredOutputRequest"]

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.structured_output.schema_check import first_unenforceable
+
 
 class ConstraintError(ValueError):
     """A constraint is malformed. ``field`` names it (``structured_outputs.regex``)."""
@@ -45,7 +47,9 @@ class StructuredOutputParams:
     choice: list[str] | None = field(default=None, compare=False)
     grammar: str | None = field(default=None, compare=False)
     # (kind, canonical text): equal keys compile to the same grammar, and
-    # are equal constraints (a schema as text or as a dict).
+    # are equal constraints (a schema as text or as a dict). A schema's keys
+    # keep the client's order: objects are generated in that order, so two
+    # schemas that differ only in it are different constraints.
     key: tuple[ConstraintKind, str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -73,8 +77,9 @@ class StructuredOutputParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as text: a schema's canonical JSON, a regex, a
-        grammar, the choices' JSON list; "" for any JSON object."""
+        """The constraint as text: a schema's compact JSON (keys in the
+        client's order), a regex, a grammar, the choices' JSON list; "" for
+        any JSON object."""
         return self.key[1]
 
     def _canonical(self, kind: ConstraintKind) -> str:
@@ -102,6 +107,8 @@ class StructuredOutputParams:
 
 
 def _canonical_schema(schema: object, where: str) -> str:
+    """Compact JSON, never re-sorted: the backend generates an object's
+    properties in the order the schema lists them (as OpenAI documents)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -111,4 +118,7 @@ def _canonical_schema(schema: object, where: str) -> str:
         raise ConstraintError(
             where, f"a JSON schema must be an object, got {type(schema).__name__}"
         )
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if (found := first_unenforceable(schema)) is not None:
+        # Refused rather than compiled without it: the output could break it.
+        raise ConstraintError(f"{where}.{found.path}" if found.path else where, found.reason)
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

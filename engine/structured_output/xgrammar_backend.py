@@ -20,6 +20,7 @@ from engine.structured_output.backend import (
     CompiledGrammar,
     Grammar,
     GrammarCompileError,
+    library_message,
 )
 from engine.structured_output.params import ConstraintKind, StructuredOutputParams
 
@@ -43,6 +44,8 @@ class XGrammarGrammar:
             if not self._matcher.accept_token(token_id):
                 break
             accepted += 1
+            if self._matcher.is_terminated():
+                break  # nothing follows the grammar's end
         if accepted:
             self._matcher.rollback(accepted)
         return token_ids[:accepted]
@@ -71,7 +74,7 @@ class XGrammarBackend:
         try:
             return self._compile(params)
         except (RuntimeError, ValueError) as exc:  # xgrammar raises these for bad input
-            raise GrammarCompileError(str(exc).strip() or type(exc).__name__) from exc
+            raise GrammarCompileError(library_message(exc)) from exc
 
     def _compile(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
         compiler = self._compiler

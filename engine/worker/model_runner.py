@@ -15,7 +15,7 @@ adapter and the step's segments set on the model while it runs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -77,6 +77,18 @@ class StepInputs:
     max_seq_len: int
 
 
+@dataclass
+class _DraftPlan:
+    """The step as this runner runs it: ``num_scheduled`` and ``drafts``
+    are the scheduler's, except for requests whose drafts were
+    placeholders (``placeholders``: how many the scheduler planned), which
+    run only the drafts this runner proposed."""
+
+    num_scheduled: dict[str, int]
+    drafts: dict[str, list[int]]
+    placeholders: dict[str, int] = field(default_factory=dict)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -107,6 +119,8 @@ class ModelRunner:
         # Asynchronous scheduling: the last step's rejected drafts per
         # request, for a step the scheduler planned before seeing them.
         self._rejected: dict[str, int] = {}
+        # This step's token counts and drafts as the runner runs them.
+        self._plan = _DraftPlan({}, {})
         # LoRA adapters' device slots (set by attach_lora); None: LoRA off.
         self.lora: LoRASlots | None = None
 
@@ -149,22 +163,30 @@ class ModelRunner:
             batch.group_by_lora()  # before drafts go in past the tokens
         if self.proposer is not None:
             self._reset_proposer(so)
+        self._plan = self._plan_drafts(so)
+        for req_id, drafts in self._plan.drafts.items():
+            batch.set_drafts(batch.req_id_to_index[req_id], drafts)
+
+    def _plan_drafts(self, so: SchedulerOutput) -> _DraftPlan:
+        """The drafts this step verifies. Placeholders (asynchronous
+        scheduling: the scheduler planned k drafts before they existed) are
+        replaced by what this runner proposed after the last step
+        (``_drafts``, which nobody takes then), and only those are run:
+        a request the proposer found nothing for decodes one token, as it
+        would synchronously, instead of verifying k padding tokens."""
         spec = so.scheduled_spec_decode_tokens
-        proposed: dict[str, list[int]] | None = None
+        if not any(d and d[0] < 0 for d in spec.values()):
+            return _DraftPlan(so.num_scheduled_tokens, spec)
+        last = self._drafts
+        proposed = dict(zip(last.req_ids, last.draft_token_ids, strict=True)) if last else {}
+        plan = _DraftPlan(dict(so.num_scheduled_tokens), dict(spec))
         for req_id, drafts in spec.items():
             if drafts and drafts[0] < 0:
-                # Placeholders (asynchronous scheduling): this runner proposed
-                # them after the last step (``_drafts``, which nobody takes
-                # then). Padding is verified (and almost always rejected) like
-                # any draft.
-                if proposed is None:
-                    last = self._drafts
-                    proposed = (
-                        dict(zip(last.req_ids, last.draft_token_ids, strict=True)) if last else {}
-                    )
                 own = list(proposed.get(req_id, ()))[: len(drafts)]
-                drafts = spec[req_id] = own + [own[-1] if own else 0] * (len(drafts) - len(own))
-            batch.set_drafts(batch.req_id_to_index[req_id], drafts)
+                plan.drafts[req_id] = own
+                plan.num_scheduled[req_id] -= len(drafts) - len(own)
+                plan.placeholders[req_id] = len(drafts)
+        return plan
 
     def _reset_proposer(self, so: SchedulerOutput) -> None:
         """New and resumed requests: their KV is valid up to the prefix-cache
@@ -234,7 +256,7 @@ class ModelRunner:
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch = self.batch
         n = batch.num_reqs
-        scheduled = so.num_scheduled_tokens
+        scheduled = self._plan.num_scheduled
         num_sched = np.fromiter((scheduled[r] for r in batch.req_ids), np.int64, n)
         cu = np.cumsum(num_sched)
         total = int(cu[-1])
@@ -253,8 +275,8 @@ class ModelRunner:
         query_start_loc[1:] = cu
         logits_indices = cu[sample_rows] - 1
         drafts = None
-        spec = so.scheduled_spec_decode_tokens
-        if spec:
+        spec = self._plan.drafts
+        if any(spec.values()):
             # A row verifying k drafts needs the logits of its last k + 1 tokens.
             drafts = DraftRows.build([spec.get(batch.req_ids[r], []) for r in sample_rows.tolist()])
             counts = np.array([len(d) + 1 for d in drafts.drafts], np.int64)
@@ -369,15 +391,19 @@ class ModelRunner:
                 sampled, logprobs = self._sample(logits, inputs.sample_rows, sampled)
             else:
                 sampled, logprobs = self._verify(logits, inputs, sampled)
+            if self._plan.placeholders:
+                self._count_unused_placeholders(sampled)
             if self.proposer is not None:
                 self._propose(inputs.sample_rows)
         batch = self.batch
+        plan = self._plan
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
+            num_verified_drafts={r: len(plan.drafts[r]) for r in plan.placeholders} or None,
         )
 
     def _forward(
@@ -428,7 +454,7 @@ class ModelRunner:
             hidden,
             self.batch,
             inputs.query_start_loc,
-            so.num_scheduled_tokens,
+            self._plan.num_scheduled,
             self.model.compute_logits,
         )
 
@@ -455,16 +481,21 @@ class ModelRunner:
         assert inputs.drafts is not None
         batch = self.batch
         result = verify_drafts(logits, batch, inputs.sample_rows, inputs.drafts, self.device)
-        rejected = self._rejected
-        for row, tokens, drafts in zip(
-            inputs.sample_rows.tolist(), result.tokens, inputs.drafts.drafts, strict=True
-        ):
-            if len(tokens) <= len(drafts):
-                rejected[batch.req_ids[row]] = len(drafts) + 1 - len(tokens)
+        for row, tokens in zip(inputs.sample_rows.tolist(), result.tokens, strict=True):
             sampled[row] = tokens
             batch.states[row].token_ids.extend(tokens)
             batch.append_tokens(row, tokens)
         return sampled, result.logprobs
+
+    def _count_unused_placeholders(self, sampled: list[list[int]]) -> None:
+        """Asynchronous scheduling: the scheduler planned the next step as
+        if all of this step's placeholder drafts were computed and accepted;
+        what was not (rejected, or never run) is taken off then."""
+        index = self.batch.req_id_to_index
+        for req_id, num_planned in self._plan.placeholders.items():
+            tokens = sampled[index[req_id]]
+            if tokens and len(tokens) <= num_planned:
+                self._rejected[req_id] = num_planned + 1 - len(tokens)
 
     def _propose(self, sample_rows: npt.NDArray[np.int64]) -> None:
         """Drafts for the rows that sampled, for the scheduler's next step;

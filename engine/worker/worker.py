@@ -17,6 +17,7 @@ from engine.models.spec import ModelSpec
 from engine.models.weight_plan import QuantizationName, plan_weights
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
+from engine.spec_decode.adaptive import AdaptiveProposer, measure_step_cost
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.proposer import NgramLookup, Proposer
 from engine.worker.kv_cache import (
@@ -118,6 +119,8 @@ class Worker:
             self.runner.attach_lora(lora_slots)
         if speculative is not None:
             proposer = self._proposer(speculative, draft, num_blocks, cache_config.block_size)
+            if speculative.adaptive:
+                proposer = self._adaptive(proposer, speculative, kv_caches, max_num_seqs)
             self.runner.attach_proposer(proposer, speculative.num_speculative_tokens)
         # Requests stop on the first EOS id; configs listing several are rare.
         eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
@@ -148,6 +151,29 @@ class Worker:
         model, shape = draft
         caches = allocate_kv_caches(shape, num_blocks, self.device)
         return DraftModelProposer(model.model, caches, block_size, k, self.device)
+
+    def _adaptive(
+        self,
+        proposer: Proposer,
+        speculative: SpeculativeConfig,
+        kv_caches: list[torch.Tensor],
+        max_num_seqs: int,
+    ) -> AdaptiveProposer:
+        """Drafts only where they pay, by this machine's measured cost of a
+        step's token rows (a fraction of a second, once)."""
+        rows = max_num_seqs * (speculative.num_speculative_tokens + 1)
+        cost = measure_step_cost(self.loaded.model, kv_caches, self.device, rows)
+        logger.info(
+            "adaptive drafts: a decode step costs %s ms at %s token rows",
+            ", ".join(f"{s * 1e3:.1f}" for s in cost.seconds),
+            ", ".join(str(int(r)) for r in cost.rows),
+        )
+        return AdaptiveProposer(
+            proposer,
+            cost,
+            cheap=speculative.method == "ngram",
+            disable_by_batch_size=speculative.disable_by_batch_size,
+        )
 
     def _load(self, model: str | None, model_config: ModelConfig) -> LoadedModel:
         dtype = _DTYPES[model_config.dtype]

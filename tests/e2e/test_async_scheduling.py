@@ -80,12 +80,34 @@ def test_speculative_decoding(
     method: Literal["ngram", "draft_model"], reference: list[list[int]], default_model_path: Path
 ) -> None:
     model = str(default_model_path) if method == "draft_model" else None
-    spec = SpeculativeConfig(method=method, model=model, num_speculative_tokens=3)
+    # Fixed k: every draft verified (adaptive drafting turns a CPU self-draft off).
+    spec = SpeculativeConfig(method=method, model=model, num_speculative_tokens=3, adaptive=False)
     llm = _async_llm(speculative=spec)
     assert _generate(llm) == reference
     stats = llm.totals.spec_decoding
     assert stats is not None and stats.num_accepted_tokens > 0
     llm.core.shutdown()
+
+
+def test_ngram_drafts_alone_keep_the_synchronous_tokens_and_acceptance(sync_llm: LLM) -> None:
+    """One request at a time (where a wrong rewind of unused placeholder
+    drafts once garbled the output): the synchronous tokens, and the same
+    drafts verified and accepted as the synchronous engine's."""
+    # Fixed k (adaptive drafting would decide by each engine's own timings).
+    spec = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPTS[2], PROMPTS[5]]
+    expected = [list(sync_llm.generate([p], params, use_tqdm=False)[0].token_ids) for p in prompts]
+    stats = []
+    for llm in (LLM(max_model_len=512, speculative=spec), _async_llm(speculative=spec)):
+        got = [list(llm.generate([p], params, use_tqdm=False)[0].token_ids) for p in prompts]
+        assert got == expected
+        stats.append(llm.totals.spec_decoding)
+        llm.core.shutdown()
+    sync, async_ = stats
+    assert sync is not None and async_ is not None and sync.num_accepted_tokens > 0
+    assert async_.num_draft_tokens == pytest.approx(sync.num_draft_tokens, rel=0.1)
+    assert async_.acceptance_rate == pytest.approx(sync.acceptance_rate, rel=0.1)
 
 
 def test_structured_output(sync_llm: LLM, async_llm: LLM) -> None:

@@ -52,8 +52,13 @@ def reference(base: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def self_draft(default_model_path: Path) -> LLM:
+    # Every draft verified (on a CPU the adaptive policy would turn a draft
+    # model as dear as the target off): these tests are about verification.
     spec = SpeculativeConfig(
-        method="draft_model", model=str(default_model_path), num_speculative_tokens=K
+        method="draft_model",
+        model=str(default_model_path),
+        num_speculative_tokens=K,
+        adaptive=False,
     )
     return LLM(max_model_len=512, speculative=spec)
 
@@ -82,10 +87,12 @@ def tiny_draft_path(tmp_path_factory: pytest.TempPathFactory, default_model_path
     return path
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
 def test_ngram_greedy_identical_under_chunking_preemption_and_prefix_caching(
-    reference: list[list[int]],
+    reference: list[list[int]], adaptive: bool
 ) -> None:
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K)
+    # adaptive: only the drafts that pay are sent (engine/spec_decode/adaptive.py).
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K, adaptive=adaptive)
     # 18 blocks of 16 for six requests of 35-90 tokens: preemption; a
     # 48-token budget: long prompts are chunked; SHARED is a cached prefix.
     llm = LLM(
@@ -112,7 +119,7 @@ def test_random_draft_accepts_little_changes_nothing(
     # Verifying drafts that fail costs a CPU k+1 tokens' compute per step:
     # few drafts and three requests (in 9 usable blocks: preemption).
     spec = SpeculativeConfig(
-        method="draft_model", model=str(tiny_draft_path), num_speculative_tokens=2
+        method="draft_model", model=str(tiny_draft_path), num_speculative_tokens=2, adaptive=False
     )
     llm = LLM(max_model_len=144, num_blocks_override=10, speculative=spec)
     assert _generate(llm, prompts=PROMPTS[:3]) == reference[:3]
@@ -197,3 +204,62 @@ def test_logprobs_penalties_and_seeds_with_drafts(base: LLM, self_draft: LLM) ->
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
     runs = [self_draft.generate(prompt, params, use_tqdm=False)[0].token_ids for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+JSON_COPY = {"name": "Ada", "age": 36, "languages": ["en", "fr"], "active": True, "id": "x-17"}
+COPY_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def test_grammars_with_drafts_end_at_the_grammar_and_never_the_engine(
+    base: LLM, default_model_path: Path
+) -> None:
+    """A draft that completes the grammar (its closing brace, then the stop
+    token) once asked the finished grammar for another mask: xgrammar
+    raised and every later call on the LLM failed. With n-gram drafts and a
+    self-draft, each under chunked prefill and preemption, greedy and
+    sampled: valid JSON; greedy equal to the run without drafts; then the
+    engine goes on serving plain requests, with the plain tokens."""
+    # Fixed k: adaptive drafting would turn a CPU self-draft off.
+    specs = [
+        SpeculativeConfig(num_speculative_tokens=5, adaptive=False),
+        SpeculativeConfig(
+            method="draft_model",
+            model=str(default_model_path),
+            num_speculative_tokens=3,
+            adaptive=False,
+        ),
+    ]
+    chat = [{"role": "user", "content": f"Repeat this JSON exactly: {json.dumps(JSON_COPY)}"}]
+    any_object = StructuredOutputParams(json_object=True)
+    cases = [
+        (any_object, 0.0),
+        (StructuredOutputParams(json=COPY_SCHEMA), 0.0),
+        (any_object, 0.8),
+    ]
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for spec in specs:
+        # 11 usable blocks of 16 for two ~120-token requests: preemption; a
+        # 32-token budget: the prompts are chunked.
+        llm = LLM(
+            max_model_len=144, num_blocks_override=12, max_num_batched_tokens=32, speculative=spec
+        )
+        for so, temperature in cases:
+            params = SamplingParams(
+                max_tokens=60, temperature=temperature, seed=3, structured_outputs=so
+            )
+            got = llm.chat([chat, chat], params, use_tqdm=False)
+            for out in got:
+                assert out.finish_reason == "stop", out.text
+                json.loads(out.text)
+            if temperature == 0.0:
+                want = base.chat([chat], params, use_tqdm=False)[0]
+                assert got[0].token_ids == want.token_ids
+        assert _generate(llm, plain, PROMPTS[:2]) == _generate(base, plain, PROMPTS[:2])
+        assert llm.totals.num_preemptions > 0, spec.method
+        stats = llm.core.scheduler.spec_stats
+        assert stats is not None and stats.num_accepted_tokens > 0
+        llm.core.shutdown()

@@ -14,7 +14,7 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.structured_output.params import StructuredOutputParams
+from engine.structured_output.params import ConstraintError, StructuredOutputParams
 
 SCHEMAS: dict[str, dict[str, object]] = {
     "person": {
@@ -193,3 +193,55 @@ def test_a_constraint_that_does_not_compile_is_an_invalid_request(llm: LLM) -> N
     # Nothing is left behind: the next call runs alone.
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert out[0].finish_reason == "length"
+
+
+# Properties listed out of alphabetical order: the output follows the schema.
+ORDERED = {
+    "type": "object",
+    "properties": {
+        "zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+        "alpha": {"type": "boolean"},
+        "mid": {"enum": ["a", "b"]},
+    },
+    "required": ["zeta", "alpha", "mid"],
+    "additionalProperties": False,
+}
+# Each keyword xgrammar would drop, and where the refusal says it is.
+UNENFORCEABLE: list[tuple[dict[str, object], str]] = [
+    (
+        {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 3},
+                "ids": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}},
+            },
+            "required": ["code", "ids"],
+        },
+        "properties.code.maxLength",
+    ),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, "contains"),
+    ({"type": "integer", "not": {"const": 3}}, "not"),
+    ({"allOf": [{"type": "integer"}, {"type": "integer", "maximum": 5}]}, "allOf"),
+]
+
+
+def _keys(text: str) -> list[str]:
+    pairs: list[tuple[str, object]] = json.loads(text, object_pairs_hook=list)
+    return [k for k, _ in pairs]
+
+
+def test_an_object_follows_the_schemas_key_order(llm: LLM) -> None:
+    so = StructuredOutputParams(json=ORDERED)
+    out = llm.generate(_ask(llm, "Answer as JSON."), _params(so, max_tokens=40), use_tqdm=False)[0]
+    assert out.finish_reason == "stop", out.text
+    assert _keys(out.text) == ["zeta", "alpha", "mid"], out.text
+
+
+@pytest.mark.parametrize(("schema", "where"), UNENFORCEABLE)
+def test_a_keyword_the_backend_would_drop_is_refused(
+    llm: LLM, schema: dict[str, object], where: str
+) -> None:
+    keyword = where.rsplit(".", 1)[-1]
+    with pytest.raises(ConstraintError, match=f"'{keyword}'") as info:
+        llm.generate("Hi", _params(StructuredOutputParams(json=schema)), use_tqdm=False)
+    assert info.value.field == f"structured_outputs.json.{where}"

@@ -174,6 +174,44 @@ def test_invalid_argument_is_http_400_naming_the_field(client: openai.OpenAI) ->
         _chat(client, temperature=-1)
 
 
+def test_the_answer_follows_the_schemas_key_order(client: openai.OpenAI) -> None:
+    """smg passes the schema on as it came: an object's keys in its order."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "zeta": {"type": "boolean"},
+            "alpha": {"type": "boolean"},
+            "mid": {"enum": [1, 2]},
+        },
+        "required": ["zeta", "alpha", "mid"],
+        "additionalProperties": False,
+    }
+    format_ = {"type": "json_schema", "json_schema": {"name": "ordered", "schema": schema}}
+    got = _chat(client, max_tokens=48, response_format=format_).choices[0]
+    assert got.finish_reason == "stop", got.message.content
+    pairs = json.loads(got.message.content or "", object_pairs_hook=list)
+    assert [k for k, _ in pairs] == ["zeta", "alpha", "mid"], got.message.content
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "array", "items": {}, "contains": {"const": 7}}, "contains"),
+        ({"type": "object", "properties": {"n": {"not": {"const": 3}}}}, "properties.n.not"),
+        ({"allOf": [{"type": "integer"}, {"maximum": 5}]}, "allOf"),
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "maxLength"),
+    ],
+)
+def test_a_keyword_the_engine_cannot_enforce_is_http_400_naming_it(
+    client: openai.OpenAI, schema: dict[str, object], where: str
+) -> None:
+    format_ = {"type": "json_schema", "json_schema": {"name": "bad", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, response_format=format_)
+    keyword = where.rsplit(".", 1)[-1]
+    assert f"sampling_params.json_schema.{where}: '{keyword}'" in str(err.value), err.value
+
+
 def test_a_client_disconnect_aborts_the_request(
     client: openai.OpenAI, server: ServerProcess
 ) -> None:

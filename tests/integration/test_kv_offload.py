@@ -281,7 +281,7 @@ def test_redis_down_before_the_run_then_back(
         assert tokens(outs) == expected(baseline, PROMPTS)
         assert_idle(llm)
         # It really could not reach Redis (and said so, without failing).
-        store = getattr(llm.core.scheduler.connector, "store", None)
+        store = getattr(llm.core.scheduler.kv_transfers.connector, "store", None)
         assert "Connection" in str(getattr(store, "last_error", ""))
     finally:
         llm.core.shutdown()
@@ -446,7 +446,7 @@ def test_shm_frames_under_the_wrong_keys_are_counted_misses(
         engines.append(a)
         assert tokens(generate(a, PROMPTS[:1])) == expected(baseline, PROMPTS[:1])
         generate(a, [OTHER])
-        store = getattr(a.core.scheduler.connector, "store", None)
+        store = getattr(a.core.scheduler.kv_transfers.connector, "store", None)
         assert isinstance(store, ShmBlockStore)
         misplace(shm_access(store), block_keys(a, PROMPTS[0]), block_keys(a, OTHER), how)
         b = make_llm(kv)

@@ -175,7 +175,12 @@ def shm_pd() -> Iterator[tuple[str, str, str]]:
     )
 
 
-SPECULATE = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+# Fixed k: the decode pod verifies every draft the lookup finds (adaptive
+# drafting, the default, would decide by the pod's own timings).
+SPECULATE = (
+    "--speculative-config",
+    '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}',
+)
 
 
 def _check_parity(got: list[pb.GenerateResponse], want: list[pb.GenerateResponse]) -> None:
@@ -299,9 +304,16 @@ PD_SCHEMA = {
     "additionalProperties": False,
 }
 
+COPY = {"name": "Ada", "age": 36, "languages": ["en", "fr"], "active": True}
+COPY_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
 
 def test_constrained_requests_continue_their_grammar_after_the_handover(
-    shm_pd: tuple[str, str, str], server: ServerProcess
+    shm_pd: tuple[str, str, str], server: ServerProcess, reference: list[pb.GenerateResponse]
 ) -> None:
     """The prefill pod samples the first token under the constraint; the
     decode pod's grammar starts after it: outputs equal the colocated ones,
@@ -337,6 +349,18 @@ def test_constrained_requests_continue_their_grammar_after_the_handover(
     assert re.fullmatch(r"(ab|cd)[0-9]{3,6}!", texts[1])
     assert texts[2] in cases[2]["choice"]
     assert re.fullmatch(r"colour: (red|green|blue), [0-9]{1,2}\.", texts[4])
+    # A copy the decode pod's n-gram drafts run through under a schema (the
+    # deterministic reproducer of drafts reaching a grammar's end, which once
+    # ended the engine, is in tests/e2e/test_spec_decode.py); the pod serves on.
+    copy = f"Repeat this JSON exactly: {json.dumps(COPY)}\nJSON: "
+    kw: dict[str, Any] = {"max_tokens": 60, "ignore_eos": False}
+    got = asyncio.run(_generate(router, copy, constraint={"json_schema": COPY_SCHEMA}, **kw))
+    want = asyncio.run(
+        _generate(server.target, copy, constraint={"json_schema": COPY_SCHEMA}, **kw)
+    )
+    _check_parity([got], [want])
+    assert json.loads(got.text)["name"] == "Ada"
+    _check_parity([asyncio.run(_generate(router, PROMPTS[0]))], reference[:1])
     # One that does not compile: the prefill pod's refusal reaches the client.
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(_generate(router, prompt, constraint={"regex": "(open"}))

@@ -76,6 +76,25 @@ def test_each_kind_of_constraint(server: ServerProcess) -> None:
         ({"regex": "(unclosed"}, r"structured_outputs\.regex: the constraint does not compile"),
         ({"grammar": "root ::= nowhere"}, r"structured_outputs\.grammar: .*compile"),
         ({"json_schema": {"type": 12}}, r"structured_outputs\.json: .*compile"),
+        # Keywords xgrammar would drop, named where they sit.
+        (
+            {"json_schema": {"type": "array", "items": {}, "contains": {"const": 7}}},
+            r"^json_schema\.contains: 'contains' is not enforced",
+        ),
+        (
+            {"json_schema": {"type": "object", "properties": {"n": {"not": {"const": 3}}}}},
+            r"^json_schema\.properties\.n\.not: 'not' is not enforced",
+        ),
+        (
+            {"json_schema": {"allOf": [{"type": "integer"}, {"maximum": 5}]}},
+            r"^json_schema\.allOf: 'allOf' with more than one schema",
+        ),
+        (
+            {"json_schema": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
+            r"^json_schema\.maxLength: 'maxLength' together with 'pattern'",
+        ),
+        # The backend's own message, without its log prefix ("[08:35:16] /project/cpp/...").
+        ({"regex": "a(?<=b)"}, r"^structured_outputs\.regex: .*compile: Regex parsing error"),
     ],
 )
 def test_a_bad_constraint_is_invalid_argument(
@@ -85,3 +104,20 @@ def test_a_bad_constraint_is_invalid_argument(
         asyncio.run(_one(server.target, constraint))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(details, info.value.details() or ""), info.value.details()
+
+
+def test_an_object_follows_the_schemas_key_order(server: ServerProcess) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "zeta": {"type": "boolean"},
+            "alpha": {"type": "boolean"},
+            "mid": {"enum": [1, 2]},
+        },
+        "required": ["zeta", "alpha", "mid"],
+        "additionalProperties": False,
+    }
+    out = asyncio.run(_one(server.target, {"json_schema": json.dumps(schema)}, max_tokens=24))
+    assert out.finish_reason == pb.FINISH_REASON_STOP, out.text
+    keys = [k for k, _ in json.loads(out.text, object_pairs_hook=list)]
+    assert keys == ["zeta", "alpha", "mid"], out.text

@@ -864,9 +864,8 @@ def run_engine(sched: Scheduler, worker: Worker, max_steps: int = 500) -> dict[s
         output = ModelRunnerOutput(
             req_ids, {r: i for i, r in enumerate(req_ids)}, sampled, kv_connector_output=kv_output
         )
-        for outs in sched.update_from_output(so, output).values():
-            for out in outs.outputs:
-                produced.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for out in sched.update_from_output(so, output).outputs:
+            produced.setdefault(out.request_id, []).extend(out.new_token_ids)
         time.sleep(0.001)  # as EngineCore polls transfers
     waiting = [(r.request_id, str(r.status)) for r in sched.waiting]
     raise AssertionError(f"requests did not finish in {max_steps} steps; waiting: {waiting}")

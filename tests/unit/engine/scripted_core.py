@@ -85,7 +85,7 @@ class ScriptedCore:
             raise AssertionError("poll_idle without idle_poll_seconds")
         self.idle_polls += 1
 
-    def step(self) -> dict[int, EngineCoreOutputs]:
+    def step(self) -> EngineCoreOutputs:
         # A real step's forward releases the GIL for most of its time.
         time.sleep(0.001)
         self.steps += 1
@@ -100,10 +100,10 @@ class ScriptedCore:
                 del self.live[rid]
                 if self.hold_kv:
                     self.held_kv.add(rid)
-        return {0: EngineCoreOutputs(outs, scheduler_stats=self._stats())}
+        return EngineCoreOutputs(outs, scheduler_stats=self._stats())
 
-    def stats_only(self) -> dict[int, EngineCoreOutputs]:
-        return {0: EngineCoreOutputs(scheduler_stats=self._stats())}
+    def stats_only(self) -> EngineCoreOutputs:
+        return EngineCoreOutputs(scheduler_stats=self._stats())
 
     def _stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.live), num_held_requests=len(self.held_kv))

@@ -97,7 +97,7 @@ def test_steps_report_how_many_requests_the_core_took() -> None:
     (step,) = asyncio.run(go())
     assert isinstance(step, StepDone)
     assert step.num_added == 1 and step.seconds > 0
-    assert [o.request_id for o in step.outputs[0].outputs] == ["a"]
+    assert [o.request_id for o in step.outputs.outputs] == ["a"]
 
 
 def test_take_with_a_timeout_returns_empty_when_nothing_came() -> None:

@@ -46,10 +46,8 @@ def _add(front: FrontEnd, rid: str, kind: OutputKind, **params: object) -> Reque
     return request
 
 
-def _step(
-    *outputs: EngineCoreOutput, stats: SchedulerStats | None = None
-) -> dict[int, EngineCoreOutputs]:
-    return {0: EngineCoreOutputs(list(outputs), scheduler_stats=stats)}
+def _step(*outputs: EngineCoreOutput, stats: SchedulerStats | None = None) -> EngineCoreOutputs:
+    return EngineCoreOutputs(list(outputs), scheduler_stats=stats)
 
 
 def test_a_stop_string_ends_the_request_in_the_core(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -100,7 +98,7 @@ def test_status_sums_the_steps_and_counts_real_ones(tokenizer: PreTrainedTokeniz
         prefix_cache_stats=PrefixCacheStats(queries=10, hits=4),
     )
     events: list[KVCacheEvent] = [AllBlocksCleared()]
-    step = front.process_step({0: EngineCoreOutputs([], stats, events)}, 0.02)
+    step = front.process_step(EngineCoreOutputs([], stats, events), 0.02)
     assert step.scheduler_stats == [stats] and step.kv_events == events
     front.process_step(_step(stats=stats), 0.0)  # an idle engine's stats: not a step
     status = front.snapshot()

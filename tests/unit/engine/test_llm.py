@@ -18,14 +18,13 @@ class InterruptedCore(ScriptedCore):
 
     stuck: set[str]
 
-    def step(self) -> dict[int, EngineCoreOutputs]:
+    def step(self) -> EngineCoreOutputs:
         if self.steps == 0:
             self.steps += 1
             self.stuck = set(self.live)
             raise KeyboardInterrupt
         outputs = super().step()
-        for group in outputs.values():
-            group.outputs = [o for o in group.outputs if o.request_id not in self.stuck]
+        outputs.outputs = [o for o in outputs.outputs if o.request_id not in self.stuck]
         return outputs
 
 

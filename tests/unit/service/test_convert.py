@@ -412,6 +412,13 @@ def test_each_constraint_reaches_the_params(
     assert params.temperature == 0.0
 
 
+def test_a_schema_keeps_its_key_order_on_the_wire(inputs: InputProcessor) -> None:
+    text = '{"type":"object","properties":{"zeta":{},"alpha":{},"mid":{}}}'
+    msg = make_request(text="hi", constraint={"json_schema": text})
+    so = convert.generate_input(msg, inputs).params.structured_outputs
+    assert so is not None and so.spec == text
+
+
 @pytest.mark.parametrize(
     ("constraint", "details"),
     [
@@ -419,6 +426,10 @@ def test_each_constraint_reaches_the_params(
         ({"json_object": False}, "json_object: must be true when set"),
         ({"choice": ["ok", ""]}, "choice[1]: must be a non-empty string, got ''"),
         ({"regex": ""}, "regex: must be a non-empty string"),
+        (
+            {"json_schema": {"type": "array", "items": {"type": "integer"}, "contains": {}}},
+            "json_schema.contains: 'contains' is not enforced by the grammar backend",
+        ),
     ],
 )
 def test_bad_constraints_name_the_wire_field(

@@ -132,6 +132,12 @@ def test_each_choice_is_seeded_with_the_seed_plus_its_index() -> None:
             lambda r: r.sampling_params.__setattr__("json_schema", "{nope"),
             "sampling_params.json_schema: is not valid JSON",
         ),
+        (
+            lambda r: r.sampling_params.__setattr__(
+                "json_schema", '{"type": "integer", "not": {"const": 3}}'
+            ),
+            "sampling_params.json_schema.not: 'not' is not enforced",
+        ),
         (lambda r: r.sampling_params.choice.choices.extend(["a", ""]), "sampling_params.choice[1]"),
         (
             lambda r: r.sampling_params.__setattr__("structural_tag", "{}"),

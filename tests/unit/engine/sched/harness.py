@@ -124,8 +124,7 @@ def step(
         kv_connector_output=kv_connector_output,
     )
     outs = sched.update_from_output(so, mro)
-    stats = next((eco.scheduler_stats for eco in outs.values() if eco.scheduler_stats), None)
-    return StepResult(so, [o for eco in outs.values() for o in eco.outputs], stats)
+    return StepResult(so, list(outs.outputs), outs.scheduler_stats)
 
 
 def run_to_completion(

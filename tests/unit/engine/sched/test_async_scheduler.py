@@ -113,7 +113,7 @@ class PipelinedDriver:
             sampled_token_ids=sampled,
         )
         outs = self.sched.update_from_output(step.so, mro)
-        outputs = [o for eco in outs.values() for o in eco.outputs]
+        outputs = list(outs.outputs)
         for o in outputs:
             assert o.request_id not in self.finished, f"{o.request_id}: output after its finish"
             self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -263,6 +263,7 @@ def _scheduler_with_a_constrained_request() -> tuple[AsyncScheduler, Request]:
     """An AsyncScheduler whose grammar backend allows SEQUENCE then EOS
     (test_scheduler_structured_output's double), and one constrained
     request whose grammar has compiled."""
+    from engine.sched.grammars import SchedulerGrammars
     from engine.structured_output.manager import StructuredOutputManager
     from tests.unit.engine.sched.test_scheduler_structured_output import (
         Backend,
@@ -272,7 +273,7 @@ def _scheduler_with_a_constrained_request() -> tuple[AsyncScheduler, Request]:
 
     sched = make_async_scheduler()
     backend = Backend()
-    sched.structured_output = StructuredOutputManager(lambda: backend)
+    sched.grammars = SchedulerGrammars(StructuredOutputManager(lambda: backend))
     request = _constrained("r0", max_tokens=5)
     sched.add_request(request)
     _wait_compiled(request)
@@ -290,7 +291,7 @@ def test_structured_output_masks_wait_for_the_token_in_flight():
     assert first.grammar_bitmask is not None and not first.pending_grammar
     second = sched.schedule()  # the prefill's token is still in flight
     assert second.grammar_bitmask is None
-    assert second.pending_grammar == [request]
+    assert second.pending_grammar == [request.request_id]
     mro = ModelRunnerOutput(["r0"], {"r0": 0}, [[SEQUENCE[0]]])
     sched.update_from_output(first, mro)
     assert _grammar(request).accepted == [SEQUENCE[0]]
@@ -307,7 +308,7 @@ def test_a_request_that_ended_meanwhile_gets_no_mask_row():
     sched, request = _scheduler_with_a_constrained_request()
     sched.schedule()
     second = sched.schedule()
-    assert second.pending_grammar == [request]
+    assert second.pending_grammar == [request.request_id]
     sched.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
     sched.fill_grammar_bitmask(second)
     assert second.grammar_bitmask is None and not second.pending_grammar
@@ -344,7 +345,7 @@ def test_a_failed_load_voids_the_step_in_flight():
     assert r0.num_output_placeholders == 0 and r0.discard_latest_async_tokens
     assert r0.num_computed_tokens == 16
     outs = sched.update_from_output(second, output(second, set()))
-    assert not any(o.new_token_ids for eco in outs.values() for o in eco.outputs)
+    assert not any(o.new_token_ids for o in outs.outputs)
     assert not r0.discard_latest_async_tokens and r0.output_token_ids == []
     driver = PipelinedDriver(sched)
     while sched.has_requests() or driver.in_flight is not None:

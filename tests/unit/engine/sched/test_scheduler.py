@@ -217,7 +217,7 @@ def test_abort_during_a_step_drops_its_tokens():
     from engine.outputs import ModelRunnerOutput
 
     outs = sched.update_from_output(so, ModelRunnerOutput(["r0"], {"r0": 0}, [[5]]))
-    assert all(not eco.outputs for eco in outs.values())
+    assert not outs.outputs
 
 
 def test_finish_requests_rejects_a_non_finished_status():
@@ -374,14 +374,14 @@ def test_kv_events_reach_the_step_outputs_when_enabled():
     sched.add_request(make_request("r0", 20, max_tokens=1))
     so = sched.schedule()
     outs = sched.update_from_output(so, ModelRunnerOutput(["r0"], {"r0": 0}, [[5]]))
-    events = outs[0].kv_events
+    events = outs.kv_events
     assert events is not None and len(events) == 1
     assert isinstance(events[0], BlockStored)
     assert events[0].token_ids == list(range(10_000, 10_016))  # r0's one full block
     sched.add_request(make_request("r1", 30, max_tokens=1))
     so = sched.schedule()  # needs both blocks: evicts r0's cached block
     outs = sched.update_from_output(so, ModelRunnerOutput(["r1"], {"r1": 0}, [[5]]))
-    kinds = [type(e) for e in outs[0].kv_events or []]
+    kinds = [type(e) for e in outs.kv_events or []]
     assert kinds == [BlockRemoved, BlockStored]
 
 
@@ -396,7 +396,7 @@ def test_logprobs_are_sliced_per_request_only_when_asked_for():
     outs = sched.update_from_output(
         so, ModelRunnerOutput(["r0", "r1"], {"r0": 0, "r1": 1}, [[7], [9]], logprobs=lp)
     )
-    by_id = {o.request_id: o for o in outs[0].outputs}
+    by_id = {o.request_id: o for o in outs.outputs}
     assert by_id["r0"].new_logprobs == LogprobsLists([[7, 8]], [[-0.1, -2.0]], [1])
     assert by_id["r1"].new_logprobs is None
 
@@ -430,3 +430,29 @@ def test_spec_decoding_stats_count_drafts_accepted_and_positions():
     assert later is not None and later.spec_decoding is not None
     assert later.spec_decoding.num_drafts == 4 and later.spec_decoding.num_draft_tokens == 12
     assert make_scheduler().make_stats().spec_decoding is None  # type: ignore[union-attr]
+
+
+def test_spec_decoding_stats_count_only_drafts_the_runner_verified():
+    """Asynchronous scheduling plans placeholders; the runner says how many
+    real drafts stood in for them. Stats count those (a step with none is no
+    verifying step), while progress is rewound for every planned one."""
+    from engine.outputs import ModelRunnerOutput
+    from engine.sched.scheduler import Scheduler
+
+    base = make_scheduler()
+    sched = Scheduler(base.config, base.cache_config, num_spec_tokens=3)
+    req = make_request("r0", 5, max_tokens=20)
+    sched.add_request(req)
+    step(sched)
+    for verified, tokens in ((2, [11, 12, 13]), (0, [21]), (1, [31])):
+        sched.update_draft_token_ids(DraftTokenIds(["r0"], [[7, 7, 7]]))
+        so = sched.schedule()
+        runner_output = ModelRunnerOutput(
+            ["r0"], {"r0": 0}, [tokens], num_verified_drafts={"r0": verified}
+        )
+        sched.update_from_output(so, runner_output)
+        assert req.num_computed_tokens == req.num_tokens - 1
+    stats = sched.make_stats()
+    assert stats is not None and stats.spec_decoding is not None
+    spec = stats.spec_decoding
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (2, 3, 2)

@@ -55,7 +55,7 @@ def test_prompt_logprobs_go_out_mid_prefill_and_with_the_first_token():
     outs = sched.update_from_output(
         so, ModelRunnerOutput(["r0"], {"r0": 0}, [[]], prompt_logprobs_dict={"r0": first})
     )
-    (out,) = outs[0].outputs
+    (out,) = outs.outputs
     assert (out.request_id, out.new_token_ids, out.finished) == ("r0", [], False)
     assert out.new_prompt_logprobs is first and out.num_cached_tokens == 0
 
@@ -65,10 +65,10 @@ def test_prompt_logprobs_go_out_mid_prefill_and_with_the_first_token():
     runner_out = ModelRunnerOutput(
         ["r0", "r1"], {"r0": 0, "r1": 1}, [[7], []], prompt_logprobs_dict={"r0": rest}
     )
-    (out,) = sched.update_from_output(so, runner_out)[0].outputs  # r1 is mid-prefill: silent
+    (out,) = sched.update_from_output(so, runner_out).outputs  # r1 is mid-prefill: silent
     assert out.new_token_ids == [7] and out.new_prompt_logprobs is rest
     # Later steps have none for it.
     so = sched.schedule()
     runner_out = ModelRunnerOutput(["r0", "r1"], {"r0": 0, "r1": 1}, [[8], []])
-    (out,) = sched.update_from_output(so, runner_out)[0].outputs
+    (out,) = sched.update_from_output(so, runner_out).outputs
     assert out.new_prompt_logprobs is None

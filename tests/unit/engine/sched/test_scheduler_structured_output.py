@@ -13,6 +13,7 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.outputs import DraftTokenIds
 from engine.request import FinishReason, Request, RequestStatus
+from engine.sched.grammars import SchedulerGrammars
 from engine.sched.scheduler import Scheduler
 from engine.structured_output.backend import (
     CompiledGrammar,
@@ -21,7 +22,14 @@ from engine.structured_output.backend import (
 )
 from engine.structured_output.manager import StructuredOutputManager
 from engine.structured_output.params import StructuredOutputParams
-from tests.unit.engine.sched.harness import EOS, free_blocks, make_request, make_scheduler, step
+from tests.unit.engine.sched.harness import (
+    EOS,
+    free_blocks,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
+)
 
 if TYPE_CHECKING:
     from engine.structured_output.backend import Bitmask
@@ -60,6 +68,8 @@ class SequenceGrammar:
         del self.accepted[len(self.accepted) - num_tokens :]
 
     def fill_bitmask(self, bitmask: Bitmask, row: int) -> None:
+        if self.is_terminated():  # as xgrammar: a completed grammar has no next mask
+            raise RuntimeError("GrammarMatcher has terminated after accepting the stop token")
         bitmask[row] = 0
         nxt = self._next(self.accepted)
         if nxt is not None:
@@ -100,7 +110,7 @@ class Backend:
 
 def _scheduler(backend: Backend, **kwargs: Any) -> Scheduler:
     sched = make_scheduler(**kwargs)
-    sched.structured_output = StructuredOutputManager(lambda: backend)
+    sched.grammars = SchedulerGrammars(StructuredOutputManager(lambda: backend))
     return sched
 
 
@@ -276,3 +286,66 @@ def test_a_second_request_with_the_same_constraint_finds_it_compiled() -> None:
     assert second.structured_output_request.compiled.done()  # type: ignore[union-attr]
     assert backend.compiled == [REGEX]  # compiled once
     assert step(sched, _follow).scheduled == {"r1": 8, "r2": 8}
+
+
+def test_a_draft_that_completes_the_grammar_ends_the_request_there() -> None:
+    """The stop token drafted mid-run: no mask is asked of the completed
+    grammar, and what is sampled after its end is dropped, also with
+    ignore_eos (a run without drafts stops at the same token)."""
+    for ignore_eos in (False, True):
+        sched = _scheduler(Backend())
+        req = _constrained("r1", max_tokens=10, ignore_eos=ignore_eos)
+        sched.add_request(req)
+        _wait_compiled(req)
+        first = step(sched, _follow)
+        drafts = [*SEQUENCE[1:], EOS, 7]
+        sched.update_draft_token_ids(DraftTokenIds(["r1"], [drafts]))
+        assert req.spec_token_ids == [*SEQUENCE[1:], EOS]  # nothing after the end
+        res = step(sched, lambda r: [*SEQUENCE[1:], EOS, 1234])
+        mask = res.sched_out.grammar_bitmask
+        assert mask is not None and mask.rows_per_req == [4]
+        assert (mask.bitmask[3] == -1).all()  # after the end: every token allowed
+        assert first.tokens("r1") + res.tokens("r1") == [*SEQUENCE, EOS]
+        assert res.finished() == {"r1": "stop"}
+
+
+def test_a_grammar_that_fails_mid_run_ends_its_request_alone() -> None:
+    """The grammar library raising (a bug in it or in us) is one request's
+    error: the step still runs, its neighbours go on, the engine lives."""
+    sched = _scheduler(Backend())
+    bad, good = _constrained("r1", max_tokens=10), make_request("r2", 8, max_tokens=3)
+    sched.add_request(bad)
+    sched.add_request(good)
+    _wait_compiled(bad)
+    step(sched, _follow_or_default)
+
+    def broken(bitmask: Bitmask, row: int) -> None:
+        raise RuntimeError("matcher state corrupt")
+
+    _grammar(bad).fill_bitmask = broken  # type: ignore[method-assign]
+    res = step(sched, _follow_or_default)
+    assert res.finished() == {"r1": "error"}
+    assert bad.status is RequestStatus.FINISHED_ERROR
+    assert "matcher state corrupt" in str(bad.stop_reason)
+    assert res.tokens("r2") == [1500]
+    _, reasons, _ = run_to_completion(sched, _follow_or_default)
+    assert reasons == {"r2": "length"}
+    assert free_blocks(sched) == sched.cache_config.num_usable_blocks
+
+
+def test_a_grammar_that_raises_while_checking_drafts_fails_only_its_request() -> None:
+    sched = _scheduler(Backend())
+    req = _constrained("r1", max_tokens=10)
+    sched.add_request(req)
+    _wait_compiled(req)
+    step(sched, _follow)
+
+    def broken(token_ids: list[int]) -> list[int]:
+        raise RuntimeError("validate blew up")
+
+    _grammar(req).validate_tokens = broken  # type: ignore[method-assign]
+    sched.update_draft_token_ids(DraftTokenIds(["r1"], [[SEQUENCE[1]]]))
+    assert req.spec_token_ids == []
+    res = step(sched, _follow)
+    assert res.finished() == {"r1": "error"}
+    assert "validate blew up" in str(req.stop_reason)

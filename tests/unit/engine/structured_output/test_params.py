@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -24,9 +26,22 @@ def test_each_kind_and_its_key() -> None:
 
 
 def test_a_schema_as_text_or_dict_is_the_same_key() -> None:
-    text = '{"required": ["a"], "type": "object"}'
-    same = {"type": "object", "required": ["a"]}
+    text = '{"type": "object", "required": ["a"], "properties": {"a": {}}}'
+    same = {"type": "object", "required": ["a"], "properties": {"a": {}}}
     assert StructuredOutputParams(json=text).key == StructuredOutputParams(json=same).key
+
+
+def test_a_schema_keeps_its_key_order() -> None:
+    """The backend generates properties in the schema's order (OpenAI's
+    promise): nothing re-sorts them, and another order is another key."""
+    properties = {"zeta": {"type": "integer"}, "alpha": {"type": "string"}, "mid": {}}
+    schema = {"type": "object", "properties": properties, "required": ["zeta", "alpha"]}
+    so = StructuredOutputParams(json=schema)
+    assert list(json.loads(so.spec)["properties"]) == ["zeta", "alpha", "mid"]
+    assert so.spec == json.dumps(schema, separators=(",", ":"))
+    assert StructuredOutputParams(json=json.dumps(schema)).key == so.key
+    reordered = {"required": ["zeta", "alpha"], "type": "object", "properties": properties}
+    assert StructuredOutputParams(json=reordered).key != so.key
 
 
 @pytest.mark.parametrize(

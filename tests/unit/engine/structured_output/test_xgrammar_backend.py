@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.models.loader import load_tokenizer, resolve_model
-from engine.structured_output.backend import GrammarCompileError
+from engine.structured_output.backend import GrammarCompileError, library_message
 from engine.structured_output.params import StructuredOutputParams
 from engine.structured_output.xgrammar_backend import XGrammarBackend, choice_grammar
 
@@ -89,6 +89,18 @@ def test_what_does_not_compile_raises_the_librarys_message(backend, so) -> None:
     with pytest.raises(GrammarCompileError) as info:
         backend.compile(so)
     assert str(info.value)
+    # Without xgrammar's log prefix ("[03:39:44] /project/cpp/regex_converter.cc:83: ").
+    assert not str(info.value).startswith("["), str(info.value)
+    assert ".cc:" not in str(info.value)
+
+
+def test_the_log_prefix_is_stripped_from_every_line() -> None:
+    raw = RuntimeError(
+        "[03:39:44] /project/cpp/regex_converter.cc:83: Regex parsing error at position 3\n"
+        "[03:39:44] /project/cpp/x.cc:9: second line [12:00:00] kept\n"
+    )
+    assert library_message(raw) == "Regex parsing error at position 3\nsecond line [12:00:00] kept"
+    assert library_message(ValueError("")) == "ValueError"
 
 
 def test_padded_vocabulary_rows_are_never_allowed(tokenizer) -> None:

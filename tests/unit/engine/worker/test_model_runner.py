@@ -180,3 +180,74 @@ def test_penalties_count_the_runners_tokens_and_an_earlier_legs_output():
     assert runner.batch.req_ids == ["b", "c"]
     # b: 7 -> 0 and 8 -> -0.5, so the first 0-logit token (0) wins.
     assert out.sampled_token_ids == [[0], [7]]
+
+
+class ScriptedProposer:
+    """Proposes, after each step, the drafts the test set for a request."""
+
+    def __init__(self) -> None:
+        self.next: dict[str, list[int]] = {}
+        self.seen: list[list[int]] = []  # each call's history of request "a"
+
+    def propose(self, inputs) -> list[list[int]]:
+        batch = inputs.batch
+        for r in inputs.rows.tolist():
+            if batch.req_ids[r] == "a":
+                self.seen.append(batch.token_ids[r, : batch.num_tokens[r]].tolist())
+        return [list(self.next.get(batch.req_ids[r], [])) for r in inputs.rows.tolist()]
+
+    def reset(self, req_id: str, num_valid: int) -> None:
+        pass
+
+    def remove(self, req_id: str) -> None:
+        pass
+
+
+def _async_step(computed: int, scheduled: int, k: int) -> SchedulerOutput:
+    """The asynchronous scheduler's view: request "a" with one token in
+    flight and ``k`` placeholder drafts."""
+    data = cached(["a"], [computed], [None])
+    data.in_flight_req_ids.add("a")
+    so = step(cached=data, scheduled={"a": scheduled})
+    so.scheduled_spec_decode_tokens = {"a": [-1] * k}
+    return so
+
+
+def test_placeholder_drafts_run_only_the_drafts_proposed():
+    """Asynchronous scheduling plans k drafts before they exist: the runner
+    verifies what its proposer found (none: a plain one-token decode), and
+    takes what the scheduler over-counted (rejected, or never run) off the
+    next step."""
+    runner, model = make_runner()
+    proposer = ScriptedProposer()
+    runner.attach_proposer(proposer, num_spec_tokens=3)
+    prompt = NewRequestData("a", [10, 11, 12], greedy(), [7, 3], 0)
+    proposer.next["a"] = [14, 99]
+    assert runner.execute_model(step([prompt], scheduled={"a": 3})).sampled_token_ids == [[13]]
+    # Planned: the in-flight token 13 and 3 placeholders. Run: 13, 14, 99;
+    # 14 is accepted, 99 is not (the model says 15).
+    proposer.next["a"] = []
+    out = runner.execute_model(_async_step(computed=3, scheduled=4, k=3))
+    ids, positions, _ = model.calls[-1]
+    assert (ids, positions) == ([13, 14, 99], [3, 4, 5])
+    assert out.sampled_token_ids == [[14, 15]]
+    assert out.num_verified_drafts == {"a": 2}
+    # The scheduler counted 3 + 4 computed; 2 of the 4 did not hold.
+    out = runner.execute_model(_async_step(computed=7, scheduled=4, k=3))
+    ids, positions, _ = model.calls[-1]
+    assert (ids, positions) == ([15], [5])  # nothing proposed: one row
+    assert out.sampled_token_ids == [[16]]
+    assert out.num_verified_drafts == {"a": 0}
+    # Scheduled before the last output arrived: 7 + 4, less the two
+    # rejections of the step before it, which the scheduler knows by then.
+    out = runner.execute_model(_async_step(computed=9, scheduled=4, k=3))
+    ids, positions, _ = model.calls[-1]
+    assert (ids, positions) == ([16], [6])
+    # The proposer saw each step's history: the accepted tokens, never a
+    # placeholder or a rejected draft.
+    assert proposer.seen == [
+        [10, 11, 12, 13],
+        [10, 11, 12, 13, 14, 15],
+        [10, 11, 12, 13, 14, 15, 16],
+        [10, 11, 12, 13, 14, 15, 16, 17],
+    ]
