@@ -6,7 +6,7 @@ from the loop: ``add_request``, ``abort_requests`` and ``release_held_kv``
 queue typed commands (``engine.commands``) that the thread applies before
 its next step. Each step's outputs go back as events through a
 ``LoopHandoff`` (``handoff``). Why a thread and not a process (as vLLM does):
-benchmarks/README.md, "Serving".
+benchmarks/JOURNAL.md, "serving_bench.py".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 With ``async_scheduling`` the worker lives on a runner thread that built it
 (torch's OpenMP team belongs to the thread that first runs a kernel, and a
-second team beside it halved the step: benchmarks/README.md, "Serving") and
+second team beside it halved the step: benchmarks/JOURNAL.md, "serving_bench.py") and
 executes every step, in order. Each ``StepPipeline.step()``:
 
 1. schedules step N+1 with the AsyncScheduler, whose placeholders stand for

@@ -5,7 +5,7 @@ A single-stream decode step reads every weight once. On 4 KiB pages the
 CPU's prefetchers stop at each page's end and every page costs a TLB miss;
 gathered into one buffer advised MADV_HUGEPAGE (2 MiB pages), the default
 model decoded a single stream 1.07x (exact) and 1.10x (int8 activations)
-faster (benchmarks/README.md, "Huge pages and one tile at a time").
+faster (benchmarks/JOURNAL.md, "Huge pages and one tile at a time").
 torch advises huge pages only when THP_MEM_ALLOC_ENABLE is set before its
 first allocation, and then for every large tensor; this does it for the
 weights alone, whenever they are loaded.

@@ -48,10 +48,10 @@ RopeTables = tuple[torch.Tensor, ...]
 Packed = torch.Tensor | QuantizedWeight | None
 
 # Up to this many input rows the compiled linear beats BLAS (measured on the
-# default model's shapes: see benchmarks/README.md).
+# default model's shapes: see benchmarks/JOURNAL.md, offline_throughput.py).
 SMALL_LINEAR_ROWS = 8
 # Up to this many rows the MKL-packed weight beats plain BLAS; above it the
-# re-pack is amortised and BLAS's own blocking wins (benchmarks/README.md).
+# re-pack is amortised and BLAS's own blocking wins (benchmarks/JOURNAL.md).
 PACKED_LINEAR_MAX_ROWS = 128
 # The row count MKL is told to expect when packing. Its packed layout does
 # not depend on it on the MKL torch ships, which `pack_linear` checks.

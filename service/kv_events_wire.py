@@ -13,8 +13,8 @@ union, so on the wire every struct is a plain msgpack array:
     AllBlocksCleared  ["AllBlocksCleared"]
 
 Both msgspec and msgpack write each value in its smallest msgpack form, so
-the bytes are the same as vLLM 0.12's. The README's "KV events over ZMQ
-(vLLM format)" section documents each field.
+the bytes are the same as vLLM 0.12's. docs/kv-events.md ("KV events over
+ZMQ (vLLM format)") documents each field.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ FINISH_REASONS = {
 }
 
 # What vLLM publishes as the medium of its own paged KV cache; Tandem's
-# paged cache is the same tier whatever its device (see README, KV events).
+# paged cache is the same tier whatever its device (see docs/kv-events.md).
 MEDIUM = "GPU"
 
 

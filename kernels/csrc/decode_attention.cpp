@@ -142,7 +142,7 @@ namespace {
 // so the hardware prefetcher cannot guess where the next one starts. Into
 // L2, not L1: L1's few outstanding misses held a DRAM-resident cache to a
 // third of the read bandwidth (10.8 GB/s against 20-21 into L2, 64
-// sequences x ~300 keys, two threads; benchmarks/README.md).
+// sequences x ~300 keys, two threads; benchmarks/JOURNAL.md).
 template <int D, typename T>
 inline void prefetch_rows(const T* first, int64_t n, int64_t row) {
   constexpr int per_line = 64 / sizeof(T);

@@ -252,7 +252,7 @@ inline void block_dots(__m256i (&dot)[MR], const uint8_t* blk, const int8_t* con
 // at a time: its blocks are one run of memory, which the prefetchers follow
 // at the memory's full speed (several tiles side by side, their blocks
 // interleaved, left the 1- and 2-row decode at ~2/3 of it: benchmarks/
-// README.md, "Huge pages and one tile at a time").
+// JOURNAL.md, "Huge pages and one tile at a time").
 template <Kind K, bool Vnni, int MR>
 void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, int64_t m0,
            const OutTile& o) {
