@@ -22,6 +22,7 @@ from connectors.kv_transfer_params import KVTransferParams
 
 if TYPE_CHECKING:
     from connectors.nixl_holds import Claim
+    from connectors.options import ConnectorOptions
     from engine.config import KVTransferConfig
     from engine.kv_cache.events import KVCacheEvent
     from engine.kv_cache.manager import KVCacheBlocks
@@ -82,6 +83,23 @@ class KVConnectorBase(ABC):
     # where that port is, as ``side_channel_host``/``side_channel_port`` in
     # its extra config, and serves the payload.
     needs_side_channel: ClassVar[bool] = False
+
+    # The keys this connector takes in ``kv_connector_extra_config``, typed
+    # (connectors/options.py): the engine refuses any other key at start,
+    # so a misspelled option fails there instead of being silently ignored.
+    # None: the connector reads the raw dict itself (third-party connectors
+    # that declare none keep working as before).
+    options_class: ClassVar[type[ConnectorOptions] | None] = None
+
+    @classmethod
+    def check_config(
+        cls, config: KVTransferConfig, where: str = "kv_connector_extra_config"
+    ) -> None:
+        """Raise ConfigError if ``config``'s extra config is not what this
+        class takes (``where`` names the dict in the error). The engine calls
+        it before it loads the model; a composite checks its parts."""
+        if cls.options_class is not None:
+            cls.options_class.parse(config.kv_connector_extra_config, config.kv_connector, where)
 
     @classmethod
     def side_channel_connectors(cls, config: KVTransferConfig) -> tuple[str, ...]:

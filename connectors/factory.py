@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+
+if TYPE_CHECKING:
+    from engine.config import KVTransferConfig
 
 ENTRY_POINT_GROUP = "tandem.kv_connectors"
 
@@ -61,6 +65,13 @@ def connector_class(name: str) -> type[KVConnectorBase]:
             f"kv_connector={name!r} names {target!r}, which is not a KVConnectorBase subclass"
         )
     return target
+
+
+def check_connector_config(config: KVTransferConfig) -> None:
+    """Raise (UnknownConnectorError, ConfigError) if ``config`` names no
+    connector or gives it options it does not take: the engine calls this
+    before it loads the model, so a typo stops the start at once."""
+    connector_class(config.kv_connector).check_config(config)
 
 
 def create_connector(role: KVConnectorRole, context: ConnectorContext) -> KVConnectorBase:

@@ -5,15 +5,16 @@ tier, so a block fetched from Redis is in shared memory next time). For a
 new request each tier says how many tokens it holds past the local prefix
 hit; the tier holding the most loads them (the earlier tier on a tie).
 
-Extra config: ``{"connectors": [{"kv_connector": "shm",
+Extra config (``MultiOptions``): ``{"connectors": [{"kv_connector": "shm",
 "kv_connector_extra_config": {...}}, {"kv_connector": "redis", ...}]}``;
-each tier takes the multi connector's ``kv_role``.
+each tier takes the multi connector's ``kv_role``, and its extra config is
+checked by its own connector.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.base import (
     ConnectorContext,
@@ -22,6 +23,7 @@ from connectors.base import (
     KVConnectorRole,
 )
 from connectors.kv_transfer_params import KVTransferParams
+from connectors.options import ConnectorOptions, option, refuse_unknown_keys
 from engine.config import ConfigError, KVTransferConfig
 
 if TYPE_CHECKING:
@@ -34,12 +36,26 @@ if TYPE_CHECKING:
     from engine.stats import KVConnectorStats
 
 
+# The keys of one entry of ``connectors``.
+_TIER_KEYS = ("kv_connector", "kv_connector_extra_config")
+
+
+@dataclass(frozen=True)
+class MultiOptions(ConnectorOptions):
+    # null is refused by _tier_configs, with what an entry must hold.
+    connectors: list[Any] | None = option(
+        None, "the tiers, in order: [{kv_connector, kv_connector_extra_config}, ...]"
+    )
+
+
 @dataclass
 class MultiConnectorMetadata(KVConnectorMetadata):
     per_tier: list[KVConnectorMetadata]
 
 
 class MultiConnector(KVConnectorBase):
+    options_class: ClassVar[type[MultiOptions]] = MultiOptions
+
     def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
         super().__init__(role, context)
         from connectors.factory import create_connector
@@ -49,6 +65,18 @@ class MultiConnector(KVConnectorBase):
             for config in _tier_configs(context.config)
         ]
         self._chosen: dict[str, int] = {}  # request id -> tier that loads it
+
+    @classmethod
+    def check_config(
+        cls, config: KVTransferConfig, where: str = "kv_connector_extra_config"
+    ) -> None:
+        """Its own keys, then each tier's, by that tier's connector."""
+        from connectors.factory import connector_class
+
+        super().check_config(config, where)
+        for i, tier in enumerate(_tier_configs(config)):
+            tier_where = f"{where}.connectors[{i}].kv_connector_extra_config"
+            connector_class(tier.kv_connector).check_config(tier, tier_where)
 
     # ---- side channel: the tiers' ----------------------------------------
 
@@ -209,21 +237,24 @@ class MultiConnector(KVConnectorBase):
 
 
 def _tier_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
-    tiers = config.kv_connector_extra_config.get("connectors")
-    if not isinstance(tiers, list) or not tiers:
+    tiers = MultiOptions.of(config).connectors
+    if not tiers:
         raise ConfigError(
             "kv_connector_extra_config.connectors is invalid for the multi connector: "
             "expected a non-empty list of {kv_connector, kv_connector_extra_config}"
         )
-    out = []
-    for i, tier in enumerate(tiers):
-        if not isinstance(tier, dict) or "kv_connector" not in tier:
-            raise ConfigError(f"kv_connector_extra_config.connectors[{i}] lacks kv_connector")
-        out.append(
-            replace(
-                config,
-                kv_connector=tier["kv_connector"],
-                kv_connector_extra_config=tier.get("kv_connector_extra_config", {}),
-            )
+    return [_tier_config(config, i, tier) for i, tier in enumerate(tiers)]
+
+
+def _tier_config(config: KVTransferConfig, i: int, tier: object) -> KVTransferConfig:
+    where = f"kv_connector_extra_config.connectors[{i}]"
+    if isinstance(tier, dict):
+        refuse_unknown_keys(f"{where} of the multi connector", tier, _TIER_KEYS)
+    if not isinstance(tier, dict) or "kv_connector" not in tier:
+        raise ConfigError(f"{where} lacks kv_connector")
+    extra = tier.get("kv_connector_extra_config", {})
+    if not isinstance(extra, dict):
+        raise ConfigError(
+            f"{where}.kv_connector_extra_config={extra!r} is invalid: expected an object"
         )
-    return out
+    return replace(config, kv_connector=tier["kv_connector"], kv_connector_extra_config=extra)

@@ -25,11 +25,11 @@ How one request goes (P/D through the router):
    loaded blocks stay in the prefix cache, so usually only the evicted
    ones); it never reads the old hold again.
 
-Extra config (``kv_connector_extra_config``): ``side_channel_host`` and
-``side_channel_port`` (where peers reach this pod's gRPC server; ``tandem
-serve`` fills them in from --host/--port), ``handshake_timeout`` (seconds,
-default 10). The lease and transfer timeout are ``--kv-lease-seconds`` and
-``--kv-transfer-timeout``.
+Extra config (``kv_connector_extra_config``; ``NixlOptions`` below):
+``side_channel_host`` and ``side_channel_port`` (where peers reach this
+pod's gRPC server; ``tandem serve`` fills them in from --host/--port),
+``handshake_timeout`` (seconds, default 10). The lease and transfer
+timeout are ``--kv-lease-seconds`` and ``--kv-transfer-timeout``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.base import (
     ConnectorContext,
@@ -50,6 +50,7 @@ from connectors.kv_transfer_params import KVTransferParams
 from connectors.nixl_handshake import PeerInfo, compat_facts, compat_hash, fetch_peer_info
 from connectors.nixl_holds import NONCE_HEX, Claim, ClaimSender
 from connectors.nixl_worker import NixlWorker, RecvSpec, RemoteSource
+from connectors.options import SideChannelOptions, option
 from engine.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -64,6 +65,13 @@ logger = logging.getLogger(__name__)
 # An idle producer polls NIXL this often (a READ of its blocks progresses
 # only while it does): an idle pod measured 1.3% of a core (3.3% at 5 ms).
 IDLE_POLL_SECONDS = 0.02
+
+
+@dataclass(frozen=True)
+class NixlOptions(SideChannelOptions):
+    handshake_timeout: float = option(
+        10.0, "seconds for a peer's handshake and for a hold's release call"
+    )
 
 
 @dataclass(frozen=True)
@@ -87,22 +95,23 @@ class NixlConnectorMetadata(KVConnectorMetadata):
 
 class NixlConnector(KVConnectorBase):
     needs_side_channel = True  # a consumer fetches the producer's handshake there
+    options_class: ClassVar[type[NixlOptions]] = NixlOptions
 
     def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
         super().__init__(role, context)
         config = context.config
-        extra = config.kv_connector_extra_config
+        options = NixlOptions.of(config)
         self.block_size = context.layout.block_size
         self.is_producer = config.is_producer
         self.is_consumer = config.is_consumer
         self.agent_name = f"tandem-{context.engine_id}"
-        host = str(extra.get("side_channel_host", "127.0.0.1"))
+        host = options.side_channel_host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # an IPv6 literal, as gRPC targets write it
-        self.address = f"{host}:{extra.get('side_channel_port', 50051)}"
+        self.address = f"{host}:{options.side_channel_port}"
         self.compat = compat_facts(context.model_name, context.layout)
         self.compat_hash = compat_hash(self.compat)
-        self.handshake_timeout = float(extra.get("handshake_timeout", 10.0))
+        self.handshake_timeout = options.handshake_timeout
         # scheduler half
         self._meta = NixlConnectorMetadata()
         self._sources: dict[str, RemoteSource | None] = {}

@@ -7,7 +7,8 @@ block's key is refused (counted ``corrupt``) and the block recomputed. One
 pipeline per batch: a lookup is one round trip of EXISTS for a request's
 blocks, a load one MGET, a save one pipeline of SETs.
 
-Extra config (``kv_connector_extra_config``):
+Extra config (``kv_connector_extra_config``; ``RedisOptions`` below, plus
+``StoreOptions``'s ``load_async`` and ``load_wait_seconds``):
 
 * ``url``: ``redis://[user:password@]host:port/db`` or ``rediss://...`` for
   TLS (redis-py's URL options, e.g. ``?ssl_ca_certs=/path/ca.pem``). Default
@@ -32,7 +33,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import redis
@@ -40,8 +42,9 @@ import redis
 from connectors.base import ConnectorContext
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import Frames
+from connectors.options import option
 from connectors.store import BlockStore
-from connectors.store_connector import StoreConnector
+from connectors.store_connector import StoreConnector, StoreOptions
 
 logger = logging.getLogger(__name__)
 
@@ -133,18 +136,26 @@ class RedisBlockStore:
         self.client.close()
 
 
+@dataclass(frozen=True)
+class RedisOptions(StoreOptions):
+    url: str = option(DEFAULT_URL, "redis:// or rediss:// URL, with redis-py's URL options")
+    key_prefix: str = option("tandem:", "prepended to every key")
+    ttl_seconds: float | None = option(None, "expiry of a saved block (null: none)")
+    socket_timeout: float = option(2.0, "seconds before a Redis call counts as failed")
+
+
 class RedisConnector(StoreConnector):
     """Loads hits asynchronously by default: a load is a network transfer."""
 
     default_load_async = True
+    options_class: ClassVar[type[StoreOptions]] = RedisOptions
 
     def make_store(self, context: ConnectorContext) -> BlockStore:
-        extra = context.config.kv_connector_extra_config
-        ttl = extra.get("ttl_seconds")
+        options = RedisOptions.of(context.config)
         return RedisBlockStore(
             BlockCodec(context.model_name, context.layout),
-            str(extra.get("url", DEFAULT_URL)),
-            key_prefix=str(extra.get("key_prefix", "tandem:")),
-            ttl_seconds=None if ttl is None else float(ttl),
-            socket_timeout=float(extra.get("socket_timeout", 2.0)),
+            options.url,
+            key_prefix=options.key_prefix,
+            ttl_seconds=options.ttl_seconds,
+            socket_timeout=options.socket_timeout,
         )

@@ -10,7 +10,8 @@ Lookups are local memory operations, so the scheduler asks the pool
 directly; hits load synchronously before the forward by default (a memory
 copy), and P/D consumers load asynchronously like any other connector.
 
-Extra config (``kv_connector_extra_config``):
+Extra config (``kv_connector_extra_config``; ``ShmOptions`` below, plus
+``StoreOptions``'s ``load_async`` and ``load_wait_seconds``):
 
 * ``pool_name``: processes sharing blocks use the same name (default
   ``"tandem"``; the model's namespace is appended, so models never mix).
@@ -22,13 +23,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 from connectors.base import ConnectorContext
 from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import Frames, KVBlockIO
+from connectors.options import option
 from connectors.shm_pool import ShmBlockPool, ShmPoolConfig
 from connectors.store import BlockStore, LoadJob, LoadResult
-from connectors.store_connector import StoreConnector
+from connectors.store_connector import StoreConnector, StoreOptions
 from engine.stats import TransferFailure
 from kernels import cpu_kernels
 
@@ -137,13 +141,20 @@ class ShmBlockStore:
         self.pool.close()
 
 
+@dataclass(frozen=True)
+class ShmOptions(StoreOptions):
+    pool_name: str = option("tandem", "processes sharing blocks use the same name")
+    capacity_bytes: int = option(DEFAULT_CAPACITY_BYTES, "bytes of the shared-memory pool")
+
+
 class SharedMemoryConnector(StoreConnector):
     default_load_async = False
+    options_class: ClassVar[type[StoreOptions]] = ShmOptions
 
     def make_store(self, context: ConnectorContext) -> BlockStore:
-        extra = context.config.kv_connector_extra_config
+        options = ShmOptions.of(context.config)
         return ShmBlockStore(
             BlockCodec(context.model_name, context.layout),
-            str(extra.get("pool_name", "tandem")),
-            int(extra.get("capacity_bytes", DEFAULT_CAPACITY_BYTES)),
+            options.pool_name,
+            options.capacity_bytes,
         )

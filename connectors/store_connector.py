@@ -12,9 +12,9 @@ save are copied out of the cache (so the scheduler may reuse them at once)
 and handed to the thread; finished asynchronous loads are copied into the
 cache on the step thread, then reported in ``finished_recving``.
 
-Extra config (``kv_connector_extra_config``): ``load_async`` (bool: load
-hits in the background; default per store), ``load_wait_seconds`` (float,
-default 10).
+Extra config (``kv_connector_extra_config``): ``StoreOptions`` below,
+``load_async`` (bool: load hits in the background; default per store) and
+``load_wait_seconds`` (float, default 10), which each store's options extend.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from abc import abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.base import (
     ConnectorContext,
@@ -36,6 +36,7 @@ from connectors.base import (
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import FrameBuffers, KVBlockIO
 from connectors.kv_transfer_params import KVTransferParams
+from connectors.options import ConnectorOptions, option
 from connectors.store import (
     RETAINED_FRAME_BYTES,
     BlockStore,
@@ -58,6 +59,18 @@ logger = logging.getLogger(__name__)
 
 # Block hashes the scheduler half believes stored, so a block is saved once.
 _KNOWN_CAPACITY = 1 << 16
+
+
+@dataclass(frozen=True)
+class StoreOptions(ConnectorOptions):
+    """The keys every store connector takes (a store's options add its own)."""
+
+    load_async: bool | None = option(
+        None, "load hits in the background (null: the store's default_load_async)"
+    )
+    load_wait_seconds: float = option(
+        10.0, "P/D consumer: how long to wait for blocks its producer has not saved yet"
+    )
 
 
 @dataclass
@@ -89,16 +102,19 @@ class StoreConnector(KVConnectorBase):
     """Subclasses name the store: ``make_store`` and ``default_load_async``."""
 
     default_load_async = True
+    options_class: ClassVar[type[StoreOptions]] = StoreOptions
 
     def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
         super().__init__(role, context)
-        extra = context.config.kv_connector_extra_config
+        options = self.options_class.of(context.config)
         self.codec = BlockCodec(context.model_name, context.layout)
         self.block_size = context.layout.block_size
         self.is_producer = context.config.is_producer
         self.is_consumer = context.config.is_consumer
-        self.load_async = bool(extra.get("load_async", self.default_load_async))
-        self.load_wait_seconds = float(extra.get("load_wait_seconds", 10.0))
+        self.load_async = (
+            self.default_load_async if options.load_async is None else options.load_async
+        )
+        self.load_wait_seconds = options.load_wait_seconds
         self.store = self.make_store(context)
         # scheduler half
         self._tracked: dict[str, _Tracked] = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, KVLayout
-from connectors.factory import create_connector
+from connectors.factory import check_connector_config, create_connector
 from engine.config import EngineConfig
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.request import LoRARequest
@@ -47,6 +47,10 @@ class EngineCore:
         """`connector` (scheduler role) overrides the one config.kv_transfer names."""
         spec = config.speculative
         kv = config.kv_transfer
+        if connector is None and kv is not None:
+            # Before the model loads: a misspelled connector option stops
+            # the start at once, not after minutes of loading weights.
+            check_connector_config(kv)
         if spec is not None and kv is not None and kv.kv_role == "kv_producer":
             # A prefill pod samples one token per request: nothing to verify.
             logger.info("speculative decoding is off on a prefill pod (kv_producer)")

@@ -1,5 +1,5 @@
 """vLLM's side of benchmarks/scheduler_diff.py: the same random traces
-(``sched_traces.py``) through vLLM 0.12.0's own v1 scheduler. Run only by
+(``tests/unit/engine/sched/sched_traces.py``) through vLLM 0.12.0's own v1 scheduler. Run only by
 that script, in an interpreter that has vllm installed; Tandem never
 imports this file or vllm.
 
@@ -16,18 +16,9 @@ from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The repository root: the traces are a stdlib-only module of Tandem's tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from sched_traces import (
-    EOS,
-    SCENARIOS,
-    ConnectorScript,
-    RequestSpec,
-    Trace,
-    as_async,
-    make_trace,
-    replay,
-)
 from vllm.config import SchedulerConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.sampling_params import SamplingParams
@@ -38,6 +29,17 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm_stub import make_scheduler
+
+from tests.unit.engine.sched.sched_traces import (
+    EOS,
+    SCENARIOS,
+    ConnectorScript,
+    RequestSpec,
+    Trace,
+    as_async,
+    make_trace,
+    replay,
+)
 
 logging.disable(logging.WARNING)
 

@@ -18,6 +18,7 @@ from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, 
 from connectors.factory import (
     ENTRY_POINT_GROUP,
     UnknownConnectorError,
+    check_connector_config,
     connector_class,
     create_connector,
     known_connectors,
@@ -113,6 +114,24 @@ def test_register_connector() -> None:
 def test_registered_name_overrides_builtin() -> None:
     register_connector("redis", NullConnector)
     assert connector_class("redis") is NullConnector
+
+
+def test_a_connector_without_options_class_takes_any_keys() -> None:
+    """A third-party connector that declares no options class reads its raw
+    dict: nothing in it is refused."""
+    register_connector("null-test", NullConnector)
+    config = KVTransferConfig("null-test", "kv_both", {"anything": [1], "else": "x"})
+    check_connector_config(config)
+    built = create_connector(KVConnectorRole.SCHEDULER, context_for("null-test", anything=1))
+    assert built.context is not None
+    assert built.context.config.kv_connector_extra_config == {"anything": 1}
+
+
+def test_check_connector_config_refuses_an_unknown_name_or_key() -> None:
+    with pytest.raises(UnknownConnectorError, match="no-such-store"):
+        check_connector_config(KVTransferConfig("no-such-store"))
+    with pytest.raises(ConfigError, match="unknown key 'pool'"):
+        check_connector_config(KVTransferConfig("shm", "kv_both", {"pool": "x"}))
 
 
 # ---- entry points ------------------------------------------------------------

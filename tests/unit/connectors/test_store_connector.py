@@ -13,6 +13,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,14 @@ from connectors.base import ConnectorContext, KVConnectorRole, KVLayout
 from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import KVBlockIO
 from connectors.kv_transfer_params import KVTransferParams
+from connectors.options import option
 from connectors.store import BlockStore
-from connectors.store_connector import LoadSpec, StoreConnector, StoreConnectorMetadata
+from connectors.store_connector import (
+    LoadSpec,
+    StoreConnector,
+    StoreConnectorMetadata,
+    StoreOptions,
+)
 from engine.config import KVTransferConfig
 from engine.kv_cache.hashing import BlockHasher
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -83,13 +90,20 @@ class DictStore:
         self.closed = True
 
 
+@dataclass(frozen=True)
+class DictOptions(StoreOptions):
+    store: Any = option(None, "the DictStore the connector uses")
+
+
 class DictConnector(StoreConnector):
-    """The store comes in through the extra config (key ``store``)."""
+    """The store comes in through the extra config (key ``store``), which its
+    options declare as a store's own options extend ``StoreOptions``."""
 
     default_load_async = False
+    options_class = DictOptions
 
     def make_store(self, context: ConnectorContext) -> BlockStore:
-        store: DictStore = context.config.kv_connector_extra_config["store"]
+        store: DictStore = DictOptions.of(context.config).store
         return store
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from redis.connection import parse_url
 
+from connectors.factory import check_connector_config
 from service import cli
 from tests.unit.helm.chart import (
     FULLNAME,
@@ -151,6 +152,19 @@ def test_an_external_redis_url_is_used_as_given() -> None:
 )
 def test_an_external_password_needs_its_secret(redis: dict[str, Any], message: str) -> None:
     assert message in render_error({"redis": {"enabled": False, **redis}})
+
+
+def test_every_variants_connector_options_are_taken() -> None:
+    """The keys and values the chart writes are what the connector's options
+    class takes (the engine refuses any other at start); a redis TTL too."""
+    variants = {**VARIANTS, "ttl": {"kvTransfer": {"redis": {"ttlSeconds": 600}}}}
+    for variant, values in variants.items():
+        objects = render(values)
+        for name in POOLS:
+            c = container(_pool(objects, name))
+            config = cli.kv_transfer_from_args(cli._parser().parse_args(expanded_args(objects, c)))
+            assert config is not None, variant
+            check_connector_config(config)
 
 
 # ---- NIXL and shared memory -------------------------------------------------------

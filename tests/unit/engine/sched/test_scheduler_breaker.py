@@ -1,7 +1,7 @@
 """The deadlock breaker: waiting requests parking the blocks of finished KV
 loads give them back only when nothing else could ever make room.
 
-Each test is one of benchmarks/sched_traces.py's SCENARIOS; the expected
+Each test is one of sched_traces.py's SCENARIOS; the expected
 schedules up to where vLLM hangs are vLLM 0.12.0's own decisions on it
 (``benchmarks/scheduler_diff.py --scenarios``). Block size 16; every load
 finishes in the step after it starts.
