@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 
@@ -75,13 +75,18 @@ def test_chunked_prefill_and_preemption(reference: list[list[int]]) -> None:
     llm.core.shutdown()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_decoding(
-    method: Literal["ngram", "draft_model"], reference: list[list[int]], default_model_path: Path
+def test_draft_model_speculative_decoding(
+    reference: list[list[int]], default_model_path: Path
 ) -> None:
-    model = str(default_model_path) if method == "draft_model" else None
+    """The draft model's placeholders under asynchronous scheduling (n-gram
+    drafts: the next test)."""
     # Fixed k: every draft verified (adaptive drafting turns a CPU self-draft off).
-    spec = SpeculativeConfig(method=method, model=model, num_speculative_tokens=3, adaptive=False)
+    spec = SpeculativeConfig(
+        method="draft_model",
+        model=str(default_model_path),
+        num_speculative_tokens=3,
+        adaptive=False,
+    )
     llm = _async_llm(speculative=spec)
     assert _generate(llm) == reference
     stats = llm.totals.spec_decoding
@@ -89,10 +94,13 @@ def test_speculative_decoding(
     llm.core.shutdown()
 
 
-def test_ngram_drafts_alone_keep_the_synchronous_tokens_and_acceptance(sync_llm: LLM) -> None:
+def test_ngram_drafts_alone_keep_the_synchronous_tokens_and_acceptance(
+    sync_llm: LLM, reference: list[list[int]]
+) -> None:
     """One request at a time (where a wrong rewind of unused placeholder
     drafts once garbled the output): the synchronous tokens, and the same
-    drafts verified and accepted as the synchronous engine's."""
+    drafts verified and accepted as the synchronous engine's; then the
+    whole batch at once."""
     # Fixed k (adaptive drafting would decide by each engine's own timings).
     spec = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -103,7 +111,8 @@ def test_ngram_drafts_alone_keep_the_synchronous_tokens_and_acceptance(sync_llm:
         got = [list(llm.generate([p], params, use_tqdm=False)[0].token_ids) for p in prompts]
         assert got == expected
         stats.append(llm.totals.spec_decoding)
-        llm.core.shutdown()
+    assert _generate(llm) == reference  # the asynchronous one, batched
+    llm.core.shutdown()
     sync, async_ = stats
     assert sync is not None and async_ is not None and sync.num_accepted_tokens > 0
     assert async_.num_draft_tokens == pytest.approx(sync.num_draft_tokens, rel=0.1)

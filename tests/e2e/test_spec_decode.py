@@ -215,20 +215,22 @@ COPY_SCHEMA = {
 
 
 def test_grammars_with_drafts_end_at_the_grammar_and_never_the_engine(
-    base: LLM, default_model_path: Path
+    base: LLM, tiny_draft_path: Path
 ) -> None:
     """A draft that completes the grammar (its closing brace, then the stop
     token) once asked the finished grammar for another mask: xgrammar
-    raised and every later call on the LLM failed. With n-gram drafts and a
-    self-draft, each under chunked prefill and preemption, greedy and
-    sampled: valid JSON; greedy equal to the run without drafts; then the
-    engine goes on serving plain requests, with the plain tokens."""
-    # Fixed k: adaptive drafting would turn a CPU self-draft off.
+    raised and every later call on the LLM failed. With n-gram drafts (which
+    copy the JSON and its stop token) and a draft model (a small random
+    one: the composition, cheaply), each under chunked prefill and
+    preemption, greedy and sampled: valid JSON; greedy equal to the run
+    without drafts; then the engine goes on serving plain requests, with
+    the plain tokens."""
+    # Fixed k: adaptive drafting would turn drafts that do not pay off.
     specs = [
         SpeculativeConfig(num_speculative_tokens=5, adaptive=False),
         SpeculativeConfig(
             method="draft_model",
-            model=str(default_model_path),
+            model=str(tiny_draft_path),
             num_speculative_tokens=3,
             adaptive=False,
         ),
@@ -261,5 +263,7 @@ def test_grammars_with_drafts_end_at_the_grammar_and_never_the_engine(
         assert _generate(llm, plain, PROMPTS[:2]) == _generate(base, plain, PROMPTS[:2])
         assert llm.totals.num_preemptions > 0, spec.method
         stats = llm.core.scheduler.spec_stats
-        assert stats is not None and stats.num_accepted_tokens > 0
+        assert stats is not None and stats.num_drafts > 0
+        if spec.method == "ngram":
+            assert stats.num_accepted_tokens > 0
         llm.core.shutdown()
