@@ -1,6 +1,7 @@
 # Tandem: two commands on a fresh machine.
 #   make demo   set up .venv, then run the demo
 #   make test   set up .venv, then ruff, mypy and the whole test suite
+#   make check  the edit loop: ruff, mypy and the fast unit tests (under a minute)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 NODE_DIR := tests/integration/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup model kernels protos node redis test lint typecheck unit demo bench clean
+.PHONY: setup model kernels protos node redis test check lint typecheck unit demo bench clean
 
 setup: $(STAMP) protos
 
@@ -54,7 +55,12 @@ typecheck: $(STAMP) protos
 	$(VENV)/bin/mypy
 
 unit: $(STAMP) protos
-	$(VENV)/bin/pytest -q tests/unit
+	$(VENV)/bin/pytest -q -n 2 tests/unit
+
+# The edit loop: lint, types and the unit tests not marked slow (those that
+# take seconds: the real model, the Triton interpreter, child processes).
+check: lint typecheck model
+	$(VENV)/bin/pytest -q -n 2 -m "unit and not slow" tests/unit
 
 # The Node.js client test (tests/integration/test_node_client.py) needs node,
 # npm and its packages. Debian may lack node; as root we can add it.
@@ -79,8 +85,12 @@ redis:
 	  echo "redis-server not found; installing redis-server (needs root)"; \
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server; }
 
+# Unit tests on two workers (each is one process's CPU work); the real
+# servers and in-process engines after, in one process, as their shared
+# fixtures need (e2e last: see pyproject's testpaths).
 test: lint typecheck model kernels node redis
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 tests/unit
+	$(VENV)/bin/pytest -q tests/integration tests/e2e
 
 # Starts `tandem serve` on the default model, streams a few answers through
 # `tandem generate`, prints a summary and stops the server (service/demo.py).

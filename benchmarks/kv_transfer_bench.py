@@ -54,7 +54,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from connectors.base import KVLayout
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import FrameBuffers, KVBlockIO
 from connectors.redis_connector import RedisBlockStore
@@ -68,6 +67,7 @@ from connectors.store import (
     save_blocks,
     stage_save,
 )
+from engine.kv_transfer.base import KVLayout
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 

@@ -63,7 +63,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from connectors.base import KVLayout
+from engine.kv_transfer.base import KVLayout
 
 MAGIC = b"TKV2"
 # Everything the header checksum covers: magic, flags, payload bytes, payload

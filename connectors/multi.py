@@ -16,20 +16,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from connectors.base import (
+from engine.config import ConfigError, KVTransferConfig
+from engine.kv_transfer.base import (
     ConnectorContext,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from connectors.kv_transfer_params import KVTransferParams
-from connectors.options import ConnectorOptions, option, refuse_unknown_keys
-from engine.config import ConfigError, KVTransferConfig
+from engine.kv_transfer.options import ConnectorOptions, option, refuse_unknown_keys
+from engine.kv_transfer.params import KVTransferParams
+from engine.kv_transfer.registry import connector_class, create_connector
 
 if TYPE_CHECKING:
-    from connectors.nixl_holds import Claim
     from engine.kv_cache.events import KVCacheEvent
     from engine.kv_cache.manager import KVCacheBlocks
+    from engine.kv_transfer.base import Claim
     from engine.outputs import KVConnectorOutput
     from engine.request import Request
     from engine.sched.output import SchedulerOutput
@@ -58,8 +59,6 @@ class MultiConnector(KVConnectorBase):
 
     def __init__(self, role: KVConnectorRole, context: ConnectorContext) -> None:
         super().__init__(role, context)
-        from connectors.factory import create_connector
-
         self.tiers = [
             create_connector(role, replace(context, config=config))
             for config in _tier_configs(context.config)
@@ -71,8 +70,6 @@ class MultiConnector(KVConnectorBase):
         cls, config: KVTransferConfig, where: str = "kv_connector_extra_config"
     ) -> None:
         """Its own keys, then each tier's, by that tier's connector."""
-        from connectors.factory import connector_class
-
         super().check_config(config, where)
         for i, tier in enumerate(_tier_configs(config)):
             tier_where = f"{where}.connectors[{i}].kv_connector_extra_config"
@@ -82,8 +79,6 @@ class MultiConnector(KVConnectorBase):
 
     @classmethod
     def side_channel_connectors(cls, config: KVTransferConfig) -> tuple[str, ...]:
-        from connectors.factory import connector_class
-
         return tuple(
             name
             for tier in _tier_configs(config)
@@ -94,8 +89,6 @@ class MultiConnector(KVConnectorBase):
     def with_side_channel(cls, config: KVTransferConfig, host: str, port: int) -> KVTransferConfig:
         """Each tier's entry told as that tier's class would be (a tier is
         built from its own entry's extra config, not from this one's)."""
-        from connectors.factory import connector_class
-
         tiers = _tier_configs(config)  # checks the entries
         told = []
         for entry, tier in zip(config.kv_connector_extra_config["connectors"], tiers, strict=True):
@@ -176,14 +169,6 @@ class MultiConnector(KVConnectorBase):
     def start_load_kv(self, **kwargs: Any) -> None:
         for tier in self.tiers:
             tier.start_load_kv(**kwargs)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        for tier in self.tiers:
-            tier.wait_for_layer_load(layer_name)
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
-        for tier in self.tiers:
-            tier.save_kv_layer(layer_name, kv_layer, **kwargs)
 
     def wait_for_save(self) -> None:
         for tier in self.tiers:

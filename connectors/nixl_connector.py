@@ -40,17 +40,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from connectors.base import (
+from connectors.nixl_handshake import PeerInfo, compat_facts, compat_hash, fetch_peer_info
+from connectors.nixl_holds import NONCE_HEX, ClaimSender
+from connectors.nixl_worker import NixlWorker, RecvSpec, RemoteSource
+from engine.kv_transfer.base import (
+    Claim,
     ConnectorContext,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from connectors.kv_transfer_params import KVTransferParams
-from connectors.nixl_handshake import PeerInfo, compat_facts, compat_hash, fetch_peer_info
-from connectors.nixl_holds import NONCE_HEX, Claim, ClaimSender
-from connectors.nixl_worker import NixlWorker, RecvSpec, RemoteSource
-from connectors.options import SideChannelOptions, option
+from engine.kv_transfer.options import SideChannelOptions, option
+from engine.kv_transfer.params import KVTransferParams
 from engine.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -308,14 +309,8 @@ class NixlConnector(KVConnectorBase):
         for req_id in meta.ended:
             self.worker.end(req_id)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # READs are asynchronous: the request waits, the forward does not
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
-        pass  # the consumer reads; the producer only keeps its blocks
-
     def wait_for_save(self) -> None:
-        pass
+        pass  # the consumer reads; the producer only keeps its blocks
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:

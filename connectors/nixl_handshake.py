@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from connectors.base import KVLayout
+from engine.kv_transfer.base import KVLayout
 
 HANDSHAKE_METHOD = "/tandem.v1.KVTransfer/GetHandshake"
 # The KV cache's memory layout, part of what peers must share.

@@ -27,7 +27,6 @@ handler confirms them. Hence the lock; every method takes it.
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import os
@@ -35,18 +34,14 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engine.kv_transfer.base import Claim
+
 logger = logging.getLogger(__name__)
 
 # A reject that beats the hold it is about is kept this long; so is the
 # memory of an ended hold (a claim for it is then GONE, not UNKNOWN).
 EARLY_SECONDS = 60.0
 NONCE_HEX = 32  # 128 bits
-
-
-class Claim(enum.Enum):
-    HELD = "held"  # the hold was live: the bytes read are its blocks; now released
-    GONE = "gone"  # it ended (or never matched): the bytes read are not to be used
-    UNKNOWN = "unknown"  # no such hold yet: it may be registered at the next step
 
 
 @dataclass(frozen=True)

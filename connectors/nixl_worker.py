@@ -41,10 +41,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from connectors.kv_transfer_params import KVTransferParams
 from connectors.nixl_endpoint import NixlEndpoint, Peer
 from connectors.nixl_handshake import PeerInfo, incompatibility
-from connectors.nixl_holds import NONCE_HEX, Claim, HoldClaim, HoldTable
+from connectors.nixl_holds import NONCE_HEX, HoldClaim, HoldTable
+from engine.kv_transfer.base import Claim
+from engine.kv_transfer.params import KVTransferParams
 from engine.stats import KVConnectorStats, TransferFailure
 
 logger = logging.getLogger(__name__)

@@ -39,12 +39,12 @@ from typing import Any, ClassVar
 import numpy as np
 import redis
 
-from connectors.base import ConnectorContext
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import Frames
-from connectors.options import option
 from connectors.store import BlockStore
 from connectors.store_connector import StoreConnector, StoreOptions
+from engine.kv_transfer.base import ConnectorContext
+from engine.kv_transfer.options import option
 
 logger = logging.getLogger(__name__)
 

@@ -26,13 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from connectors.base import ConnectorContext
 from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import Frames, KVBlockIO
-from connectors.options import option
 from connectors.shm_pool import ShmBlockPool, ShmPoolConfig
 from connectors.store import BlockStore, LoadJob, LoadResult
 from connectors.store_connector import StoreConnector, StoreOptions
+from engine.kv_transfer.base import ConnectorContext
+from engine.kv_transfer.options import option
 from engine.stats import TransferFailure
 from kernels import cpu_kernels
 

@@ -27,16 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from connectors.base import (
-    ConnectorContext,
-    KVConnectorBase,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import FrameBuffers, KVBlockIO
-from connectors.kv_transfer_params import KVTransferParams
-from connectors.options import ConnectorOptions, option
 from connectors.store import (
     RETAINED_FRAME_BYTES,
     BlockStore,
@@ -47,6 +39,14 @@ from connectors.store import (
     load_into_cache,
     stage_save,
 )
+from engine.kv_transfer.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from engine.kv_transfer.options import ConnectorOptions, option
+from engine.kv_transfer.params import KVTransferParams
 from engine.stats import KVConnectorStats, TransferFailure
 
 if TYPE_CHECKING:
@@ -363,12 +363,6 @@ class StoreConnector(KVConnectorBase):
                 result = load_into_cache(self.store, self.codec, self._io, job, self._buffers)
                 self._invalid.update(result.failed_block_ids)
                 self._count_failures(result)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # everything loads before the forward
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
-        pass  # everything saves after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
         meta = self._metadata

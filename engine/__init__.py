@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from engine.output_processor import TokenLogprob as TokenLogprob
     from engine.request import FinishReason as FinishReason
     from engine.request import Request as Request
+    from engine.request_options import RequestOptions as RequestOptions
     from engine.sampling_params import SamplingParams as SamplingParams
     from engine.sampling_params import SamplingParamsError as SamplingParamsError
     from engine.stats import SchedulerStats as SchedulerStats
@@ -61,6 +62,7 @@ _EXPORTS = {
     "ProcessedPrompt": "engine.input_processor",
     "QueueFullError": "engine.errors",
     "Request": "engine.request",
+    "RequestOptions": "engine.request_options",
     "RequestOutput": "engine.output_processor",
     "RequestStream": "engine.streams",
     "SamplingParams": "engine.sampling_params",

@@ -49,7 +49,7 @@ from engine.streams import RequestStream, RequestStreams
 from engine.worker.worker import WorkerInfo
 
 if TYPE_CHECKING:
-    from connectors.nixl_holds import Claim
+    from engine.kv_transfer.base import Claim
 
 
 @dataclass

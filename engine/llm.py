@@ -45,6 +45,7 @@ from engine.lora.request import LoRARequest
 from engine.models.loader import load_tokenizer
 from engine.output_processor import OutputKind, RequestOutput
 from engine.request import FinishReason
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 from engine.status import EngineStatus
 
@@ -140,7 +141,9 @@ class LLM:
         if len(loras) != count:
             raise ValueError(f"lora: got {len(loras)} names for {count} prompts")
         requests = [
-            self.inputs.make_request(f"offline-{next(self._ids)}", p, sp, priority=prio, lora=name)
+            self.inputs.make_request(
+                f"offline-{next(self._ids)}", p, sp, RequestOptions(priority=prio, lora_name=name)
+            )
             for p, sp, prio, name in zip(prompts, params, priorities, loras, strict=True)
         ]
         for req, p in zip(requests, prompts, strict=True):

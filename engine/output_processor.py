@@ -28,9 +28,9 @@ from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import EngineCoreOutput, LogprobsLists, PromptLogprobs
 from engine.request import FinishReason, Request
 

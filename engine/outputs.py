@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine.errors import InvalidRequestError
 from engine.kv_cache.events import KVCacheEvent
+from engine.kv_transfer.params import KVTransferParams
 from engine.request import FinishReason
 from engine.stats import KVConnectorStats, SchedulerStats
 

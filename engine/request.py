@@ -10,9 +10,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine.kv_cache.hashing import BlockHash, BlockHasher
+from engine.kv_transfer.params import KVTransferParams
 from engine.lora.request import LoRARequest
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 from engine.structured_output.request import StructuredOutputRequest
 
@@ -76,21 +77,16 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.time)
-    priority: int = 0
-    # P/D: what the prefill leg keeps for a decode pod, or where the decode
-    # leg finds it (connectors.kv_transfer_params).
-    kv_transfer_params: KVTransferParams | None = None
-    cache_salt: str | None = None
-    # The LoRA adapter it runs under (None: the base model). Its cache_key
+    # What the caller asked besides prompt and sampling (priority, P/D
+    # params, cache salt, ...), as the front door built it; read through
+    # the properties below.
+    options: RequestOptions = field(default_factory=RequestOptions)
+    # The LoRA adapter it runs under (None: the base model; the input
+    # processor resolves options.lora_name). Its cache_key
     # keys the block hashes: KV computed under one adapter is never reused
     # by another or by the base model.
     lora_request: LoRARequest | None = None
     block_hasher: BlockHasher | None = None
-    # The last this-many prompt tokens are output an earlier leg generated
-    # (P/D: the prefill pod's token in the decode leg's prompt). Only the
-    # detokenizer cares: the output's text and stop strings start there.
-    # To the scheduler they are prompt like any other.
-    num_output_tokens_in_prompt: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -138,6 +134,28 @@ class Request:
             self.status = RequestStatus.WAITING_FOR_FSM
         if self.block_hasher is not None:
             self.block_hashes = self.block_hasher(self)
+
+    @property
+    def priority(self) -> int:
+        return self.options.priority
+
+    @property
+    def kv_transfer_params(self) -> KVTransferParams | None:
+        """P/D: what the prefill leg keeps for a decode pod, or where the
+        decode leg finds it (engine.kv_transfer.params)."""
+        return self.options.kv_transfer_params
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.options.cache_salt
+
+    @property
+    def num_output_tokens_in_prompt(self) -> int:
+        """The last this-many prompt tokens are output an earlier leg
+        generated (P/D: the prefill pod's token in the decode leg's prompt).
+        Only the detokenizer cares: the output's text and stop strings start
+        there. To the scheduler they are prompt like any other."""
+        return self.options.num_output_tokens_in_prompt
 
     @property
     def lora_cache_key(self) -> str | None:

@@ -64,6 +64,10 @@ class SamplingParams:
     drops tokens less likely than ``min_p`` times the most likely one,
     after temperature; greedy requests ignore it.
 
+    ``include_stop_str_in_output`` (vLLM's field) keeps a matched stop
+    string at the end of the text instead of cutting the text before it
+    (stop tokens are unaffected).
+
     ``structured_outputs`` constrains the output to a JSON schema, any JSON
     object, a regex, a choice or an EBNF grammar (see
     ``StructuredOutputParams``); the mask applies to greedy and sampled
@@ -83,6 +87,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
@@ -160,6 +165,11 @@ class SamplingParams:
             )
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", f"entries must be ints >= 0, got {t!r}")
+        _check(
+            isinstance(self.include_stop_str_in_output, bool),
+            "include_stop_str_in_output",
+            f"must be a bool, got {self.include_stop_str_in_output!r}",
+        )
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",

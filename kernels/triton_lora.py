@@ -33,16 +33,19 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import LoRABatch
-
 # Triton's CPU interpreter multiplies bfloat16 matrices wrongly: its _dot
 # widens them there (the attention kernels' own helper).
 from kernels.triton_attention import _dot
+
+if TYPE_CHECKING:
+    # kernels.lora imports this module (on CUDA): annotations only, no cycle.
+    from kernels.lora import LoRABatch
 
 # tl.dot needs every matrix dimension to be at least 16.
 _MIN_DOT = 16

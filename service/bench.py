@@ -36,7 +36,7 @@ from typing import Any
 
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-from service.cli import add_quantization_flags
+from service.flags import add_quantization_flags
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

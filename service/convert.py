@@ -10,27 +10,26 @@ the wire's; an output that ended in error becomes ``RequestFailedError``.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format, struct_pb2
 
-from connectors.kv_transfer_params import KVTransferParams, KVTransferParamsError
 from engine import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     FinishReason,
     InvalidRequestError,
+    RequestOptions,
     SamplingParams,
-    SamplingParamsError,
 )
+from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError
 from service.choices import Call, check_n
-from service.constraints import read_constraint
 from service.errors import RequestFailedError
 from service.gen.tandem.v1 import generation_pb2 as pb
+from service.sampling_fields import read_sampling
 
 if TYPE_CHECKING:  # not imported at run time: the router runs without torch
     from engine import (
@@ -75,21 +74,23 @@ def generate_input(
     kv = kv_transfer_params(msg.kv_transfer_params) if msg.HasField("kv_transfer_params") else None
     n = msg.sampling.n or 1
     check_n(n, "sampling.n", disaggregated=kv is not None or role != "both")
-    params = sampling_params(msg.sampling) if msg.HasField("sampling") else SamplingParams()
-    if (so := read_constraint(msg)) is not None:
-        params = dataclasses.replace(params, structured_outputs=so)
+    params = sampling_params(msg)
     # Checked here to name the wire's field; the engine resolves the name
     # again when the request is made (an unload in between refuses it then).
     inputs.loras.resolve(msg.lora_name, field="lora_name")
+    options = RequestOptions(
+        priority=msg.priority,
+        lora_name=msg.lora_name or None,
+        kv_transfer_params=kv,
+        cache_salt=msg.cache_salt or None,
+        num_output_tokens_in_prompt=msg.num_output_tokens_in_prompt,
+    )
     return Call(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt=_prompt(msg, inputs),
         params=params,
         n=n,
-        priority=msg.priority,
-        kv_transfer_params=kv,
-        num_output_tokens_in_prompt=msg.num_output_tokens_in_prompt,
-        lora=msg.lora_name or None,
+        options=options,
     )
 
 
@@ -109,40 +110,10 @@ def chat_messages(chat: pb.ChatInput) -> list[ChatMessage]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    values: dict[str, Any] = {
-        "min_tokens": msg.min_tokens,
-        "top_k": _signed32(msg.top_k),
-        "stop": list(msg.stop),
-        "stop_token_ids": list(msg.stop_token_ids),
-        "ignore_eos": msg.ignore_eos,
-        "presence_penalty": msg.presence_penalty,
-        "frequency_penalty": msg.frequency_penalty,
-        "min_p": msg.min_p,
-        "logit_bias": dict(msg.logit_bias),
-    }
-    for name in (
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "logprobs",
-        "prompt_logprobs",
-        "repetition_penalty",
-    ):
-        if msg.HasField(name):
-            values[name] = getattr(msg, name)
-    try:
-        return SamplingParams(**values)
-    except SamplingParamsError as exc:
-        raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
-
-
-def _signed32(value: int) -> int:
-    """A uint32 field read as the int32 a client may have meant: -1 (vLLM's
-    "top_k off") sent from an int32 arrives as 4294967295, and is taken as
-    -1 (off); other negatives are then refused instead of acting as "off"."""
-    return value - (1 << 32) if value >= 1 << 31 else value
+def sampling_params(msg: pb.GenerateRequest) -> SamplingParams:
+    """The request's sampling and constraint fields, read through the
+    table (service/sampling_fields.py); errors name the proto field."""
+    return read_sampling("tandem", msg.sampling, prefix="sampling.", request=msg)
 
 
 def kv_transfer_params(msg: struct_pb2.Struct) -> KVTransferParams:

@@ -126,9 +126,9 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine.config import ConfigError
 from engine.kv_cache.hashing import hash_chain
+from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 from service.convert import dict_to_struct
 from service.errors import refused_metadata, was_refused
@@ -481,7 +481,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
         maybe_ran = False  # whether a pod tried so far may have taken the request
         lora = adapter.name if adapter is not None else None
         keys = adapter.keys if adapter is not None else None
-        hashes = self._hashes(pool, ids, adapter.hash_key() if adapter is not None else None)
+        lora_key = adapter.hash_key() if adapter is not None else None
+        hashes = self._hashes(pool, ids, lora_key, request.cache_salt or None)
         leg_id = request.request_id
         while True:
             pod = pool.pick(hashes, exclude=tried, lora=lora, lora_keys=keys)
@@ -572,14 +573,22 @@ class RouterServicer(pb_grpc.GenerationServicer):
             code, f"{pool.name} pod: {_redact(details, addresses)}", maybe_ran=maybe_ran
         )
 
-    def _hashes(self, pool: PodPool, ids: list[int], lora_key: str | None = None) -> list[bytes]:
+    def _hashes(
+        self,
+        pool: PodPool,
+        ids: list[int],
+        lora_key: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[bytes]:
         """The prompt's block hashes as the pool's engines compute them (the
-        same function, keyed by a LoRA adapter's `lora_key`), to match
-        against their KV events."""
+        same function, keyed by a LoRA adapter's `lora_key` and the
+        request's `cache_salt`), to match against their KV events."""
         if not pool.follow_kv_events:
             return []
         block_size = next((p.block_size for p in pool.pods if p.block_size), 0)
-        return hash_chain(ids, block_size, lora_key=lora_key) if block_size else []
+        if not block_size:
+            return []
+        return hash_chain(ids, block_size, cache_salt=cache_salt, lora_key=lora_key)
 
     def _check_lora(self, name: str) -> _Adapter | None:
         """The adapter `name` ("": the base model, None) as the request's

@@ -14,14 +14,14 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from engine import AsyncEngine, ConfigError, EngineConfig, InvalidRequestError
+from engine import AsyncEngine, ConfigError, EngineConfig
+from engine.pod_role import apply_role, pod_role
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from service.gen.tandem.v1 import kv_transfer_pb2_grpc
@@ -37,7 +37,6 @@ from service.vllm_servicer import VllmEngineServicer
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode", "both"]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -45,7 +44,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port
-    role: Role = "both"
     api_key: str | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -63,8 +61,6 @@ class ServerConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "both"):
-            raise ConfigError(f"role: expected prefill, decode or both, got {self.role!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -86,6 +82,10 @@ class TandemServer:
             engine_config = recording_events(engine_config)
         if config.lora_modules and engine_config.lora is None:
             raise ConfigError("lora_modules: LoRA is off (EngineConfig.lora is None)")
+        # The pod's role (--role) lives in the engine config: checked, and
+        # what it implies applied, before anything listens.
+        engine_config = apply_role(engine_config)
+        self.role = pod_role(engine_config)
         self.engine_config = engine_config
         self.config = config
         self.metrics = ServiceMetrics()
@@ -94,7 +94,7 @@ class TandemServer:
         connector = kv.kv_connector if kv is not None else ""
         inputs = new_input_pool()
         self.servicer = GenerationServicer(
-            role=config.role,
+            role=self.role,
             kv_connector=connector,
             input_pool=inputs,
             served_model_name=config.served_model_name,
@@ -103,7 +103,7 @@ class TandemServer:
         # The field's engine protocol, for the smg gateway (same port).
         self.vllm_servicer = VllmEngineServicer(
             inputs,
-            role=config.role,
+            role=self.role,
             kv_connector=connector,
             served_model_name=config.served_model_name,
         )
@@ -158,20 +158,14 @@ class TandemServer:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.engine_config.kv_transfer is not None:
             self._connector_watch = asyncio.get_running_loop().create_task(self._watch_connector())
-        logger.info("serving %s (role %s)", self.engine.info.model_name, cfg.role)
+        logger.info("serving %s (role %s)", self.engine.info.model_name, self.role)
         return self.port
 
     async def _load_lora_modules(self, engine: AsyncEngine) -> None:
         """--lora-modules, before SERVING: a pod that reports ready has them.
         One that does not load stops the start (ConfigError, exit code 2)
         with the engine's message naming the file at fault."""
-        for name, path in self.config.lora_modules:
-            try:
-                await engine.load_lora(name, path)
-            except InvalidRequestError as exc:
-                raise ConfigError(f"--lora-modules {name}={path}: {exc}") from None
-            logger.info("LoRA adapter %r loaded from %s", name, path)
-        self.metrics.lora_adapters.set(len(engine.list_loras()))
+        await self.servicer.loras.load_at_start(engine, self.config.lora_modules)
 
     def _serve_metrics(self, host: str, port: int) -> None:
         try:

@@ -7,9 +7,10 @@ or passes its deadline, the `finally` closes the stream, which aborts the
 request in the engine (its blocks are freed before the next step). An Abort
 ends the live requests it names and releases the KV blocks finished ones
 hold for a remote decode (a prefill leg's, which the router gives up on).
-LoRA adapters are loaded, unloaded and listed through the engine, which
-owns their registry; ``on_loras_changed`` hears the count after each change
-(the metrics gauge).
+LoRA adapters are loaded and unloaded through service.adapters (shared
+with --lora-modules) and listed through the engine, which owns their
+registry; ``on_loras_changed`` hears the count after each change (the
+metrics gauge).
 
 Tokenizing and rendering chat templates take CPU time in proportion to the
 input (a second per megabyte): they run on a small thread pool, never on
@@ -29,8 +30,9 @@ import grpc
 
 from engine import AsyncEngine
 from service import choices, convert
+from service.adapters import LoRAAdapters
 from service.engine_holder import EngineHolder
-from service.errors import LoRADisabledError, abort_with, refused_by_engine
+from service.errors import abort_with, refused_by_engine
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -65,7 +67,8 @@ class GenerationServicer(EngineHolder, pb_grpc.GenerationServicer):
         self.role = role
         self.kv_connector = kv_connector
         self.served_model_name = served_model_name
-        self.on_loras_changed = on_loras_changed
+        # Loads and unloads, shared with --lora-modules (service.adapters).
+        self.loras = LoRAAdapters(on_loras_changed)
         self._choices = choices.ChoiceRegistry()
         self._input_pool = input_pool or new_input_pool()
 
@@ -157,28 +160,16 @@ class GenerationServicer(EngineHolder, pb_grpc.GenerationServicer):
         self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoraAdapter:
         engine = await self._engine_for(context)
-        try:
-            _require_lora(engine)
-            loaded = await engine.load_lora(request.lora_name, request.lora_path)
-        except Exception as exc:
-            await abort_with(context, exc)
-            raise
-        logger.info("LoRA adapter %r loaded from %s", loaded.lora_name, loaded.lora_path)
-        self._loras_changed(engine)
+        loaded = await self.loras.load_or_abort(
+            context, engine, request.lora_name, request.lora_path
+        )
         return convert.lora_adapter(loaded)
 
     async def UnloadLoraAdapter(
         self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnloadLoraAdapterResponse:
         engine = await self._engine_for(context)
-        try:
-            _require_lora(engine)
-            unloaded = engine.unload_lora(request.lora_name)
-        except Exception as exc:
-            await abort_with(context, exc)
-            raise
-        logger.info("LoRA adapter %r unloaded", unloaded.lora_name)
-        self._loras_changed(engine)
+        unloaded = await self.loras.unload_or_abort(context, engine, request.lora_name)
         return pb.UnloadLoraAdapterResponse(adapter=convert.lora_adapter(unloaded))
 
     async def ListLoraAdapters(
@@ -189,10 +180,6 @@ class GenerationServicer(EngineHolder, pb_grpc.GenerationServicer):
             adapters=[convert.lora_adapter(a) for a in engine.list_loras()]
         )
 
-    def _loras_changed(self, engine: AsyncEngine) -> None:
-        if self.on_loras_changed is not None:
-            self.on_loras_changed(len(engine.list_loras()))
-
     async def SubscribeKvEvents(
         self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KvEventBatch]:
@@ -202,10 +189,3 @@ class GenerationServicer(EngineHolder, pb_grpc.GenerationServicer):
                 yield convert.kv_event_batch(batch)
         finally:
             subscription.close()
-
-
-def _require_lora(engine: AsyncEngine) -> None:
-    """FAILED_PRECONDITION rather than the engine's INVALID_ARGUMENT: no
-    argument could make a load succeed on this server."""
-    if engine.config.lora is None:
-        raise LoRADisabledError("this server serves no LoRA adapters (start it with --enable-lora)")

@@ -18,10 +18,10 @@ from dataclasses import replace
 import grpc
 from google.protobuf import wrappers_pb2
 
-from connectors.factory import UnknownConnectorError, connector_class
-from connectors.nixl_holds import Claim
 from engine.async_engine import AsyncEngine
 from engine.config import ConfigError, EngineConfig, KVTransferConfig
+from engine.kv_transfer.base import Claim
+from engine.kv_transfer.registry import UnknownConnectorError, connector_class
 from service.gen.tandem.v1 import kv_transfer_pb2_grpc
 
 # How long a claim on a hold not registered yet waits for it (a hold is

@@ -3,9 +3,10 @@ the stubs of PyPI ``smg-grpc-proto``) and Tandem's engine types.
 
 The Shepherd Model Gateway (smg) drives workers over this protocol: it
 tokenizes and detokenizes itself, so requests arrive as token ids and
-answers leave as token ids. Sampling fields follow the vLLM servicer's
-reading, where proto3's zero means "unset" for the fields without presence:
-``top_p`` 0 is 1.0, ``repetition_penalty`` 0 is 1.0, ``n`` 0 is 1. What
+answers leave as token ids. Sampling fields are read through the table
+in ``service.sampling_fields``, as the vLLM servicer reads them: proto3's
+zero means "unset" for the fields without presence (``top_p`` 0 is 1.0,
+``repetition_penalty`` 0 is 1.0); ``n`` 0 is 1. What
 Tandem cannot do yet (structural tags, logprobs of the whole vocabulary,
 prompt truncation, images) is refused with the field's name, never ignored;
 the other structured-output constraints become ``StructuredOutputParams``.
@@ -18,24 +19,25 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from connectors.kv_transfer_params import KVTransferParams, KVTransferParamsError
 from engine import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     FinishReason,
     InvalidRequestError,
+    RequestOptions,
     SamplingParams,
-    SamplingParamsError,
 )
+from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError
+from engine.pod_role import kv_role_of
 from service.choices import Call, check_n
-from service.constraints import read_constraint
 from service.errors import RequestFailedError
+from service.sampling_fields import read_sampling
 
 if TYPE_CHECKING:
     from engine import (
@@ -90,7 +92,7 @@ def generate_input(
         prompt=_prompt(msg, inputs),
         params=sampling_params(msg.sampling_params),
         n=n,
-        kv_transfer_params=kv,
+        options=RequestOptions(kv_transfer_params=kv),
     )
     return VllmGenerateInput(call, msg.stream)
 
@@ -105,61 +107,20 @@ def _prompt(msg: vpb.GenerateRequest, inputs: InputProcessor) -> ProcessedPrompt
 
 
 def _refuse_unsupported(msg: vpb.GenerateRequest) -> None:
-    params = msg.sampling_params
-    if params.WhichOneof("constraint") == "structural_tag":
-        raise InvalidRequestError(
-            "sampling_params.structural_tag",
-            "structural tags are not supported; use json_schema, regex, choice or grammar",
-        )
-    if params.HasField("truncate_prompt_tokens"):
+    """What the request asks that no sampling field holds (the sampling
+    fields' own refusals are in service/sampling_fields.py)."""
+    if msg.sampling_params.HasField("truncate_prompt_tokens"):
         raise InvalidRequestError(
             "sampling_params.truncate_prompt_tokens", "prompt truncation is not supported"
-        )
-    if params.HasField("logprobs") and params.logprobs < 0:
-        raise InvalidRequestError(
-            "sampling_params.logprobs", "-1 (the whole vocabulary) is not supported; use 0-20"
         )
     if msg.HasField("mm_inputs") or len(msg.extra_mm_inputs) or msg.HasField("media_refs"):
         raise InvalidRequestError("mm_inputs", "this model takes text only")
 
 
 def sampling_params(msg: vpb.SamplingParams) -> SamplingParams:
-    values: dict[str, Any] = {
-        "top_p": msg.top_p or 1.0,
-        "top_k": msg.top_k,
-        "min_tokens": msg.min_tokens,
-        "stop": list(msg.stop),
-        "stop_token_ids": list(msg.stop_token_ids),
-        "ignore_eos": msg.ignore_eos,
-    }
-    for name in ("temperature", "max_tokens", "seed", "logprobs"):
-        if msg.HasField(name):
-            values[name] = getattr(msg, name)
-    values.update(_extras(msg))
-    # vLLM's servicer treats json_object false as unset; tandem.v1 refuses it.
-    unset = msg.WhichOneof("constraint") == "json_object" and not msg.json_object
-    if not unset and (so := read_constraint(msg, "sampling_params.")) is not None:
-        values["structured_outputs"] = so
-    try:
-        return SamplingParams(**values)
-    except SamplingParamsError as exc:
-        raise InvalidRequestError(
-            f"sampling_params.{exc.field}", str(exc).split(": ", 1)[-1]
-        ) from exc
-
-
-def _extras(msg: vpb.SamplingParams) -> dict[str, Any]:
-    """vLLM's extras, set only when sent (their zero is "off")."""
-    extras: dict[str, Any] = {
-        "min_p": msg.min_p,
-        "frequency_penalty": msg.frequency_penalty,
-        "presence_penalty": msg.presence_penalty,
-        "repetition_penalty": msg.repetition_penalty or 1.0,
-        "logit_bias": dict(msg.logit_bias),
-    }
-    if msg.HasField("prompt_logprobs"):
-        extras["prompt_logprobs"] = msg.prompt_logprobs
-    return extras
+    """Read through the table (service/sampling_fields.py), as vLLM's
+    servicer reads the fields; errors name the proto field."""
+    return read_sampling("vllm", msg, prefix="sampling_params.")
 
 
 def _kv_transfer_params(msg: vpb.GenerateRequest) -> KVTransferParams | None:
@@ -331,17 +292,13 @@ def model_info(facts: ModelFacts) -> vpb.GetModelInfoResponse:
 class ServerFacts:
     """What GetServerInfo answers besides the live counts."""
 
-    role: str  # prefill, decode or both
+    role: str  # prefill, decode or both; its kv_role is engine.pod_role's
     kv_connector: str
     engine_id: str
     block_size: int
     dtype: str
     max_num_seqs: int
     kv_cache_dtype: str = "auto"  # as --kv-cache-dtype says (vLLM's spelling)
-
-
-# The role names vLLM's kv_transfer_config uses.
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 
 def server_info(facts: ServerFacts, status: EngineStatus) -> vpb.GetServerInfoResponse:
@@ -352,7 +309,7 @@ def server_info(facts: ServerFacts, status: EngineStatus) -> vpb.GetServerInfoRe
         uptime_seconds=status.uptime_seconds,
         server_type="tandem-grpc",
         kv_connector=facts.kv_connector,
-        kv_role=KV_ROLES[facts.role] if connected else "",
+        kv_role=kv_role_of(facts.role) if connected else "",
         kv_engine_id=facts.engine_id if connected else "",
         data_parallel_size=1,
         kv_cache_dtype=facts.kv_cache_dtype,

@@ -71,3 +71,16 @@ def lora_reference(
     from tests.lora_adapters import MAX_TOKENS, peft_generate
 
     return peft_generate(default_model_path, lora_adapters, lora_prompts, MAX_TOKENS)
+
+
+_TESTS = Path(__file__).resolve().parent
+_PARTS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its directory (unit, integration, e2e), so
+    `pytest -m "unit and not slow"` (make check) selects the edit loop's."""
+    for item in items:
+        parts = item.path.resolve().relative_to(_TESTS).parts
+        if parts and parts[0] in _PARTS:
+            item.add_marker(parts[0])

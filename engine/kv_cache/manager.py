@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal, overload
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.events import KVCacheEvent
-from engine.stats import PrefixCacheStats
+from engine.kv_cache.stats import PrefixCacheStats
 
 if TYPE_CHECKING:
     from engine.request import Request

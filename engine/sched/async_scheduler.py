@@ -44,14 +44,14 @@ class AsyncScheduler(Scheduler):
             if num_spec and request.structured_output_request is None:
                 request.spec_token_ids = [-1] * num_spec
 
-    def _update_request_with_output(
+    def update_request_with_output(
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
         if request.discard_latest_async_tokens:
             request.discard_latest_async_tokens = False
             return [], False
         status_before = request.status
-        new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids)
+        new_token_ids, stopped = super().update_request_with_output(request, new_token_ids)
         request.num_output_placeholders -= len(new_token_ids)
         if request.num_output_placeholders < 0:
             raise RuntimeError(
@@ -64,7 +64,7 @@ class AsyncScheduler(Scheduler):
             )
         return new_token_ids, stopped
 
-    def _void_in_flight(self, request: Request) -> None:
+    def void_in_flight(self, request: Request) -> None:
         """``request`` was rewound (a failed KV load, a forced reset) while a
         step ran for it: that step's tokens are void."""
         if request.num_output_placeholders:

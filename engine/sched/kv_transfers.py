@@ -28,14 +28,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.stats import PrefixCacheStats
 from engine.request import Request, RequestStatus
-from engine.stats import KVConnectorStats, PrefixCacheStats, SchedulerStats
+from engine.stats import KVConnectorStats, SchedulerStats
 
 if TYPE_CHECKING:
-    from connectors.base import KVConnectorBase, KVConnectorMetadata
-    from connectors.kv_transfer_params import KVTransferParams
     from engine.kv_cache.events import KVCacheEvent
     from engine.kv_cache.manager import KVCacheBlocks
+    from engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+    from engine.kv_transfer.params import KVTransferParams
     from engine.outputs import KVConnectorOutput
     from engine.sched.output import SchedulerOutput
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from connectors.base import KVConnectorMetadata
+    from engine.kv_transfer.base import KVConnectorMetadata
     from engine.lora.request import LoRARequest
     from engine.request import Request
     from engine.structured_output.manager import GrammarBitmask

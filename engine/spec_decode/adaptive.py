@@ -37,15 +37,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from engine.spec_decode.proposer import ProposeInputs, Proposer
-from engine.worker.input_batch import InputBatch
-from engine.worker.model_runner import CausalLM
 from kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.worker.input_batch import InputBatch
+    from engine.worker.model_runner import CausalLM
 
 # Steps a request goes without drafts before it is probed again (one
 # proposal, observed but not sent): n-gram lookup costs ~5% of a decode step

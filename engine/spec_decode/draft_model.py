@@ -21,15 +21,19 @@ acceptance rate, never changes an output (the target verifies every draft).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from engine.spec_decode.proposer import ProposeInputs
-from engine.worker.input_batch import InputBatch
-from engine.worker.model_runner import CausalLM
-from engine.worker.sampler import greedy
 from kernels.metadata import AttentionMetadata
+from kernels.sampling import greedy
+
+if TYPE_CHECKING:
+    from engine.worker.input_batch import InputBatch
+    from engine.worker.model_runner import CausalLM
 
 
 class DraftModelProposer:

@@ -9,13 +9,15 @@ token; the runner then verifies them (engine/spec_decode/rejection.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from engine.spec_decode.ngram import NgramProposer
-from engine.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from engine.worker.input_batch import InputBatch
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.worker.sampler import exponential_race, greedy
+from kernels.sampling import exponential_race, greedy
 
 
 @dataclass(frozen=True)

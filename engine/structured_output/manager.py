@@ -19,7 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.request import Request
 from engine.structured_output.backend import (
     CompiledGrammar,
     Grammar,
@@ -30,6 +29,7 @@ from engine.structured_output.backend import (
 from engine.structured_output.request import GrammarState, StructuredOutputRequest
 
 if TYPE_CHECKING:
+    from engine.request import Request
     from engine.structured_output.backend import Bitmask
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from connectors.base import KVConnectorBase
+from engine.kv_transfer.base import KVConnectorBase
 from engine.lora.slots import LoRASlots
 from engine.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,

@@ -22,7 +22,7 @@ import torch
 from engine.outputs import LogprobsLists
 from engine.sampling_params import SamplingParams
 from engine.worker.penalties import LogitBiasTensors, PenaltyTensors, TokenHistory
-from kernels import cpu_kernels
+from kernels.sampling import exponential_race, greedy
 
 # Temperatures below this are treated as greedy: dividing by them would
 # overflow float32 logits to inf, and the result is the argmax anyway.
@@ -295,18 +295,6 @@ def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the vocabulary, per row. For float32 CPU logits the
-    compiled kernel (same ties and NaN rule as torch.argmax) spreads the rows
-    over threads: torch's argmax took 4 ms of a batch-64 decode step."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-        module = cpu_kernels.load()
-        if module is not None and logits.shape[-1] > 0:
-            out: torch.Tensor = module.argmax_rows(logits)
-            return out
-    return logits.argmax(dim=-1)
-
-
 def apply_min_p(logits: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
     """Mask tokens with probability below min_p times the row's largest.
 
@@ -355,24 +343,6 @@ def _apply_top_k_top_p(
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, -math.inf)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """``argmax(probs / q)``, ``q ~ Exponential(1)`` per element: a sample.
-
-    Unseeded rows share the default generator; each seeded row draws its
-    whole row from its own generator, so its draws depend only on its seed
-    and how many steps it has sampled.
-    """
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
-    for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    # exponential_ may return exactly 0; 0/0 would be NaN, which argmax
-    # treats as the maximum and would pick a filtered-out token.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
 
 
 def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_top: int) -> LogprobsTensors:

@@ -14,6 +14,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.llm import LLM
+
 CHAT_SYSTEM = (
     "You are a careful assistant for a small bakery. Answer in one or two short "
     "sentences, name prices in euros, and never invent opening hours."
@@ -51,6 +53,14 @@ def hf_model(default_model_path: Path):
     model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
     model.eval()  # type: ignore[no-untyped-call]
     return model
+
+
+@pytest.fixture(scope="session")
+def plain_llm() -> LLM:
+    """One engine with the defaults (max_model_len 512) for every module
+    that only compares outputs: building one takes seconds. Tests that read
+    its counters or change its state build their own."""
+    return LLM(max_model_len=512)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -37,8 +37,8 @@ def _generate(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def sync_llm() -> LLM:
-    return LLM(max_model_len=512)
+def sync_llm(plain_llm: LLM) -> LLM:
+    return plain_llm
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ OTHERS = ["Once upon a time", "The three primary colours are", "def fibonacci(n)
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(max_model_len=512)
+def llm(plain_llm: LLM) -> LLM:
+    return plain_llm
 
 
 def _greedy(llm: LLM, prompt: str, **kw) -> tuple[str, list[int]]:

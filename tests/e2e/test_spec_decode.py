@@ -41,8 +41,8 @@ def _generate(
 
 
 @pytest.fixture(scope="module")
-def base() -> LLM:
-    return LLM(max_model_len=512)
+def base(plain_llm: LLM) -> LLM:
+    return plain_llm
 
 
 @pytest.fixture(scope="module")

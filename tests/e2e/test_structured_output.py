@@ -88,8 +88,8 @@ FREE = ["The history of bread begins", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(max_model_len=512)
+def llm(plain_llm: LLM) -> LLM:
+    return plain_llm
 
 
 def _ask(llm: LLM, request: str) -> str:

@@ -234,6 +234,29 @@ def test_logit_adjustments_reach_the_engine(server: ServerProcess) -> None:
     assert len(_ids(min_p)) == 8 and min_p[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
+def test_cache_salt_and_include_stop_str_reach_the_engine(server: ServerProcess) -> None:
+    # A prompt no other test sends, so the unsalted cache has not seen it.
+    prompt = f"{PROMPT} not what this sentence is about: it is about salts and caches."
+
+    async def go() -> tuple[list[int], str, str, str, str]:
+        async with TandemClient(server.target) as client:
+            cached = []
+            for salt in ("a", "a", "b", ""):
+                chunks = await _collect(client, text=prompt, max_tokens=1, cache_salt=salt)
+                cached.append(chunks[-1].usage.cached_tokens)
+            greedy: dict[str, Any] = {"text": PROMPT, "temperature": 0.0, "max_tokens": 12}
+            plain = _text(await _collect(client, **greedy))
+            stop = plain[4:7]
+            cut = _text(await _collect(client, **greedy, stop=[stop]))
+            kept = await _collect(client, **greedy, stop=[stop], include_stop_str_in_output=True)
+            return cached, plain, stop, cut, _text(kept)
+
+    cached, plain, stop, cut, kept = asyncio.run(go())
+    assert cached[0] == 0 and cached[1] >= 16 and cached[2] == 0 and cached[3] == 0
+    end = plain.index(stop)
+    assert cut == plain[:end] and kept == plain[: end + len(stop)]
+
+
 def _with_kv_params(request: pb.GenerateRequest, params: dict[str, Any]) -> pb.GenerateRequest:
     request.kv_transfer_params.CopyFrom(dict_to_struct(params))
     return request

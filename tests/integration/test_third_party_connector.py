@@ -17,7 +17,7 @@ MODULE = '''
 import json
 from typing import Any
 
-from connectors.base import KVConnectorBase, KVConnectorMetadata
+from engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 
 
 class TraceConnector(KVConnectorBase):
@@ -45,12 +45,6 @@ class TraceConnector(KVConnectorBase):
         self._log(event="registered", layers=len(kv_caches))
 
     def start_load_kv(self, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
         pass
 
     def wait_for_save(self) -> None:

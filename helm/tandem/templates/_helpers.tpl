@@ -155,24 +155,26 @@ app.kubernetes.io/component: {{ .component }}
 {{- if ne $root.Values.model.source "package" }}
 {{- $args = concat $args (list "--model" (trimSuffix "/" (printf "/models/%s" $root.Values.model.path))) }}
 {{- end }}
-{{- /* Values are float64 in templates: integers are printed through int64. */}}
-{{- $intFlags := dict "maxModelLen" "--max-model-len" "blockSize" "--block-size" "maxNumSeqs" "--max-num-seqs" "maxNumBatchedTokens" "--max-num-batched-tokens" "maxWaitingRequests" "--max-waiting-requests" }}
-{{- $flags := dict "dtype" "--dtype" "quantization" "--quantization" "device" "--device" "kvCacheMemory" "--kv-cache-memory" "kvCacheDtype" "--kv-cache-dtype" "gpuMemoryUtilization" "--gpu-memory-utilization" "attentionBackend" "--attention-backend" "kvEventsEndpoint" "--kv-events-endpoint" "kvEventsReplayEndpoint" "--kv-events-replay-endpoint" "kvEventsTopic" "--kv-events-topic" }}
-{{- range $key := keys $intFlags | sortAlpha }}
-{{- if hasKey $e $key }}
-{{- $args = concat $args (list (get $intFlags $key) (toString (int64 (get $e $key)))) }}
+{{- /* Every other engine key is the `tandem serve` flag of the same name in
+kebab-case (maxNumSeqs: --max-num-seqs). The knobs and their defaults are
+declared once, in engine/config.py; values.schema.json lists the keys the
+chart takes, and tests/unit/helm/test_knobs.py checks both against the
+declaration. A bool is a switch (the flag alone when true); numbers are
+float64 in templates, so whole ones are printed through int64. */}}
+{{- $notFlags := list "port" "drainGraceSeconds" "terminationMarginSeconds" "extraArgs" }}
+{{- range $key := keys $e | sortAlpha }}
+{{- if not (has $key $notFlags) }}
+{{- $value := get $e $key }}
+{{- $flag := printf "--%s" (kebabcase $key) }}
+{{- if kindIs "bool" $value }}
+{{- if $value }}
+{{- $args = append $args $flag }}
 {{- end }}
+{{- else if and (kindIs "float64" $value) (eq $value (floor $value)) }}
+{{- $args = concat $args (list $flag (toString (int64 $value))) }}
+{{- else }}
+{{- $args = concat $args (list $flag (toString $value)) }}
 {{- end }}
-{{- range $key := keys $flags | sortAlpha }}
-{{- if hasKey $e $key }}
-{{- $args = concat $args (list (get $flags $key) (toString (get $e $key))) }}
-{{- end }}
-{{- end }}
-{{- /* Switches: the flag alone when true. */}}
-{{- $switches := dict "int8Activations" "--int8-activations" "asyncScheduling" "--async-scheduling" }}
-{{- range $key := keys $switches | sortAlpha }}
-{{- if get $e $key }}
-{{- $args = concat $args (list (get $switches $key)) }}
 {{- end }}
 {{- end }}
 {{- $args = concat $args (list "--kv-transfer-config" (include "tandem.pool.kvTransferConfig" .)) }}

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import xxhash
 
-from connectors.base import KVLayout
 from connectors.block_codec import HEADER_BYTES, MAGIC, BlockCodec, FrameError
+from engine.kv_transfer.base import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
 MODEL = "SmolLM2-135M-Instruct"

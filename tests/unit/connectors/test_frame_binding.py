@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.base import ConnectorContext, KVConnectorRole, KVLayout
 from connectors.block_codec import HEADER_BYTES, MAGIC, BlockCodec, FrameError
 from connectors.redis_connector import RedisConnector
 from connectors.shm_connector import SharedMemoryConnector, ShmBlockStore
 from connectors.store_connector import LoadSpec, StoreConnector, StoreConnectorMetadata
 from engine.config import KVTransferConfig
+from engine.kv_transfer.base import ConnectorContext, KVConnectorRole, KVLayout
 from engine.stats import TransferFailure
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.base import KVLayout
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import KVBlockIO
+from engine.kv_transfer.base import KVLayout
 from kernels import cpu_kernels
 
 NUM_LAYERS = 3

@@ -11,9 +11,9 @@ import pytest
 import torch
 import xxhash
 
-from connectors.base import KVLayout
 from connectors.block_codec import HEADER_BYTES, BlockCodec, FrameError
 from connectors.kv_blocks import FrameBuffers, KVBlockIO
+from engine.kv_transfer.base import KVLayout
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 NUM_BLOCKS = 9

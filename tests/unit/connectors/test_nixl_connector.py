@@ -11,15 +11,16 @@ import re
 import pytest
 from google.protobuf import json_format, struct_pb2
 
-from connectors.base import ConnectorContext, KVConnectorRole, KVLayout
-from connectors.kv_transfer_params import KVTransferParams
 from connectors.nixl_connector import HoldSpec, NixlConnector, NixlConnectorMetadata
 from connectors.nixl_worker import RemoteSource
 from engine.config import KVTransferConfig
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.manager import KVCacheBlocks
+from engine.kv_transfer.base import ConnectorContext, KVConnectorRole, KVLayout
+from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import KVConnectorOutput
 from engine.request import Request, RequestStatus
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -44,7 +45,7 @@ def test_a_producers_params_tell_the_consumer_where_to_read() -> None:
         "r1",
         list(range(10)),
         SamplingParams(max_tokens=1),
-        kv_transfer_params=KVTransferParams(do_remote_decode=True),
+        options=RequestOptions(kv_transfer_params=KVTransferParams(do_remote_decode=True)),
     )
     prefill.num_computed_tokens = 10
     prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -72,7 +73,10 @@ def test_a_producers_params_tell_the_consumer_where_to_read() -> None:
     # The decode leg: prompt + the first token, the params as the wire gave them.
     consumer = _connector("kv_consumer", "d1")
     decode = Request(
-        "r1", list(range(11)), SamplingParams(), kv_transfer_params=_over_the_wire(params)
+        "r1",
+        list(range(11)),
+        SamplingParams(),
+        options=RequestOptions(kv_transfer_params=_over_the_wire(params)),
     )
     consumer.request_added(decode)
     assert consumer.get_num_new_matched_tokens(decode, 0) == (10, True)
@@ -94,7 +98,9 @@ def test_a_request_that_does_not_hand_over_offers_nothing() -> None:
 def test_params_lacking_a_key_are_recomputed_naming_it(caplog: pytest.LogCaptureFixture) -> None:
     consumer = _connector("kv_consumer", "d1")
     params = KVTransferParams(do_remote_prefill=True, remote_agent="tandem-p1")
-    decode = Request("d", list(range(11)), SamplingParams(), kv_transfer_params=params)
+    decode = Request(
+        "d", list(range(11)), SamplingParams(), options=RequestOptions(kv_transfer_params=params)
+    )
     with caplog.at_level(logging.ERROR):
         assert consumer.get_num_new_matched_tokens(decode, 0) == (0, False)
     assert "kv_transfer_params lacks 'remote_address'" in caplog.text
@@ -123,7 +129,12 @@ def test_a_request_reads_its_remote_kv_once_and_recomputes_after_preemption() ->
     a request preempted afterwards (its num_tokens grown) must never read
     the old hold again, which would load another request's KV."""
     consumer = _connector("kv_consumer", "d1")
-    decode = Request("r1", list(range(11)), SamplingParams(), kv_transfer_params=_remote_params())
+    decode = Request(
+        "r1",
+        list(range(11)),
+        SamplingParams(),
+        options=RequestOptions(kv_transfer_params=_remote_params()),
+    )
     consumer.request_added(decode)
     assert consumer.get_num_new_matched_tokens(decode, 0) == (10, True)
     blocks = _blocks(0, 1, 2)
@@ -143,7 +154,12 @@ def test_a_request_with_nothing_to_read_never_reads_later() -> None:
     """All of it was a local prefix hit: the producer is told to free, so
     a later admission (after a preemption) must not read either."""
     consumer = _connector("kv_consumer", "d1")
-    decode = Request("r1", list(range(11)), SamplingParams(), kv_transfer_params=_remote_params())
+    decode = Request(
+        "r1",
+        list(range(11)),
+        SamplingParams(),
+        options=RequestOptions(kv_transfer_params=_remote_params()),
+    )
     consumer.request_added(decode)
     assert consumer.get_num_new_matched_tokens(decode, 10) == (0, False)
     consumer.update_state_after_alloc(decode, _blocks(0, 1, 2), 0)
@@ -155,7 +171,9 @@ def test_a_request_with_nothing_to_read_never_reads_later() -> None:
 def test_params_without_a_hold_nonce_are_recomputed(caplog: pytest.LogCaptureFixture) -> None:
     consumer = _connector("kv_consumer", "d1")
     params = dataclasses.replace(_remote_params(), remote_hold="not-a-nonce")
-    decode = Request("d", list(range(11)), SamplingParams(), kv_transfer_params=params)
+    decode = Request(
+        "d", list(range(11)), SamplingParams(), options=RequestOptions(kv_transfer_params=params)
+    )
     with caplog.at_level(logging.ERROR):
         assert consumer.get_num_new_matched_tokens(decode, 0) == (0, False)
     assert "remote_hold: expected 32 hex digits" in caplog.text

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from connectors.base import KVLayout
 from connectors.nixl_handshake import compat_facts, compat_hash, incompatibility
+from engine.kv_transfer.base import KVLayout
 
 LAYOUT = KVLayout(
     num_layers=2,

@@ -17,16 +17,20 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.base import KVLayout
 from connectors.nixl_handshake import (
     IncompatiblePeerError,
     PeerInfo,
     compat_facts,
     incompatibility,
 )
-from connectors.nixl_holds import Claim, HoldClaim
+from connectors.nixl_holds import HoldClaim
 from connectors.nixl_worker import RecvSpec, RemoteSource
+from engine.kv_transfer.base import Claim, KVLayout
 from engine.stats import TransferFailure
+
+# Seconds each (the real model, the Triton interpreter, child processes or
+# Helm renders): left out of `make check`, run by `make test`.
+pytestmark = pytest.mark.slow
 
 nixl_endpoint = pytest.importorskip("connectors.nixl_endpoint")
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")

@@ -1,4 +1,4 @@
-"""Typed connector options (connectors/options.py): parsing, and each
+"""Typed connector options (engine/kv_transfer/options.py): parsing, and each
 built-in connector refusing keys it does not take."""
 
 from __future__ import annotations
@@ -9,14 +9,19 @@ from typing import Any
 
 import pytest
 
-from connectors.factory import check_connector_config, connector_class, known_connectors
 from connectors.multi import MultiOptions
 from connectors.nixl_connector import NixlOptions
-from connectors.options import ConnectorOptions, SideChannelOptions, option, refuse_unknown_keys
 from connectors.redis_connector import RedisOptions
 from connectors.shm_connector import ShmOptions
 from connectors.store_connector import StoreOptions
 from engine.config import ConfigError, KVTransferConfig
+from engine.kv_transfer.options import (
+    ConnectorOptions,
+    SideChannelOptions,
+    option,
+    refuse_unknown_keys,
+)
+from engine.kv_transfer.registry import check_connector_config, connector_class, known_connectors
 
 
 @dataclass(frozen=True)

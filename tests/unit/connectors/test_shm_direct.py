@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from connectors.base import KVLayout
 from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import KVBlockIO
 from connectors.shm_connector import ShmBlockStore
 from connectors.store import LoadJob, direct_store, load_blocks, load_into_cache
+from engine.kv_transfer.base import KVLayout
 from engine.stats import TransferFailure
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")

@@ -179,6 +179,7 @@ def _child_put(name, num_slots, slot_bytes, ids, close, results):
     # Otherwise the interpreter's normal exit has to detach it.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("child_closes", [True, False], ids=["close", "exit"])
 def test_child_process_writes_parent_reads(pool_name, child_closes):
     config = ShmPoolConfig(pool_name, num_slots=16, slot_bytes=64 * 1024)
@@ -231,6 +232,7 @@ def _hammer(name, num_slots, slot_bytes, seed, seconds, barrier, results, use_co
     results.put((hits, torn, error))
 
 
+@pytest.mark.slow
 def test_concurrent_processes_never_read_torn_blobs(pool_name):
     # Far fewer slots than keys, so puts keep evicting slots others are reading.
     # The first worker runs the compiled index (where built), the others
@@ -282,6 +284,7 @@ def _spawn_and_sigkill_attached_child(name: str) -> None:
         child.join()
 
 
+@pytest.mark.slow
 def test_sigkilled_child_does_not_keep_pool_alive_past_parent_close(pool_name):
     pool = ShmBlockPool(ShmPoolConfig(pool_name, num_slots=4, slot_bytes=1024))
     _spawn_and_sigkill_attached_child(pool_name)
@@ -291,6 +294,7 @@ def test_sigkilled_child_does_not_keep_pool_alive_past_parent_close(pool_name):
     assert leftovers(pool_name) == []
 
 
+@pytest.mark.slow
 def test_cleanup_stale_removes_pool_of_sigkilled_process(pool_name):
     _spawn_and_sigkill_attached_child(pool_name)
     assert leftovers(pool_name) != []
@@ -300,6 +304,7 @@ def test_cleanup_stale_removes_pool_of_sigkilled_process(pool_name):
     assert leftovers(pool_name) == []
 
 
+@pytest.mark.slow
 def test_orphaned_pool_with_other_geometry_is_recreated(pool_name):
     _spawn_and_sigkill_attached_child(pool_name)
     with ShmBlockPool(ShmPoolConfig(pool_name, num_slots=2, slot_bytes=32)) as pool:

@@ -20,11 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.base import ConnectorContext, KVConnectorRole, KVLayout
 from connectors.block_codec import HEADER_BYTES, BlockCodec
 from connectors.kv_blocks import KVBlockIO
-from connectors.kv_transfer_params import KVTransferParams
-from connectors.options import option
 from connectors.store import BlockStore
 from connectors.store_connector import (
     LoadSpec,
@@ -34,8 +31,12 @@ from connectors.store_connector import (
 )
 from engine.config import KVTransferConfig
 from engine.kv_cache.hashing import BlockHasher
+from engine.kv_transfer.base import ConnectorContext, KVConnectorRole, KVLayout
+from engine.kv_transfer.options import option
+from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
 from engine.stats import TransferFailure
@@ -118,15 +119,18 @@ def make_connector(
 
 
 def make_request(
-    request_id: str, prompt: Sequence[int], max_tokens: int = 4, **kwargs: Any
+    request_id: str,
+    prompt: Sequence[int],
+    max_tokens: int = 4,
+    kv_transfer_params: KVTransferParams | None = None,
 ) -> Request:
     return Request(
         request_id,
         list(prompt),
         SamplingParams(max_tokens=max_tokens),
         eos_token_id=2,
+        options=RequestOptions(kv_transfer_params=kv_transfer_params),
         block_hasher=BlockHasher(BS),
-        **kwargs,
     )
 
 

@@ -74,9 +74,14 @@ def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip: bool = Tru
 
 
 def _detok(
-    tokenizer: PreTrainedTokenizerBase, stop: list[str] | None = None, min_tokens: int = 0
+    tokenizer: PreTrainedTokenizerBase,
+    stop: list[str] | None = None,
+    min_tokens: int = 0,
+    include_stop: bool = False,
 ) -> IncrementalDetokenizer:
-    params = SamplingParams(stop=stop or [], min_tokens=min_tokens)
+    params = SamplingParams(
+        stop=stop or [], min_tokens=min_tokens, include_stop_str_in_output=include_stop
+    )
     return IncrementalDetokenizer(tokenizer, [1, 2, 3], params)
 
 
@@ -98,6 +103,7 @@ def _random_ids(tokenizer: PreTrainedTokenizerBase, rng: random.Random) -> list[
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_random_sequences_equal_full_decode(
     tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
@@ -296,6 +302,41 @@ def test_concatenated_deltas_equal_output_text_with_random_stops(
             # The stop was only in an incomplete tail never decoded before
             # finish(), which is impossible for valid text.
             pytest.fail(f"stop {stop!r} not found in {text!r}")
+
+
+def test_include_stop_str_keeps_the_stop_and_holds_nothing_back(
+    tokenizer: PreTrainedTokenizerBase,
+):
+    text = "The quick brown bear met a brown fox in the wood"
+    detok = _detok(tokenizer, ["brown fox"], include_stop=True)
+    deltas = []
+    matched = None
+    for token_id in _encode(tokenizer, text):
+        matched = detok.update([token_id])
+        deltas.append(detok.get_next_delta())
+        assert "".join(deltas) == detok.output_text  # nothing held back
+        if matched is not None:
+            break
+    assert matched == "brown fox" and detok.stop_string == "brown fox" and detok.finished
+    assert detok.output_text == "The quick brown bear met a brown fox"
+    # The stop inside one token ends the text right after it.
+    inside = _detok(tokenizer, ["ell"], include_stop=True)
+    assert inside.update(_encode(tokenizer, "Say hello to the world")) == "ell"
+    assert inside.output_text == "Say hell"
+
+
+def test_include_stop_str_with_random_stops(tokenizer: PreTrainedTokenizerBase):
+    rng = random.Random(11)
+    for _ in range(50):
+        text = rng.choice(MULTILINGUAL)
+        start = rng.randrange(len(text) - 3)
+        stop = text[start : start + rng.randint(1, 3)]
+        detok = _detok(tokenizer, [stop, "zzz"], include_stop=True)
+        ids = _encode(tokenizer, text)
+        deltas, matched = _stream(detok, _chunks(ids, rng, rng.randint(1, 3)))
+        assert matched == stop
+        assert detok.output_text == text[: text.index(stop) + len(stop)]
+        assert "".join(deltas) == detok.output_text
 
 
 # --- resuming an output an earlier leg began (prefill/decode handover) ----------

@@ -9,12 +9,13 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.frontend import FrontEnd
 from engine.kv_cache.events import AllBlocksCleared, KVCacheEvent
+from engine.kv_cache.stats import PrefixCacheStats
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output_processor import OutputKind
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.stats import PrefixCacheStats, SchedulerStats
+from engine.stats import SchedulerStats
 from engine.worker.worker import WorkerInfo
 
 

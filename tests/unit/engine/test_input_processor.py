@@ -10,6 +10,7 @@ from engine.chat_template import STANDARD_ROLES, template_roles
 from engine.errors import InvalidRequestError
 from engine.input_processor import InputProcessor
 from engine.models.loader import load_tokenizer, resolve_model
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 
 
@@ -159,8 +160,10 @@ def test_a_long_prompt_is_refused_before_its_ids_are_looked_at(inputs: InputProc
 def test_a_processed_prompt_makes_a_request(inputs: InputProcessor) -> None:
     prompt = inputs.process_text("Hello there")
     assert prompt.text == "Hello there" and prompt.token_ids == inputs.tokenize("Hello there")
-    request = inputs.make_request("r", prompt, SamplingParams(), priority=2)
+    options = RequestOptions(priority=2)
+    request = inputs.make_request("r", prompt, SamplingParams(), options)
     assert request.prompt_token_ids == prompt.token_ids and request.priority == 2
+    assert request.options is options  # held as the front door built it
     assert request.eos_token_id == 2
     with pytest.raises(InvalidRequestError, match=r"^stop_token_ids: \[49152\] are outside"):
         inputs.make_request("r", prompt, SamplingParams(stop_token_ids=[49152]))
@@ -173,3 +176,20 @@ def test_logit_bias_ids_must_be_in_the_vocabulary(inputs: InputProcessor) -> Non
     bad = SamplingParams(logit_bias={10**6: 1.0, 5: 1.0, 49152: 2.0})
     with pytest.raises(InvalidRequestError, match=r"^logit_bias: token ids \[49152, 1000000\] are"):
         inputs.make_request("r", prompt, bad)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        (RequestOptions(cache_salt=""), "cache_salt"),
+        (RequestOptions(cache_salt=5), "cache_salt"),  # type: ignore[arg-type]
+        (RequestOptions(priority=1.5), "priority"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_options_name_their_field(
+    inputs: InputProcessor, options: RequestOptions, field: str
+) -> None:
+    prompt = inputs.process_text("Hello there")
+    with pytest.raises(InvalidRequestError) as info:
+        inputs.make_request("r", prompt, SamplingParams(), options)
+    assert info.value.field == field

@@ -7,11 +7,12 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from connectors.kv_transfer_params import KVTransferParams
+from engine.kv_transfer.params import KVTransferParams
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output_processor import OutputKind, OutputProcessor, RequestOutput
 from engine.outputs import EngineCoreOutput, LogprobsLists, PromptLogprobs
 from engine.request import FinishReason, Request
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 
 EMOJI = "\U0001f389"
@@ -33,7 +34,8 @@ def _one_token(
     processor = OutputProcessor(tokenizer)
     sampling = SamplingParams(max_tokens=1, stop=stop or [])
     kv_params = KVTransferParams.from_dict(params) if params is not None else None
-    processor.add_request(Request("r", [1, 2, 3], sampling, kv_transfer_params=kv_params), None)
+    options = RequestOptions(kv_transfer_params=kv_params)
+    processor.add_request(Request("r", [1, 2, 3], sampling, options=options), None)
     return processor.process([EngineCoreOutput("r", [token_id], reason)]).outputs[0]
 
 
@@ -63,7 +65,8 @@ def test_a_resumed_request_streams_the_rest_of_the_text(
 ) -> None:
     ids = tokenizer.encode(EMOJI)
     processor = OutputProcessor(tokenizer)
-    request = Request("r", [1, 2, ids[0]], SamplingParams(), num_output_tokens_in_prompt=1)
+    options = RequestOptions(num_output_tokens_in_prompt=1)
+    request = Request("r", [1, 2, ids[0]], SamplingParams(), options=options)
     processor.add_request(request, None)
     (out,) = processor.process([EngineCoreOutput("r", ids[1:], FinishReason.LENGTH)]).outputs
     assert out.text == EMOJI and out.token_ids == ids[1:]

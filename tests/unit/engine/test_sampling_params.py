@@ -97,3 +97,11 @@ def test_logit_bias_is_copied() -> None:
     bias[4] = 2.0
     assert params.logit_bias == {3: 1.0}
     assert SamplingParams(logit_bias={1: 1.0}) == SamplingParams(logit_bias={1: 1.0})
+
+
+def test_include_stop_str_in_output_is_a_bool_off_by_default() -> None:
+    assert SamplingParams().include_stop_str_in_output is False
+    assert SamplingParams(include_stop_str_in_output=True).include_stop_str_in_output
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(include_stop_str_in_output=1)  # type: ignore[arg-type]
+    assert err.value.field == "include_stop_str_in_output"

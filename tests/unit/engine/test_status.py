@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.kv_cache.stats import PrefixCacheStats
 from engine.stats import (
     KVConnectorStats,
-    PrefixCacheStats,
     SchedulerStats,
     SpecDecodingStats,
     TransferFailure,

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from connectors.factory import known_connectors
+from engine.kv_transfer.registry import known_connectors
 from service import cli
 from service import router as router_module
 from service import server as server_module
@@ -95,7 +95,6 @@ def test_pools_serve_their_role_with_a_known_connector(variant: str) -> None:
         ServerConfig(
             host=args.host,
             port=args.port,
-            role=args.role,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             drain_grace_seconds=args.drain_grace,

@@ -45,6 +45,10 @@ from tests.unit.helm.chart import (
     render_files,
 )
 
+# Seconds each (the real model, the Triton interpreter, child processes or
+# Helm renders): left out of `make check`, run by `make test`.
+pytestmark = pytest.mark.slow
+
 GATEWAY = f"{FULLNAME}-gateway"
 SMG: dict[str, Any] = {"gateway": {"kind": "smg"}}
 STATIC: dict[str, Any] = {"gateway": {"kind": "smg", "discovery": {"enabled": False}}}

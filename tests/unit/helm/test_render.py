@@ -28,6 +28,10 @@ from tests.unit.helm.chart import (
     render_files,
 )
 
+# Seconds each (the real model, the Triton interpreter, child processes or
+# Helm renders): left out of `make check`, run by `make test`.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("version", [OLDEST, NEWEST])

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from redis.connection import parse_url
 
-from connectors.factory import check_connector_config
+from engine.kv_transfer.registry import check_connector_config
 from service import cli
 from tests.unit.helm.chart import (
     FULLNAME,

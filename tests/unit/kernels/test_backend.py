@@ -12,6 +12,10 @@ import torch
 from kernels import AttentionBackend, reference, select_backend, torch_attention
 from kernels.backend import ENV_VAR
 
+# Seconds each (the real model, the Triton interpreter, child processes or
+# Helm renders): left out of `make check`, run by `make test`.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[3]
 CPU = torch.device("cpu")
 

@@ -15,6 +15,10 @@ import torch
 from kernels import cpu_kernels, reference, torch_attention
 from tests.unit.kernels.batches import SHAPES, Shape, make_batch, over_bfloat16
 
+# Seconds each (the real model, the Triton interpreter, child processes or
+# Helm renders): left out of `make check`, run by `make test`.
+pytestmark = pytest.mark.slow
+
 DEFAULT_MODEL_HEADS = Shape((1,) * 6, (1, 15, 16, 17, 200, 333), 9, 3, 64, 16)
 DECODE_SHAPES = [
     *[s for s in SHAPES if max(s.q_lens) == 1],

@@ -20,6 +20,10 @@ import torch
 from tests.unit.kernels.batches import SHAPES, Shape, make_batch, new_kv_rows
 from tests.unit.kernels.triton_child import child_result, ptxas_available, start_child
 
+# Seconds each (the real model, the Triton interpreter, child processes or
+# Helm renders): left out of `make check`, run by `make test`.
+pytestmark = pytest.mark.slow
+
 FP32_TOL = 2e-5
 
 

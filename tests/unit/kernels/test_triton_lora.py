@@ -23,6 +23,10 @@ import torch
 from kernels.lora import LoRABatch, LoRASegment
 from tests.unit.kernels.triton_child import child_result, ptxas_available, start_child
 
+# Seconds each (the real model, the Triton interpreter, child processes or
+# Helm renders): left out of `make check`, run by `make test`.
+pytestmark = pytest.mark.slow
+
 
 @dataclasses.dataclass(frozen=True)
 class LoRACase:

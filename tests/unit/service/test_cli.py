@@ -397,6 +397,19 @@ def test_generate_sampling_flags_reach_the_request(
     assert not plain.HasField("repetition_penalty") and plain.presence_penalty == 0.0
 
 
+def test_generate_sends_the_cache_salt_and_the_stop_string_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client = _RecordingClient()
+    monkeypatch.setattr(cli, "_client", lambda args: client)
+    argv = ["generate", "hi", "--cache-salt", "t1", "--stop", "x", "--include-stop-str-in-output"]
+    args = cli._parser().parse_args(argv)
+    assert args.run(args) == 0
+    sent = client.requests[0]
+    assert sent.cache_salt == "t1" and list(sent.sampling.stop) == ["x"]
+    assert sent.sampling.include_stop_str_in_output
+
+
 class _StatusClient:
     """Stands in for TandemClient: answers `tandem status`'s two calls."""
 

@@ -9,7 +9,6 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,11 +18,13 @@ from engine import (
     InputProcessor,
     InvalidRequestError,
     KvEventBatch,
+    RequestOptions,
     RequestOutput,
     SamplingParams,
     TokenLogprob,
 )
 from engine.config import LoRAConfig
+from engine.kv_transfer.params import KVTransferParams
 from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
 from engine.models.loader import load_tokenizer, resolve_model
@@ -49,7 +50,7 @@ def test_defaults_when_sampling_is_unset(inputs: InputProcessor) -> None:
     assert got.params.top_p == 1.0 and got.params.logprobs is None
     assert len(got.request_id) == 32  # made by the server
     assert got.prompt.token_ids == [19556]
-    assert got.kv_transfer_params is None
+    assert got.options.kv_transfer_params is None
 
 
 def test_zero_values_are_kept_when_set(inputs: InputProcessor) -> None:
@@ -68,17 +69,14 @@ def test_prompt_logprobs_with_a_remote_prefill_are_invalid(inputs: InputProcesso
     msg.kv_transfer_params.update({"do_remote_prefill": True})
     parsed = convert.generate_input(msg, inputs)
     with pytest.raises(InvalidRequestError) as info:
-        inputs.make_request(
-            parsed.request_id,
-            parsed.prompt,
-            parsed.params,
-            kv_transfer_params=parsed.kv_transfer_params,
-        )
+        inputs.make_request(parsed.request_id, parsed.prompt, parsed.params, parsed.options)
     assert info.value.field == "prompt_logprobs"
     assert status_for(info.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
     # The prefill leg (do_remote_decode) computes its prompt: allowed.
     prefill = KVTransferParams(do_remote_decode=True)
-    request = inputs.make_request("p", parsed.prompt, parsed.params, kv_transfer_params=prefill)
+    request = inputs.make_request(
+        "p", parsed.prompt, parsed.params, RequestOptions(kv_transfer_params=prefill)
+    )
     assert request.sampling_params.prompt_logprobs == 2
 
 
@@ -87,7 +85,7 @@ def test_kv_transfer_params_round_trip(inputs: InputProcessor) -> None:
     msg.kv_transfer_params.update({"do_remote_decode": True, "remote_block_ids": [1, 2]})
     got = convert.generate_input(msg, inputs)
     want = KVTransferParams(do_remote_decode=True, remote_block_ids=(1, 2))
-    assert got.kv_transfer_params == want
+    assert got.options.kv_transfer_params == want
 
 
 @pytest.mark.parametrize(
@@ -203,7 +201,7 @@ def test_the_params_pods_exchange_pass(inputs: InputProcessor) -> None:
     }
     msg = make_request(token_ids=[5, 6])
     msg.kv_transfer_params.update(params)
-    got = convert.generate_input(msg, inputs).kv_transfer_params
+    got = convert.generate_input(msg, inputs).options.kv_transfer_params
     assert got is not None and got.to_dict() == params
     assert got.remote_block_ids is not None and all(type(b) is int for b in got.remote_block_ids)
 
@@ -235,24 +233,14 @@ def _with_output_in_prompt(count: int) -> pb.GenerateRequest:
 @pytest.mark.parametrize("count", [0, 1, 3])
 def test_output_tokens_in_the_prompt_reach_the_request(inputs: InputProcessor, count: int) -> None:
     parsed = convert.generate_input(_with_output_in_prompt(count), inputs)
-    request = inputs.make_request(
-        parsed.request_id,
-        parsed.prompt,
-        parsed.params,
-        num_output_tokens_in_prompt=parsed.num_output_tokens_in_prompt,
-    )
+    request = inputs.make_request(parsed.request_id, parsed.prompt, parsed.params, parsed.options)
     assert request.num_output_tokens_in_prompt == count
 
 
 def test_more_output_tokens_than_the_prompt_holds_is_invalid(inputs: InputProcessor) -> None:
     parsed = convert.generate_input(_with_output_in_prompt(4), inputs)
     with pytest.raises(InvalidRequestError) as info:
-        inputs.make_request(
-            parsed.request_id,
-            parsed.prompt,
-            parsed.params,
-            num_output_tokens_in_prompt=parsed.num_output_tokens_in_prompt,
-        )
+        inputs.make_request(parsed.request_id, parsed.prompt, parsed.params, parsed.options)
     message = str(info.value)
     assert message.startswith("num_output_tokens_in_prompt: ") and "3 tokens, got 4" in message
     assert status_for(info.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
@@ -263,7 +251,8 @@ def test_output_tokens_in_the_prompt_must_be_a_count(inputs: InputProcessor, cou
     """The wire field is unsigned; Python callers can still pass anything."""
     prompt = inputs.process_prompt([5, 6, 7])
     with pytest.raises(InvalidRequestError, match=r"^num_output_tokens_in_prompt: "):
-        inputs.make_request("r", prompt, SamplingParams(), num_output_tokens_in_prompt=count)
+        options = RequestOptions(num_output_tokens_in_prompt=count)
+        inputs.make_request("r", prompt, SamplingParams(), options)
 
 
 def _output(**kw: Any) -> RequestOutput:
@@ -458,10 +447,10 @@ def lora_inputs(inputs: InputProcessor) -> InputProcessor:
 
 def test_lora_name_reaches_the_engine_request(lora_inputs: InputProcessor) -> None:
     call = convert.generate_input(make_request(text="hi", lora_name="qv8"), lora_inputs)
-    assert call.lora == "qv8"
-    request = lora_inputs.make_request("r", call.prompt, call.params, lora=call.lora)
+    assert call.options.lora_name == "qv8"
+    request = lora_inputs.make_request("r", call.prompt, call.params, call.options)
     assert request.lora_request == ADAPTER
-    assert convert.generate_input(make_request(text="hi"), lora_inputs).lora is None
+    assert convert.generate_input(make_request(text="hi"), lora_inputs).options.lora_name is None
 
 
 def test_an_unknown_adapter_names_the_wire_field_and_the_loaded_ones(

@@ -84,6 +84,7 @@ async def started(pub: ZmqKvEventPublisher) -> KvEventHub:
     return hub
 
 
+@pytest.mark.slow
 def test_subscriber_gets_topic_sequence_and_payload(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     async def go() -> list[list[bytes]]:
         pub = publisher(topic="kv@pod-a@model")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
+from engine.kv_cache.stats import PrefixCacheStats
 from engine.stats import (
     KVConnectorStats,
-    PrefixCacheStats,
     SchedulerStats,
     SpecDecodingStats,
     TransferFailure,

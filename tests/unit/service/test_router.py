@@ -12,6 +12,7 @@ import pytest
 from engine.kv_cache.hashing import BlockHasher
 from engine.lora.request import LoRARequest
 from engine.request import Request
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 from service.client import make_request
 from service.convert import dict_to_struct, struct_to_dict
@@ -244,6 +245,28 @@ def test_the_router_hashes_an_adapters_prompt_as_the_pods_engines_do() -> None:
 
     hashes = asyncio.run(go())
     assert len(hashes) == 2 and hashes == engine_side.block_hashes != base
+
+
+def test_the_router_hashes_a_salted_prompt_as_the_pods_engines_do() -> None:
+    ids = list(range(100, 109))  # two full blocks of 4
+    salted = Request(
+        "r",
+        ids,
+        SamplingParams(),
+        options=RequestOptions(cache_salt="t"),
+        block_hasher=BlockHasher(4),
+    ).block_hashes
+
+    async def go() -> tuple[list[bytes], list[bytes]]:
+        decode = _up_pool("decode", [[]])
+        try:
+            router = RouterServicer(None, decode)
+            return router._hashes(decode, ids, None, "t"), router._hashes(decode, ids)
+        finally:
+            await decode.close()
+
+    hashes, plain = asyncio.run(go())
+    assert len(hashes) == 2 and hashes == salted != plain
 
 
 class _Aborted(Exception):

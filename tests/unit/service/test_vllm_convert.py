@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine import (
     AllBlocksCleared,
     BlockRemoved,
@@ -22,6 +21,7 @@ from engine import (
     TokenLogprob,
 )
 from engine.kv_events import KvEventBatch
+from engine.kv_transfer.params import KVTransferParams
 from service import vllm_convert as convert
 
 

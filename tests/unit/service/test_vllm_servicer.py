@@ -17,8 +17,8 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine.async_engine import AsyncEngine
+from engine.kv_transfer.params import KVTransferParams
 from engine.structured_output.params import StructuredOutputParams
 from service.errors import was_refused
 from service.grpc_server import new_server

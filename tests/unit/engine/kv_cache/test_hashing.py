@@ -8,6 +8,7 @@ import sys
 
 from engine.kv_cache.hashing import NONE_HASH, BlockHasher, hash_block_tokens, hash_chain
 from engine.request import Request
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 
 SNIPPET = (
@@ -54,7 +55,11 @@ def test_cache_salt_isolates_identical_prompts():
     hasher = BlockHasher(4)
     plain = Request("a", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), block_hasher=hasher)
     salted = Request(
-        "b", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), cache_salt="t1", block_hasher=hasher
+        "b",
+        [1, 2, 3, 4, 5, 6, 7, 8],
+        SamplingParams(),
+        options=RequestOptions(cache_salt="t1"),
+        block_hasher=hasher,
     )
     assert not set(plain.block_hashes) & set(salted.block_hashes)
 
@@ -65,7 +70,8 @@ def test_a_request_hashes_its_blocks_with_the_one_chain_function():
     computes for a prompt): salted or not."""
     for salt in (None, "t1"):
         hasher = BlockHasher(4)
-        req = Request("r", list(range(7)), SamplingParams(), cache_salt=salt, block_hasher=hasher)
+        options = RequestOptions(cache_salt=salt)
+        req = Request("r", list(range(7)), SamplingParams(), options=options, block_hasher=hasher)
         for token in range(7, 20):
             req.append_output_token_id(token)
             assert req.block_hashes == hash_chain(req.all_token_ids, 4, cache_salt=salt)

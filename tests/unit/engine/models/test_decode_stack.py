@@ -22,7 +22,12 @@ from kernels.layer_ops import (
 )
 from tests.unit.engine.models.paged import PagedSequences, allocate, step
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels did not build")
+# Seconds each (the real model, the Triton interpreter, child processes or
+# Helm renders): left out of `make check`, run by `make test`.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels did not build"),
+]
 
 VOCAB = 300
 # head_dim 64 (the decode kernel's smallest instantiation), GQA 3:1.

@@ -35,6 +35,10 @@ from engine.models.spec import SUPPORTED_ROPE_TYPES, ModelConfigError, ModelSpec
 from kernels.layer_ops import mkl_packing_available
 from tests.unit.engine.models.paged import REFERENCE_OPS, allocate, step
 
+# Seconds each (the real model, the Triton interpreter, child processes or
+# Helm renders): left out of `make check`, run by `make test`.
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 
 

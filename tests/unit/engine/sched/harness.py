@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.config import CacheConfig, SchedulerConfig
 from engine.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
 from engine.request import Request
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
@@ -68,7 +69,7 @@ def make_request(
         prompt_token_ids=tokens,
         sampling_params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
         eos_token_id=EOS,
-        priority=priority,
+        options=RequestOptions(priority=priority),
         arrival_time=float(arrival_time) if arrival_time is not None else 0.0,
     )
 

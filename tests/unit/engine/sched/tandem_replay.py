@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache.manager import KVCacheBlocks
+from engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from engine.outputs import KVConnectorOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.output import SchedulerOutput
@@ -68,12 +69,6 @@ class ScriptedConnector(KVConnectorBase):
         return self.script.finished(request.request_id, block_ids), None
 
     def start_load_kv(self, **kwargs: object) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: object, **kwargs: object) -> None:
         pass
 
     def wait_for_save(self) -> None:
@@ -129,7 +124,7 @@ class TandemSide:
                 params,
                 eos_token_id=2,
                 arrival_time=spec.arrival_time,
-                priority=spec.priority,
+                options=RequestOptions(priority=spec.priority),
             )
         )
 

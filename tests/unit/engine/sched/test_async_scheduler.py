@@ -320,7 +320,7 @@ def test_a_failed_load_voids_the_step_in_flight():
     the in-flight output discarded), the request recomputes from the
     block, and its output is what it would have been without the loss."""
     from engine.outputs import KVConnectorOutput
-    from tests.unit.engine.sched.test_scheduler_connector import FakeConnector
+    from tests.unit.engine.sched.fake_connector import FakeConnector
 
     sched = AsyncScheduler(
         SchedulerConfig(max_num_batched_tokens=256, max_model_len=256, async_scheduling=True),

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine.kv_cache.hashing import BlockHasher
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import KVConnectorOutput
 from engine.request import Request, RequestStatus
 from engine.sched.kv_transfers import KVTransfers
 from engine.stats import KVConnectorStats, SchedulerStats, TransferFailure
+from tests.unit.engine.sched.fake_connector import FakeConnector
 from tests.unit.engine.sched.harness import make_request
-from tests.unit.engine.sched.test_scheduler_connector import FakeConnector
 
 BS = 16
 

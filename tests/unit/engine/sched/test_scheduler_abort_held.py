@@ -3,22 +3,13 @@ blocks held for a remote decode (delay_free) releases them."""
 
 from __future__ import annotations
 
-from engine.request import Request, RequestStatus
+from engine.request import RequestStatus
+from tests.unit.engine.sched.fake_connector import FakeConnector
 from tests.unit.engine.sched.harness import free_blocks, make_request, make_scheduler, step
-from tests.unit.engine.sched.test_scheduler_connector import FakeConnector
-
-
-class ReleasingConnector(FakeConnector):
-    def __init__(self) -> None:
-        super().__init__(delay_free=True)
-        self.released: list[str] = []
-
-    def request_released(self, request: Request) -> None:
-        self.released.append(request.request_id)
 
 
 def test_abort_after_the_request_finished_releases_its_held_blocks() -> None:
-    conn = ReleasingConnector()
+    conn = FakeConnector(delay_free=True)
     sched = make_scheduler(connector=conn)
     sched.add_request(make_request("r0", 20, max_tokens=1))
     assert step(sched).finished() == {"r0": "length"}
@@ -31,7 +22,7 @@ def test_only_an_abort_after_the_finish_releases() -> None:
     """A live request's abort goes through request_finished alone (the
     connector sees its aborted status); a finish that is no abort says
     nothing about readers; an unknown id is ignored."""
-    conn = ReleasingConnector()
+    conn = FakeConnector(delay_free=True)
     sched = make_scheduler(connector=conn)
     sched.add_request(make_request("r0", 20, max_tokens=8))
     sched.add_request(make_request("r1", 20, max_tokens=1))

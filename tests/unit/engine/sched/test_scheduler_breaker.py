@@ -13,31 +13,16 @@ from typing import Any
 
 import pytest
 
-from connectors.kv_transfer_params import KVTransferParams
 from engine.outputs import KVConnectorOutput
-from engine.request import Request, RequestStatus
+from engine.request import RequestStatus
 from engine.sched.scheduler import Scheduler
+from tests.unit.engine.sched.fake_connector import FakeConnector
 from tests.unit.engine.sched.harness import make_request, make_scheduler, step
-from tests.unit.engine.sched.test_scheduler_connector import FakeConnector
 
 BREAKER = "to avoid a deadlock"
 
 
-class HoldingConnector(FakeConnector):
-    """Holds the blocks of the ``held`` requests once they finish."""
-
-    def __init__(self, external: dict[str, int], held: set[str] | None = None) -> None:
-        super().__init__(external, load_async=True)
-        self.held = held or set()
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, KVTransferParams | None]:
-        self.finished.append((request.request_id, block_ids))
-        return request.request_id in self.held, None
-
-
-def scheduler(usable_blocks: int, connector: HoldingConnector, **kw: Any) -> Scheduler:
+def scheduler(usable_blocks: int, connector: FakeConnector, **kw: Any) -> Scheduler:
     config: dict[str, Any] = {
         "block_size": 16,
         "num_blocks": usable_blocks + 1,
@@ -62,7 +47,7 @@ def test_a_request_finishing_in_the_same_step_makes_room(caplog: pytest.LogCaptu
     finished load is parked, but r0 finishes in that same step: r1 is
     preempted as in vLLM and resumes from its cached prefix (1 token to
     compute) beside r2, which keeps its load."""
-    sched = scheduler(7, HoldingConnector({"r2": 48}))
+    sched = scheduler(7, FakeConnector({"r2": 48}, load_async=True))
     add(sched, ("r0", 30, 3), ("r1", 31, 4), ("r2", 60, 2))
     assert step(sched).scheduled == {"r0": 30, "r1": 31}
     assert step(sched, kv_connector_output=loaded("r2")).scheduled == {"r0": 1, "r1": 1}
@@ -81,7 +66,7 @@ def test_a_delayed_free_in_the_same_step_makes_room(caplog: pytest.LogCaptureFix
     r2's finished load is parked, but r0's held blocks come back by
     finished_sending in that same step: as vLLM, wait one step and admit
     both; r2 keeps what it loaded."""
-    conn = HoldingConnector({"r1": 32, "r2": 32}, held={"r0"})
+    conn = FakeConnector({"r1": 32, "r2": 32}, load_async=True, held={"r0"})
     sched = scheduler(8, conn, prefix_caching=False)
     add(sched, ("r0", 48, 1), ("r1", 56, 2), ("r2", 40, 2))
     assert step(sched).finished() == {"r0": "length"}  # its 3 blocks held
@@ -101,7 +86,9 @@ def test_a_deadlock_releases_the_least_urgent_parked_load_only(
     """Nothing runs, nothing is held or loading, the head (r1) does not fit:
     vLLM stays there. One parked load, the last (r3), gives its blocks back,
     and the head starts in the same step; r2 keeps its load."""
-    sched = scheduler(7, HoldingConnector({"r1": 32, "r2": 32, "r3": 32}), prefix_caching=False)
+    sched = scheduler(
+        7, FakeConnector({"r1": 32, "r2": 32, "r3": 32}, load_async=True), prefix_caching=False
+    )
     add(sched, ("r1", 56, 2), ("r2", 40, 2), ("r3", 40, 2))
     assert step(sched).scheduled == {}
     assert step(sched, kv_connector_output=loaded("r1", "r2", "r3")).scheduled == {}
@@ -119,7 +106,10 @@ def test_a_livelock_is_broken_on_its_second_round(caplog: pytest.LogCaptureFixtu
     blocks r0's finished load parks. It preempts itself and starts over, as
     vLLM does (forever); the second time, r0's blocks are released."""
     sched = scheduler(
-        6, HoldingConnector({"r0": 32}), prefix_caching=False, max_num_batched_tokens=16
+        6,
+        FakeConnector({"r0": 32}, load_async=True),
+        prefix_caching=False,
+        max_num_batched_tokens=16,
     )
     add(sched, ("r0", 64, 2), ("r1", 80, 2))
     chunks = [{"r1": 16}] * 4

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from connectors.kv_transfer_params import KVTransferParams
-from engine.kv_cache.manager import KVCacheBlocks
+from engine.kv_transfer.params import KVTransferParams
 from engine.outputs import KVConnectorOutput
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, RequestStatus
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
+from tests.unit.engine.sched.fake_connector import FakeConnector
 from tests.unit.engine.sched.harness import (
     free_blocks,
     make_request,
@@ -20,64 +17,6 @@ from tests.unit.engine.sched.harness import (
     run_to_completion,
     step,
 )
-
-
-class FakeConnector(KVConnectorBase):
-    """Offers ``external[req_id]`` tokens per request, sync or async, and
-    records every hook call."""
-
-    def __init__(
-        self,
-        external: dict[str, int] | None = None,
-        load_async: bool = False,
-        delay_free: bool = False,
-    ) -> None:
-        super().__init__(KVConnectorRole.SCHEDULER)
-        self.external = external or {}
-        self.load_async = load_async
-        self.delay_free = delay_free
-        self.allocs: list[tuple[str, list[int], int]] = []
-        self.finished: list[tuple[str, list[int]]] = []
-        self.metas = 0
-        self.unknown: set[str] = set()
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        if request.request_id in self.unknown:
-            return None, False
-        ext = self.external.get(request.request_id, 0)
-        ext = max(0, ext - num_computed_tokens)
-        return ext, self.load_async and ext > 0
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        self.allocs.append((request.request_id, blocks.get_block_ids(), num_external_tokens))
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        self.metas += 1
-        return KVConnectorMetadata()
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, KVTransferParams | None]:
-        self.finished.append((request.request_id, block_ids))
-        if self.delay_free:
-            return True, KVTransferParams(remote_block_ids=tuple(block_ids))
-        return False, None
-
-    def start_load_kv(self, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
 
 
 def reference_tokens(

@@ -4,11 +4,13 @@ recomputed, and the connector's own failure counts reach the stats."""
 
 from __future__ import annotations
 
+from engine.kv_cache.stats import PrefixCacheStats
 from engine.outputs import KVConnectorOutput
 from engine.request import RequestStatus
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
-from engine.stats import KVConnectorStats, PrefixCacheStats, SchedulerStats, TransferFailure
+from engine.stats import KVConnectorStats, SchedulerStats, TransferFailure
+from tests.unit.engine.sched.fake_connector import FakeConnector
 from tests.unit.engine.sched.harness import (
     StepResult,
     free_blocks,
@@ -17,7 +19,7 @@ from tests.unit.engine.sched.harness import (
     run_to_completion,
     step,
 )
-from tests.unit.engine.sched.test_scheduler_connector import FakeConnector, reference_tokens
+from tests.unit.engine.sched.test_scheduler_connector import reference_tokens
 
 PREFIX = list(range(500, 532))  # two full blocks
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from engine.outputs import KVConnectorOutput
 from engine.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
+from tests.unit.engine.sched.fake_connector import FakeConnector
 from tests.unit.engine.sched.harness import EOS, make_request, make_scheduler, step
-from tests.unit.engine.sched.test_scheduler_connector import FakeConnector
 
 PREFIXES = [list(range(1000 + 100 * i, 1000 + 100 * i + 80)) for i in range(3)]
 
@@ -132,7 +132,10 @@ def arrive_and_abort(
                 max_tokens=spec.max_tokens,
                 min_tokens=spec.min_tokens,
                 priority=spec.priority,
-                arrival_time=spec.arrival,
+                # Distinct, as a real clock's: with ties the priority policy's
+                # victim choice (vLLM's too) can preempt two requests in turn
+                # forever.
+                arrival_time=spec.arrival + i / 1000,
                 ignore_eos=spec.ignore_eos,
             )
             requests[req.request_id] = req

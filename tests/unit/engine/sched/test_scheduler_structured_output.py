@@ -13,6 +13,7 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.outputs import DraftTokenIds
 from engine.request import FinishReason, Request, RequestStatus
+from engine.request_options import RequestOptions
 from engine.sched.grammars import SchedulerGrammars
 from engine.sched.scheduler import Scheduler
 from engine.structured_output.backend import (
@@ -230,7 +231,7 @@ def test_a_decode_leg_starts_its_grammar_after_the_prefill_token() -> None:
     """P/D: the prompt ends with the prefill pod's (first) output token."""
     sched = _scheduler(Backend())
     req = make_request("r1", [5, 6, 7, SEQUENCE[0]], structured_outputs=REGEX, max_tokens=8)
-    req.num_output_tokens_in_prompt = 1
+    req.options = RequestOptions(num_output_tokens_in_prompt=1)
     sched.add_request(req)
     _wait_compiled(req)
     res = step(sched, _follow)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from google.protobuf import json_format, struct_pb2
 
-from connectors.kv_transfer_params import KVTransferParams, KVTransferParamsError
+from engine.kv_transfer.params import KVTransferParams, KVTransferParamsError
 
 # Every field set: what a NIXL prefill pod returns, and a prefill leg's ask.
 EVERY_FIELD = KVTransferParams(

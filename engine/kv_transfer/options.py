@@ -8,10 +8,12 @@ one-line doc (``option``)::
     class RedisOptions(StoreOptions):
         url: str = option("redis://127.0.0.1:6379/0", "where Redis is")
 
-and names it as its ``options_class`` (``connectors.base``). ``parse`` builds
-it from the dict, refusing what a typo would otherwise make silently
-ineffective: an unknown key (named with the connector, the keys it takes,
-and the closest of them), or a value of the wrong type. An int is taken for
+and names it as its ``options_class`` (``engine.kv_transfer.base``). Each
+connector's options class lives with the connector (``connectors/``); this
+module is the base they share. ``parse`` builds it from the dict, refusing
+what a typo would otherwise make silently ineffective: an unknown key
+(named with the connector, the keys it takes, and the closest of them), or
+a value of the wrong type. An int is taken for
 a float (JSON writes ``2.0`` as ``2``); a bool is not taken for an int
 (``true`` is no port number). Containers are checked only as such: the
 connector checks their items.

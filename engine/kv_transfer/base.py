@@ -1,5 +1,9 @@
 """The KV connector API: one class, two roles (as vLLM's KVConnectorBase_V1).
 
+The engine owns this API and calls it; the implementations (Redis, shm,
+NIXL, multi, ...) live in ``connectors/`` above the engine, and the engine
+finds them by name (``engine.kv_transfer.registry``), never by import.
+
 The scheduler creates the connector with role SCHEDULER and calls the
 scheduler-side hooks from its single thread; each worker creates it with role
 WORKER and calls the worker-side hooks around the forward pass. The two
@@ -18,14 +22,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from connectors.kv_transfer_params import KVTransferParams
+from engine.kv_transfer.params import KVTransferParams
 
 if TYPE_CHECKING:
-    from connectors.nixl_holds import Claim
-    from connectors.options import ConnectorOptions
     from engine.config import KVTransferConfig
     from engine.kv_cache.events import KVCacheEvent
     from engine.kv_cache.manager import KVCacheBlocks
+    from engine.kv_transfer.options import ConnectorOptions
     from engine.outputs import KVConnectorOutput
     from engine.request import Request
     from engine.sched.output import SchedulerOutput
@@ -39,6 +42,16 @@ class KVConnectorRole(enum.Enum):
 
 class KVConnectorMetadata:
     """Opaque per-step instructions from the scheduler half to the workers."""
+
+
+class Claim(enum.Enum):
+    """A producer's answer to a peer claiming the blocks it held for it
+    (``KVConnectorBase.release_hold``; connectors/nixl_holds.py says what
+    each answer proves)."""
+
+    HELD = "held"  # the hold was live: the bytes read are its blocks; now released
+    GONE = "gone"  # it ended (or never matched): the bytes read are not to be used
+    UNKNOWN = "unknown"  # no such hold yet: it may be registered at the next step
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,7 @@ class KVConnectorBase(ABC):
     needs_side_channel: ClassVar[bool] = False
 
     # The keys this connector takes in ``kv_connector_extra_config``, typed
-    # (connectors/options.py): the engine refuses any other key at start,
+    # (engine/kv_transfer/options.py): the engine refuses any other key at start,
     # so a misspelled option fails there instead of being silently ignored.
     # None: the connector reads the raw dict itself (third-party connectors
     # that declare none keep working as before).
@@ -195,16 +208,9 @@ class KVConnectorBase(ABC):
         """Start loading this step's KV (before the forward pass)."""
 
     @abstractmethod
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until ``layer_name``'s KV is loaded (called inside forward)."""
-
-    @abstractmethod
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
-        """Start saving one layer's KV (called inside forward)."""
-
-    @abstractmethod
     def wait_for_save(self) -> None:
-        """Block until this step's saves no longer need the KV buffers."""
+        """Block until this step's saves no longer need the KV buffers
+        (after the forward pass)."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous (sending, receiving) transfers are done."""

@@ -1,12 +1,20 @@
-"""Connectors by name: the built-in ones, plus any a package registers in the
-entry point group ``tandem.kv_connectors``::
+"""Connectors by name: how the engine creates a connector without importing
+any implementation (the implementations live in ``connectors/``, above the
+engine, and import the engine's API).
+
+Each name maps to a connector class or to its ``"module:Class"`` path,
+imported on first use (as vLLM's ``KVConnectorFactory`` registers its
+connectors lazily). The built-ins are registered here as paths, so a Redis
+client is not a dependency of an engine without one. A package can ship a
+connector by registering it in the entry point group
+``tandem.kv_connectors``::
 
     [project.entry-points."tandem.kv_connectors"]
     my-store = "my_package.connector:MyConnector"
 
-A connector class is built as ``cls(role, context)`` (see
-``connectors.base.ConnectorContext``). Built-ins are imported only when
-asked for, so a Redis client is not a dependency of an engine without one.
+and code in the process can call ``register_connector``. A connector class
+is built as ``cls(role, context)`` (see
+``engine.kv_transfer.base.ConnectorContext``).
 """
 
 from __future__ import annotations
@@ -15,44 +23,49 @@ import importlib
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
-from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from engine.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 
 if TYPE_CHECKING:
     from engine.config import KVTransferConfig
 
 ENTRY_POINT_GROUP = "tandem.kv_connectors"
 
-_BUILTIN = {
+# name -> the class, or its "module:Class" path (imported when first asked for).
+_registered: dict[str, str | type[KVConnectorBase]] = {
     "redis": "connectors.redis_connector:RedisConnector",
     "shm": "connectors.shm_connector:SharedMemoryConnector",
     "multi": "connectors.multi:MultiConnector",
     "nixl": "connectors.nixl_connector:NixlConnector",
 }
-_registered: dict[str, type[KVConnectorBase]] = {}
 
 
 class UnknownConnectorError(ValueError):
     """No connector of that name; the message lists the known ones."""
 
 
-def register_connector(name: str, cls: type[KVConnectorBase]) -> None:
-    """Make ``cls`` available as ``name`` in this process."""
-    _registered[name] = cls
+def register_connector(name: str, target: str | type[KVConnectorBase]) -> None:
+    """Make ``target`` available as ``name`` in this process: a connector
+    class, or its ``"module:Class"`` path, imported when ``name`` is first
+    used. Replaces an earlier registration of ``name`` (a built-in's too)."""
+    _registered[name] = target
 
 
 def known_connectors() -> list[str]:
-    names = set(_BUILTIN) | set(_registered)
+    names = set(_registered)
     names |= {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
     return sorted(names)
 
 
 def connector_class(name: str) -> type[KVConnectorBase]:
-    if name in _registered:
-        return _registered[name]
+    """The class registered as ``name`` (in this process, else as an entry
+    point); raises UnknownConnectorError if there is none, or if the name
+    leads to something that is not a KVConnectorBase subclass."""
     target: object
-    if name in _BUILTIN:
-        module, _, attr = _BUILTIN[name].partition(":")
-        target = getattr(importlib.import_module(module), attr)
+    if name in _registered:
+        target = _registered[name]
+        if isinstance(target, str):
+            module, _, attr = target.partition(":")
+            target = getattr(importlib.import_module(module), attr)
     else:
         found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not found:

@@ -1,9 +1,11 @@
-"""Connectors by name (built-ins, register_connector, the
-``tandem.kv_connectors`` entry points) and KVTransferConfig.from_json."""
+"""Connectors by name (engine/kv_transfer/registry.py: built-ins,
+register_connector, the ``tandem.kv_connectors`` entry points) and
+KVTransferConfig.from_json."""
 
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 import textwrap
 import uuid
@@ -13,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from connectors import factory
-from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole, KVLayout
-from connectors.factory import (
+from engine.config import ConfigError, KVTransferConfig
+from engine.kv_transfer import registry
+from engine.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole, KVLayout
+from engine.kv_transfer.registry import (
     ENTRY_POINT_GROUP,
     UnknownConnectorError,
     check_connector_config,
@@ -24,7 +27,6 @@ from connectors.factory import (
     known_connectors,
     register_connector,
 )
-from engine.config import ConfigError, KVTransferConfig
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
 
@@ -48,12 +50,6 @@ class NullConnector(KVConnectorBase):
     def start_load_kv(self, **kwargs: Any) -> None:
         pass
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
-        pass
-
     def wait_for_save(self) -> None:
         pass
 
@@ -61,7 +57,7 @@ class NullConnector(KVConnectorBase):
 @pytest.fixture(autouse=True)
 def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """register_connector writes a process-wide table: undo it after each test."""
-    monkeypatch.setattr(factory, "_registered", dict(factory._registered))
+    monkeypatch.setattr(registry, "_registered", dict(registry._registered))
 
 
 # ---- built-ins and register_connector ---------------------------------------
@@ -116,6 +112,37 @@ def test_registered_name_overrides_builtin() -> None:
     assert connector_class("redis") is NullConnector
 
 
+def test_register_connector_by_path_imports_it_when_first_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``"module:Class"`` path is imported only when its name is first
+    resolved (as the built-ins are); a path to a missing class fails then."""
+    module = f"{__name__}_lazy_{uuid.uuid4().hex[:8]}"
+    register_connector("lazy-test", f"{module}:NullConnector")
+    assert "lazy-test" in known_connectors()
+    assert module not in sys.modules
+    fake = type(sys)(module)
+    fake.NullConnector = NullConnector  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, fake)
+    assert connector_class("lazy-test") is NullConnector
+    register_connector("lazy-missing", f"{module}:NoSuchConnector")
+    with pytest.raises(AttributeError, match="NoSuchConnector"):
+        connector_class("lazy-missing")
+
+
+def test_the_engine_imports_no_connector_until_one_is_asked_for() -> None:
+    """The registry names the built-ins by path: importing it (and the
+    engine's connector API) loads no module of ``connectors``."""
+    code = (
+        "import sys, engine.kv_transfer.registry, engine.core;"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'connectors'];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    root = Path(__file__).resolve().parents[4]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_a_connector_without_options_class_takes_any_keys() -> None:
     """A third-party connector that declares no options class reads its raw
     dict: nothing in it is refused."""
@@ -140,7 +167,7 @@ def test_check_connector_config_refuses_an_unknown_name_or_key() -> None:
 CONNECTOR_MODULE = """
 from typing import Any
 
-from connectors.base import KVConnectorBase
+from engine.kv_transfer.base import KVConnectorBase
 
 
 class AcmeConnector(KVConnectorBase):
@@ -154,12 +181,6 @@ class AcmeConnector(KVConnectorBase):
         return None
 
     def start_load_kv(self, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
         pass
 
     def wait_for_save(self) -> None:
