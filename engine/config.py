@@ -312,7 +312,7 @@ class ModelConfig:
     # Weight format in memory (engine/models/weight_plan.py).
     quantization: str = knob(
         "auto",
-        "the weights' format in memory: auto keeps a GGUF model's Q4_0/Q4_1/Q8_0 "
+        "the weights' format in memory: auto keeps a GGUF model's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K "
         "blocks on CPU in float32 and loads anything else as stored; gguf is auto that "
         "fails where it cannot keep the blocks; int8 quantizes every projection and the "
         "LM head per output channel at load (CPU, float32); bf16 keeps them in bfloat16 "

@@ -122,3 +122,7 @@ class SchedulerStats:
     kv_connector_totals: KVConnectorStats = field(default_factory=KVConnectorStats)
     # Cumulative since start; None without speculative decoding.
     spec_decoding: SpecDecodingStats | None = None
+    # Requests per LoRA adapter name, in the running set and the waiting
+    # queue (the seeds' names). Empty while LoRA is off.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)

@@ -26,7 +26,8 @@ Sources live in `kernels/csrc/`:
   `csrc/third_party/xxhash/`, BSD-2-Clause).
 * `quant_pack.cpp`, `quant_linear.cpp`, `quant_gemm.cpp`,
   `quant_linear_int8.cpp`, `quant_linear_bf16.cpp`: linear layers over GGUF
-  Q4_0/Q4_1/Q8_0 blocks, int8 and bfloat16 weights in tiles of 8 output rows
+  Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks,
+  int8 and bfloat16 weights in tiles of 8 output rows
   (`quant_tiles.h`; see `kernels.quant`), with float32 or (opted in) int8
   activations; AVX2 paths (with AVX-512 VNNI's integer dot products and
   AVX512_BF16's bfloat16 ones where the CPU has them) and a portable

@@ -1,4 +1,4 @@
-"""Block-quantized linear weights on CPU: GGUF's Q4_0, Q4_1, Q8_0, int8, bf16.
+"""Block-quantized linear weights on CPU: GGUF's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, int8, bf16.
 
 A CPU decode step reads every weight once, so its time is the weights' bytes.
 A quantized weight stays in its blocks (Q4_1: 0.625 bytes a weight against
@@ -21,6 +21,21 @@ Formats (`WEIGHT_FORMATS`):
 * ``q4_0``, ``q4_1``, ``q8_0``: a GGUF file's own blocks, bit for bit
   (`from_gguf_rows`); the float values they stand for are exactly those the
   float32 conversion of the same file holds.
+* ``q5_0``: GGUF's Q5_0 blocks as Q8 tiles of q - 16 (-16..15) under the
+  same float16 d: the same values, 1.0625 bytes a weight against the
+  file's 0.6875, and the Q8 kernels (int8 activations included). llama.cpp
+  falls back to Q5_0 where a K-quant's rows are not whole super-blocks of
+  256 (Gemma 3 270M's 640-wide projections in its Q4_K_M file).
+* ``q4_k``, ``q6_k``: GGUF's K-quant super-blocks of 256 k, repacked with
+  each sub-block's scales as float32, where they are exact (in float16
+  they are not): Q4_K (8 sub-blocks of 32, 6-bit scales and mins under
+  float16 d and dmin) as Q4 tiles with dw = d * scale, mw = -dmin * min,
+  0.75 bytes a weight against the file's 0.5625; Q6_K (16 sub-blocks of
+  16, int8 scales, 6-bit quants) as Q8 tiles of q - 32 with a dw = d *
+  scale per half block, 1.25 bytes a weight against 0.82. The same float
+  values as gguf's dequantizer. They take float32 activations only
+  (``int8_activations`` is ignored for them). Other K-quants are expanded
+  to float at load (engine/models/gguf_weights.py).
 * ``int8``: any float weight quantized per output channel (`quantize_int8`):
   one scale per row (absmax / 127, rounded up to float16), for HF models.
 * ``bf16``: any float weight rounded to bfloat16 (`to_bf16`), expanded to
@@ -53,8 +68,8 @@ import torch
 from kernels import cpu_kernels
 
 # GGML's type ids for the block formats the kernels take (ggml.h).
-GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
-WEIGHT_FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "bf16")
+GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q6_k": 14}
+WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "q8_0", "int8", "bf16")
 # The kernels' code paths, plainest first; a build has a prefix of them.
 ISAS = ("portable", "avx2", "avx512")
 BLOCK = 32

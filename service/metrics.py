@@ -37,11 +37,29 @@ Families (all prefixed `tandem_`):
 The spec_decode families are vLLM's (vllm:spec_decode_*) and appear only
 when the server speculates (`--speculative-config`).
 
+Beside them, under vLLM's own names and labels (`model_name`, the served
+model name, and `engine="0"`), the gauges that the endpoint pickers of the
+Gateway API inference extension, llm-d and KServe read (its model-server
+protocol), from the time the engine is up (`describe_engine`):
+
+    vllm:num_requests_running, vllm:num_requests_waiting
+    vllm:kv_cache_usage_perc, vllm:gpu_cache_usage_perc (the older name)
+    vllm:lora_requests_info{max_lora, running_lora_adapters,
+                            waiting_lora_adapters}   (with --enable-lora)
+
+`vllm:lora_requests_info`'s value is the wall-clock time of its last
+update, its labels the adapters (comma-separated names) of the running
+and the waiting requests; a picker reads the newest sample. Unlike vLLM,
+which keeps every label set it ever had, only the current one is exposed.
+
 Each server owns its registry, so several servers (tests) in one process
 do not collide. `ServiceMetrics` is the engine's `EngineObserver`.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -150,6 +168,7 @@ class ServiceMetrics:
             registry=r,
         )
         self._spec = _SpecDecodingCounters(r)
+        self.picker = _EndpointPickerGauges(r)
         # The scheduler's cumulative counts as last seen: counters take increments.
         self._last_preemptions = 0
         self._last_ignored = 0
@@ -160,6 +179,11 @@ class ServiceMetrics:
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Starts the HTTP endpoint (a daemon thread) at http://host:port/metrics."""
         start_http_server(port, addr=host, registry=self.registry)
+
+    def describe_engine(self, model_name: str, max_loras: int | None) -> None:
+        """Starts the endpoint pickers' gauges (at zero) under `model_name`;
+        `max_loras` None: LoRA is off, no vllm:lora_requests_info."""
+        self.picker.describe(model_name, max_loras)
 
     # EngineObserver -------------------------------------------------------------
 
@@ -183,6 +207,7 @@ class ServiceMetrics:
         self._on_degradations(stats)
         if stats.spec_decoding is not None:
             self._spec.update(stats.spec_decoding)
+        self.picker.update(stats)
 
     def _on_degradations(self, stats: SchedulerStats) -> None:
         recomputed = stats.num_kv_recomputed_tokens
@@ -269,3 +294,74 @@ class _SpecDecodingCounters:
             # Incremented even by 0: each position's series exists from the start.
             self.accepted_per_pos.labels(position=str(pos)).inc(max(0, count - seen))
         self._last = stats  # a snapshot: the scheduler reports a new one each step
+
+
+class _EndpointPickerGauges:
+    """vLLM's gauges that endpoint pickers read, by vLLM's names and labels.
+
+    Labelled: they have no sample until `describe` names the model.
+    """
+
+    LABELS = ("model_name", "engine")
+    LORA_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+
+    def __init__(self, registry: CollectorRegistry, clock: Callable[[], float] = time.time) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, self.LABELS, registry=registry)
+
+        self._registry = registry
+        self._clock = clock
+        self.running = gauge("vllm:num_requests_running", "Requests in the running set")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to run")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent")
+        self.gpu_cache_usage = gauge(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage, 1 means 100 percent (older name of vllm:kv_cache_usage_perc)",
+        )
+        # Joins the registry only with LoRA on, as in vLLM.
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests: adapters of running and waiting requests",
+            self.LORA_LABELS,
+            registry=None,
+        )
+        self._children: list[Gauge] = []  # running, waiting, kv_usage, gpu_cache_usage
+        self._max_lora: str | None = None
+        self._lora_labels: tuple[str, str, str] | None = None
+
+    def describe(self, model_name: str, max_loras: int | None) -> None:
+        if self._children:
+            raise RuntimeError(f"describe: the model is named already ({model_name!r} now)")
+        gauges = (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage)
+        self._children = [g.labels(model_name, "0") for g in gauges]  # one engine
+        for child in self._children:
+            child.set(0)
+        if max_loras is not None:
+            self._registry.register(self.lora_info)
+            self._max_lora = str(max_loras)
+            self._set_lora_info(self._max_lora, "", "")
+
+    def update(self, stats: SchedulerStats) -> None:
+        if not self._children:
+            return  # before describe: no model name yet
+        running, waiting, kv_usage, gpu_cache_usage = self._children
+        running.set(stats.num_running_reqs)
+        waiting.set(stats.num_waiting_reqs)
+        kv_usage.set(stats.kv_cache_usage)
+        gpu_cache_usage.set(stats.kv_cache_usage)
+        if self._max_lora is not None:
+            self._set_lora_info(
+                self._max_lora,
+                ",".join(stats.waiting_lora_adapters),
+                ",".join(stats.running_lora_adapters),
+            )
+
+    def _set_lora_info(self, max_lora: str, waiting: str, running: str) -> None:
+        labels = (max_lora, waiting, running)
+        self.lora_info.labels(*labels).set(self._clock())
+        if labels != self._lora_labels:
+            # One series, the current (a picker takes the newest anyway),
+            # the new one set first so that a scrape never finds none.
+            if self._lora_labels is not None:
+                self.lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels

@@ -151,6 +151,11 @@ class TandemServer:
         self.vllm_servicer.attach(self.engine)
         self.side_channel.engine = self.engine
         self.engine.add_failure_listener(self._on_engine_failure)
+        lora = self.engine_config.lora
+        self.metrics.describe_engine(
+            cfg.served_model_name or self.engine.info.model_name,
+            lora.max_loras if lora is not None else None,
+        )
         await self._load_lora_modules(self.engine)
         if self.kv_publisher is not None:
             # Subscribed before SERVING: no request's blocks go unpublished.

@@ -2,10 +2,11 @@
 
 The float32 conversion (engine/models/loader.py) goes through transformers
 and expands every block; this reader hands the model the GGUF's own bytes
-for the block formats the CPU kernels multiply (`kernels.quant`), so a Q4_1
-model stays 0.625 bytes a weight in memory. Other tensors (norms in F32,
-F16, or block formats the kernels lack, such as the K-quants) are expanded
-to float32 with the `gguf` package's own dequantizer.
+for the block formats the CPU kernels multiply (`kernels.quant`: Q4_0,
+Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), so a Q4_1 model stays 0.625 bytes a weight
+in memory. Other tensors (norms in F32, F16, or block formats the kernels
+lack, such as Q5_K) are expanded to float32 with the `gguf` package's own
+dequantizer, then take the model's dtype as any float weight does.
 
 llama.cpp's converter permutes the rows of Llama's q and k projections (its
 RoPE pairs adjacent dimensions, HF's rotates halves); the reader undoes that
@@ -32,7 +33,10 @@ logger = logging.getLogger(__name__)
 _BLOCK_FORMATS = {
     GGMLQuantizationType.Q4_0: "q4_0",
     GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q5_0: "q5_0",
     GGMLQuantizationType.Q8_0: "q8_0",
+    GGMLQuantizationType.Q4_K: "q4_k",
+    GGMLQuantizationType.Q6_K: "q6_k",
 }
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -1,4 +1,9 @@
-"""One decoder for the Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
+"""One decoder for the Llama family over a paged KV cache.
+
+Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 differ only in
+switches that `ModelSpec` reads from their configs (engine/models/spec.py):
+q/k/v bias, sliding window, QK-norm, Granite's multipliers, partial RoPE,
+layers without RoPE, and Phi-3's fused checkpoint projections.
 
 The forward pass takes a flat batch: the new tokens of every sequence laid end
 to end (`AttentionMetadata` says which rows belong to which sequence), their
@@ -31,6 +36,7 @@ one without costs nothing extra.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any, Protocol, cast
@@ -56,6 +62,8 @@ from kernels.lora import LoRALayer, LoRAState
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedWeight, format_summary, quant_linear_silu
 from kernels.torch_attention import COMPILED_CACHE_DTYPES
+
+logger = logging.getLogger(__name__)
 
 
 class ReshapeAndCache(Protocol):
@@ -209,8 +217,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Per-pair rotation frequencies [head_dim / 2], float32, as HF computes them."""
-    exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
+    """Per-pair rotation frequencies [rotary_dim / 2], float32, as HF computes them."""
+    dim = spec.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (spec.rope_theta**exponents)
     scaling = spec.rope_scaling
     if scaling is None:
@@ -243,12 +252,21 @@ class LlamaAttention(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        use_rope: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.attention_scale
+        # RoPE covers the first rotary_dim dims of each head, or none of them.
+        self.rotary_dim = spec.rotary_dim if use_rope else 0
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if spec.qk_norm:
+            eps, dim = spec.rms_norm_eps, spec.head_dim
+            self.q_norm = RMSNorm(dim, eps, lops, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(dim, eps, lops, dtype=dtype, device=device)
         self.ops = ops
         self.lops = lops
         self.qkv_proj = Linear(
@@ -273,13 +291,25 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         h, hkv = self.num_heads, self.num_kv_heads
         heads = self.qkv_proj(x).view(num_tokens, h + 2 * hkv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            _norm_heads_(heads[:, :h], self.q_norm)
+            _norm_heads_(heads[:, h : h + hkv], self.k_norm)
         # q and k are adjacent heads of the fused output: one rotation covers both.
-        self.lops.rope_(heads[:, : h + hkv], rope)
+        if self.rotary_dim == self.head_dim:
+            self.lops.rope_(heads[:, : h + hkv], rope)
+        elif self.rotary_dim:
+            self.lops.rope_(heads[:, : h + hkv, : self.rotary_dim], rope)
         q, k, v = heads[:, :h], heads[:, h : h + hkv], heads[:, h + hkv :]
         self.ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, kv_cache, meta, self.scale)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, h * self.head_dim))
         return projected
+
+
+def _norm_heads_(heads: torch.Tensor, norm: RMSNorm) -> None:
+    """RMSNorm over each [head_dim] row of the strided view `heads`, in place."""
+    rows = heads.reshape(-1, heads.shape[-1])
+    heads.copy_(norm(rows).view(heads.shape))
 
 
 class LlamaMLP(nn.Module):
@@ -337,13 +367,18 @@ class LlamaDecoderLayer(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        use_rope: bool = True,
     ) -> None:
         super().__init__()
         eps, hidden = spec.rms_norm_eps, spec.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(spec, ops, lops, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(
+            spec, ops, lops, dtype=dtype, device=device, use_rope=use_rope
+        )
         self.post_attention_layernorm = RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
         self.mlp = LlamaMLP(spec, lops, dtype=dtype, device=device)
+        # Granite scales each sublayer's output before its residual add.
+        self.residual_multiplier = spec.residual_multiplier
 
     def forward(
         self,
@@ -359,7 +394,11 @@ class LlamaDecoderLayer(nn.Module):
         norm = self.input_layernorm
         x = norm(residual) if delta is None else norm.add_forward(residual, delta)
         attn = self.self_attn(x, rope, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            attn.mul_(self.residual_multiplier)
         mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm.add_forward(residual, attn))
+        if self.residual_multiplier != 1.0:
+            mlp_out.mul_(self.residual_multiplier)
         return mlp_out
 
 
@@ -376,15 +415,15 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, ops, lops, dtype=dtype, device=device)
-            for _ in range(spec.num_layers)
+            LlamaDecoderLayer(spec, ops, lops, dtype=dtype, device=device, use_rope=use_rope)
+            for use_rope in spec.rope_layers
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, lops, dtype=dtype, device=device)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama/Mistral/Qwen2 decoder; parameter names mirror HF's, with q/k/v fused
-    into `qkv_proj` and gate/up into `gate_up_proj`."""
+    """Llama-family decoder; parameter names mirror HF's, with q/k/v fused
+    into `qkv_proj` and gate/up into `gate_up_proj` (as Phi-3 stores them)."""
 
     def __init__(
         self,
@@ -447,6 +486,8 @@ class LlamaForCausalLM(nn.Module):
         # The embedding lookup returns a fresh tensor, so the layers may
         # accumulate into it in place.
         residual = self.model.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            residual.mul_(self.spec.embedding_multiplier)
         stack = self._decode_stack_for(meta, kv_caches)
         if stack is not None:
             hidden: torch.Tensor = stack.forward(
@@ -486,6 +527,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the N rows the caller samples from."""
         logits: torch.Tensor = self.lm_head(hidden)
+        if self.spec.logits_divisor != 1.0:
+            logits = logits / self.spec.logits_divisor
         return logits.float()
 
     def load_weights(
@@ -580,6 +623,22 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
         or spec.head_dim not in cpu_kernels.HEAD_DIMS
     ):
         return None
+    if not spec.plain_llama_layers:
+        # The C++ layer loop has no QK-norm, partial or skipped RoPE, or
+        # residual multiplier: such models decode through the Python loop.
+        logger.info(
+            "%s decodes without the compiled decode stack, which runs plain Llama "
+            "layers only (this model: qk_norm=%s, rotary_dim=%d of head_dim=%d, "
+            "RoPE in %d of %d layers, residual_multiplier=%s)",
+            spec.architecture,
+            spec.qk_norm,
+            spec.rotary_dim,
+            spec.head_dim,
+            sum(spec.rope_layers),
+            spec.num_layers,
+            spec.residual_multiplier,
+        )
+        return None
     none = torch.empty(0)
     layers = []
     for layer in decoder:
@@ -598,7 +657,7 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
         spec.num_heads,
         spec.num_kv_heads,
         spec.head_dim,
-        spec.head_dim**-0.5,
+        spec.attention_scale,
         SMALL_LINEAR_ROWS,
         PACKED_LINEAR_MAX_ROWS,
         any(isinstance(p, QuantizedWeight) and p.int8_activations for p in _linears(model)),
@@ -673,13 +732,18 @@ def _check_complete(missing: set[str], unexpected: list[str]) -> None:
 
 def hf_parameter_names(spec: ModelSpec) -> list[str]:
     """The HF checkpoint tensor names a model of this spec needs (lm_head only if untied)."""
+    fused = spec.fused_checkpoint_projections
+    attention = ("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj")
+    mlp = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
     names = ["model.embed_tokens.weight"]
     for i in range(spec.num_layers):
         prefix = f"model.layers.{i}."
-        for proj in ("q_proj", "k_proj", "v_proj"):
+        for proj in attention:
             names += _linear_names(f"{prefix}self_attn.{proj}", spec.attention_bias)
         names += _linear_names(f"{prefix}self_attn.o_proj", spec.o_proj_bias)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        if spec.qk_norm:
+            names += [f"{prefix}self_attn.q_norm.weight", f"{prefix}self_attn.k_norm.weight"]
+        for proj in mlp:
             names += _linear_names(f"{prefix}mlp.{proj}", spec.mlp_bias)
         names += [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
     names.append("model.norm.weight")

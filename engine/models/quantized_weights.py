@@ -12,8 +12,9 @@ What gets quantized: every tensor that arrives in GGUF blocks
 (`BlockRows`), and with ``quantize="int8"`` (or ``"bf16"``) every projection and the LM
 head (a tied embedding with it, since it is the same matrix; an untied
 embedding stays float: it is looked up a row a token, never streamed).
-Shards of one fused weight in different GGUF formats are expanded to float32
-(int8 mode quantizes that instead).
+Shards of one fused weight in different GGUF formats (a Q4_K_M file's Q4_K
+q/k with a Q6_K v), or some in blocks and some float (an F16 shard, in
+either order), are expanded to float32 (int8 mode quantizes that instead).
 """
 
 from __future__ import annotations
@@ -51,11 +52,16 @@ class QuantizedLoad:
         self.int8_activations = int8_activations
         # fused module name -> shard -> what arrived for it
         self.pending: dict[str, dict[str, torch.Tensor | BlockRows]] = {}
+        # fused module name -> shard -> rows of a float shard the caller
+        # copied in before any shard in blocks arrived
+        self.in_place: dict[str, dict[str, int]] = {}
 
     def offer(self, name: str, tensor: torch.Tensor | BlockRows) -> bool:
         """Take `tensor` (HF name `name`, shape already checked) if it is, or
-        is to be, quantized; False leaves a float tensor for the caller to copy."""
-        if not name.endswith(".weight") or not self._quantizes(name, tensor):
+        is to be, quantized, or is a float shard of a fused weight whose
+        other shards wait in blocks; False leaves a float tensor for the
+        caller to copy."""
+        if not name.endswith(".weight"):
             return False
         module_name, shard = name.removesuffix(".weight"), ""
         shards: tuple[str, ...] = ("",)
@@ -63,11 +69,22 @@ class QuantizedLoad:
             if piece in name:
                 module_name = module_name.replace(piece.rstrip("."), fused.rstrip("."))
                 shard, shards = part, parts
+        if not self._quantizes(name, tensor):
+            if shards == ("",) or self.quantize is not None or isinstance(tensor, BlockRows):
+                return False
+            if module_name not in self.pending:  # the caller copies it into its rows
+                placed = self.in_place.setdefault(module_name, {})
+                placed[shard] = tensor.shape[0]
+                if set(placed) == set(shards):  # all float: nothing waits
+                    del self.in_place[module_name]
+                return False
         got = self.pending.setdefault(module_name, {})
         got[shard] = tensor
-        if set(got) == set(shards):
+        placed = self.in_place.get(module_name, {})
+        if set(got) | set(placed) == set(shards):
             del self.pending[module_name]
-            self._finish(module_name, [got[s] for s in shards])
+            self.in_place.pop(module_name, None)
+            self._finish(module_name, [got.get(s, placed.get(s, 0)) for s in shards])
         return True
 
     def _quantizes(self, name: str, tensor: torch.Tensor | BlockRows) -> bool:
@@ -79,7 +96,9 @@ class QuantizedLoad:
             return self.model.spec.tie_word_embeddings
         return "_proj." in name or name == "lm_head.weight"
 
-    def _finish(self, module_name: str, parts: list[torch.Tensor | BlockRows]) -> None:
+    def _finish(self, module_name: str, parts: list[torch.Tensor | BlockRows | int]) -> None:
+        """Install a complete fused weight; an int part is a float shard of
+        that many rows already copied into its rows of the module's weight."""
         module = self.model.get_submodule(module_name)
         formats = {p.format for p in parts if isinstance(p, BlockRows)}
         if len(formats) == 1 and len(parts) == sum(isinstance(p, BlockRows) for p in parts):
@@ -88,17 +107,35 @@ class QuantizedLoad:
             weight = from_gguf_rows(rows, formats.pop(), in_features, self.int8_activations)
             self._install(module, module_name, weight)
             return
-        floats = torch.cat([p.to_float() if isinstance(p, BlockRows) else p for p in parts])
+        if self.quantize is None:
+            # Mixed GGUF formats (or blocks and floats) in one fused weight:
+            # float32, like the conversion.
+            self._fill_rows(module, parts)
+            return
+        floats = torch.cat(
+            [
+                p.to_float() if isinstance(p, BlockRows) else p
+                for p in parts
+                if not isinstance(p, int)
+            ]
+        )
         if self.quantize == "int8":
             self._install(module, module_name, quantize_int8(floats, self.int8_activations))
             return
-        if self.quantize == "bf16":
-            self._install(module, module_name, to_bf16(floats))
-            return
-        # Mixed GGUF formats in one fused weight: float32, like the conversion.
+        self._install(module, module_name, to_bf16(floats))
+
+    def _fill_rows(self, module: nn.Module, parts: list[torch.Tensor | BlockRows | int]) -> None:
+        """Copy the parts that are not in place yet into their rows, as float."""
         target = module.weight
         assert isinstance(target, torch.Tensor)
-        target.copy_(floats)
+        start = 0
+        for part in parts:
+            if isinstance(part, int):
+                start += part
+                continue
+            values = part.to_float() if isinstance(part, BlockRows) else part
+            target[start : start + values.shape[0]].copy_(values)
+            start += values.shape[0]
 
     def _install(self, module: nn.Module, name: str, weight: QuantizedWeight) -> None:
         module.set_quantized(weight)  # type: ignore[operator]

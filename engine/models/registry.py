@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from engine.models.llama import LlamaForCausalLM
 
-# Mistral and Qwen2 are Llama with small switches (sliding window, q/k/v bias)
-# that ModelSpec captures, so one decoder class serves all three.
+# Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 are Llama with small
+# switches (sliding window, q/k/v bias, QK-norm, multipliers, fused checkpoint
+# projections, partial or skipped RoPE) that ModelSpec captures, so one
+# decoder class serves them all.
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "GraniteForCausalLM": LlamaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -1,9 +1,9 @@
 """Which form a model's weights take in memory: `--quantization`.
 
 * ``auto`` (the default): a GGUF model on CPU in float32 keeps its own
-  blocks where the compiled kernels multiply them (Q4_0, Q4_1, Q8_0; other
-  GGUF types are expanded), since their float values are exactly the
-  blocks'; anything else loads as its checkpoint stores it.
+  blocks where the compiled kernels multiply them (Q4_0, Q4_1, Q5_0, Q8_0,
+  Q4_K, Q6_K; other GGUF types, e.g. Q5_K, are expanded), since their float values are
+  exactly the blocks'; anything else loads as its checkpoint stores it.
 * ``gguf``: as ``auto`` for a GGUF model, and an error where it cannot be.
 * ``int8``: every projection and the LM head quantized per output channel
   at load (any model, CPU, float32).

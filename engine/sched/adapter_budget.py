@@ -4,6 +4,7 @@ At most ``max_loras`` distinct LoRA adapters run in a step (the runner's
 device slots). The running requests' adapters count first; a waiting
 request that would add one more is skipped, not blocking the queue.
 ``max_loras`` 0: LoRA is off and every request fits.
+``count_adapters`` gives the stats' requests per adapter name.
 """
 
 from __future__ import annotations
@@ -33,3 +34,12 @@ class AdapterBudget:
     def add(self, request: Request) -> None:
         if self.max_loras and request.lora_int_id:
             self._step.add(request.lora_int_id)
+
+
+def count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per adapter name (base-model requests are not counted)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if (lora := request.lora_request) is not None:
+            counts[lora.lora_name] = counts.get(lora.lora_name, 0) + 1
+    return counts

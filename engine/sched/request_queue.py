@@ -34,6 +34,10 @@ class RequestQueue(Protocol):
     def __bool__(self) -> bool: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[Request]: ...
+    def unordered(self) -> Iterable[Request]:
+        """Every request, in no particular order (cheaper than iterating);
+        the caller must not change the queue while it reads."""
+        ...
 
 
 class FCFSRequestQueue(deque[Request]):
@@ -67,6 +71,9 @@ class FCFSRequestQueue(deque[Request]):
         kept = [r for r in self if r not in drop]
         self.clear()
         self.extend(kept)
+
+    def unordered(self) -> Iterable[Request]:
+        return self
 
 
 class PriorityRequestQueue:
@@ -109,6 +116,9 @@ class PriorityRequestQueue:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    def unordered(self) -> Iterable[Request]:
+        return self._heap  # heap order: no sorted copy
 
     def __iter__(self) -> Iterator[Request]:
         """In priority order (a sorted copy; the heap is not disturbed)."""

@@ -37,7 +37,7 @@ from engine.outputs import (
     ModelRunnerOutput,
 )
 from engine.request import Request, RequestStatus
-from engine.sched.adapter_budget import AdapterBudget
+from engine.sched.adapter_budget import AdapterBudget, count_adapters
 from engine.sched.admission import WaitingAdmission
 from engine.sched.deadlock import DeadlockBreaker
 from engine.sched.grammars import SchedulerGrammars
@@ -445,6 +445,9 @@ class Scheduler:
             num_held_requests=len(self.requests) - num_running - num_waiting,
             spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
         )
+        if self.adapters.max_loras:  # a pass over the queues, only with LoRA on
+            stats.running_lora_adapters = count_adapters(self.running)
+            stats.waiting_lora_adapters = count_adapters(self.waiting.unordered())
         self.kv_transfers.report(stats)
         return stats
 

@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "out = x @ weight.T + bias for a few rows of x");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, rows in parallel");
   m.def("pack_gguf_blocks", &pack_gguf_blocks,
-        "GGUF Q4_0/Q4_1/Q8_0 rows [N, bytes] -> Tandem's tiles [tiles, blocks, bytes]",
+        "GGUF Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K rows [N, bytes] -> Tandem's tiles [tiles, blocks, bytes]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack_bf16", &pack_bf16, "bfloat16 [N, K] -> Tandem's tiles [tiles, blocks, 512]",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -3,7 +3,8 @@
 // vector at once, and the many-row path (quant_gemm.cpp), which stores it.
 //
 // Every expanded value is what the GGUF dequantizer gives: dw * q + mw with
-// one rounding (the product of a float16 and a small integer is exact).
+// one rounding (the product of dw and a small integer is exact: a float16
+// dw, or a K-quant's float32 one of at most 18 significant bits).
 #pragma once
 #include <cstdint>
 
@@ -32,6 +33,15 @@ inline __m256 halves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// A Q4/Q4F/Q8 tile block's 8 dw (which = 0) or mw (which = 1), as floats;
+// Q8H's dw for k < 16 (which = 0) or k >= 16 (which = 1).
+template <Kind K>
+inline __m256 tile_scales(const uint8_t* blk, int which) {
+  if constexpr (float_scales(K))
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(blk + scales_offset(K)) + which * kTile);
+  return halves(blk + scales_offset(K) + which * 2 * kTile);
+}
+
 // 8 outputs' bfloat16 weights at k = 2p + I of a k-pair's 32 bytes, as
 // floats: a bfloat16 is a float32's high half.
 template <int I>
@@ -42,7 +52,7 @@ inline __m256 bf16s(__m256i pair) {
 
 template <Kind K, int I>
 inline void store_group(__m256i raw, __m256 d, __m256 mn, float* dst, int64_t ld, int c) {
-  if constexpr (K == Kind::Q4) {
+  if constexpr (is_q4(K)) {
     _mm256_storeu_ps(dst + (4 * c + I) * ld, _mm256_fmadd_ps(low_nibbles<I>(raw), d, mn));
     _mm256_storeu_ps(dst + (16 + 4 * c + I) * ld, _mm256_fmadd_ps(high_nibbles<I>(raw), d, mn));
   } else {
@@ -64,14 +74,16 @@ inline void expand_block(const uint8_t* blk, float* dst, int64_t ld, Isa isa) {
         _mm256_storeu_ps(dst + (2 * p + 1) * ld, bf16s<1>(pair));
       }
     } else {
-      const __m256 d = halves(blk + scales_offset(K));
-      const __m256 mn = K == Kind::Q4 ? halves(blk + scales_offset(K) + 16) : _mm256_setzero_ps();
-      for (int c = 0; c < (K == Kind::Q4 ? 4 : 8); ++c) {
+      const __m256 d = tile_scales<K>(blk, 0);
+      const __m256 mn = is_q4(K) ? tile_scales<K>(blk, 1) : _mm256_setzero_ps();
+      const __m256 d_high = K == Kind::Q8H ? tile_scales<K>(blk, 1) : d;
+      for (int c = 0; c < (is_q4(K) ? 4 : 8); ++c) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
-        store_group<K, 0>(raw, d, mn, dst, ld, c);
-        store_group<K, 1>(raw, d, mn, dst, ld, c);
-        store_group<K, 2>(raw, d, mn, dst, ld, c);
-        store_group<K, 3>(raw, d, mn, dst, ld, c);
+        const __m256 dc = c >= 4 ? d_high : d;  // Q8: k-groups 4-7 are k >= 16
+        store_group<K, 0>(raw, dc, mn, dst, ld, c);
+        store_group<K, 1>(raw, dc, mn, dst, ld, c);
+        store_group<K, 2>(raw, dc, mn, dst, ld, c);
+        store_group<K, 3>(raw, dc, mn, dst, ld, c);
       }
     }
     return;

@@ -50,7 +50,9 @@ void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
     float* dst = panel.data_ptr<float>();
     switch (kind) {
       case Kind::Q4: expand_panel<Kind::Q4>(base, nb, t0, t1, dst, ld, isa); break;
+      case Kind::Q4F: expand_panel<Kind::Q4F>(base, nb, t0, t1, dst, ld, isa); break;
       case Kind::Q8: expand_panel<Kind::Q8>(base, nb, t0, t1, dst, ld, isa); break;
+      case Kind::Q8H: expand_panel<Kind::Q8H>(base, nb, t0, t1, dst, ld, isa); break;
       case Kind::BF16: expand_panel<Kind::BF16>(base, nb, t0, t1, dst, ld, isa); break;
     }
     const int64_t n0 = t0 * kTile, n = std::min(N, t1 * kTile) - n0;

@@ -1,5 +1,5 @@
-// Linear layers over block-quantized weights (GGUF Q4_0, Q4_1, Q8_0, int8
-// per channel) and bfloat16 weights (layout in quant_tiles.h), float32 in
+// Linear layers over block-quantized weights (GGUF Q4_0, Q4_1, Q4_K, Q6_K,
+// Q8_0, int8 per channel) and bfloat16 weights (layout in quant_tiles.h), float32 in
 // and out, on CPU.
 //
 // A decode step reads every weight once, so its speed is the weights'
@@ -91,7 +91,7 @@ inline void step(__m256 (&sums)[kSplit<K, MR, NV>][MR][NV], const __m256i (&raw)
                  const float* const* xr, int64_t c) {
   constexpr int P = kSplit<K, MR, NV>;
   __m256 w[NV];
-  if constexpr (K == Kind::Q4) {
+  if constexpr (is_q4(K)) {
     for (int v = 0; v < NV; ++v) w[v] = low_nibbles<I>(raw[v]);
     fma_rows<MR, NV>(sums[0], w, xr, 4 * c + I);
     for (int v = 0; v < NV; ++v) w[v] = high_nibbles<I>(raw[v]);
@@ -103,19 +103,21 @@ inline void step(__m256 (&sums)[kSplit<K, MR, NV>][MR][NV], const __m256i (&raw)
 }
 
 // acc += dw * (the block's sums) + mw * (the rows' sums of x over the block).
+// Q8H scales each half of the block by its own dw (`half`), the sums reset
+// between.
 template <Kind K, int MR, int NV>
 inline void scale_block(__m256 (&acc)[MR][NV], __m256 (&sums)[kSplit<K, MR, NV>][MR][NV],
                         const uint8_t* const* blk, const Rows& x, int64_t m0, int64_t nb,
-                        int64_t b) {
+                        int64_t b, int half = 0) {
   for (int v = 0; v < NV; ++v) {
-    const __m256 d = halves(blk[v] + scales_offset(K));
+    const __m256 d = tile_scales<K>(blk[v], half);
     for (int m = 0; m < MR; ++m) {
       __m256 s = sums[0][m][v];
       if constexpr (kSplit<K, MR, NV> == 2) s = _mm256_add_ps(s, sums[1][m][v]);
       acc[m][v] = _mm256_fmadd_ps(d, s, acc[m][v]);
     }
-    if constexpr (K == Kind::Q4) {
-      const __m256 mn = halves(blk[v] + scales_offset(K) + 16);
+    if constexpr (is_q4(K)) {
+      const __m256 mn = tile_scales<K>(blk[v], 1);
       for (int m = 0; m < MR; ++m)
         acc[m][v] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(x.sums + (m0 + m) * nb + b), acc[m][v]);
     }
@@ -127,7 +129,7 @@ template <Kind K, int MR, int NV>
 void micro(const uint8_t* base, int64_t nb, int64_t t, const Rows& x, int64_t m0,
            const OutTile& o) {
   constexpr int64_t bytes = tile_block_bytes(K);
-  constexpr int vectors = K == Kind::Q4 ? 4 : 8;
+  constexpr int vectors = is_q4(K) ? 4 : 8;
   constexpr int P = kSplit<K, MR, NV>;
   __m256 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
@@ -166,8 +168,16 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const Rows& x, int64_t m0
       step<K, MR, NV, 1>(sums, raw, xr, c);
       step<K, MR, NV, 2>(sums, raw, xr, c);
       step<K, MR, NV, 3>(sums, raw, xr, c);
+      if constexpr (K == Kind::Q8H) {
+        if (c == 3) {  // k < 16 done: scale by their dw, then sum k >= 16 afresh
+          scale_block<K, MR, NV>(acc, sums, blk, x, m0, nb, b, 0);
+          for (int p = 0; p < P; ++p)
+            for (int m = 0; m < MR; ++m)
+              for (int v = 0; v < NV; ++v) sums[p][m][v] = _mm256_setzero_ps();
+        }
+      }
     }
-    scale_block<K, MR, NV>(acc, sums, blk, x, m0, nb, b);
+    scale_block<K, MR, NV>(acc, sums, blk, x, m0, nb, b, K == Kind::Q8H ? 1 : 0);
   }
   o.store_all<MR, NV>(m0, t, acc);
 }
@@ -266,7 +276,9 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
   const OutTile o = check_quant_linear(out, x, packed, bias);
   const Isa isa = usable_isa(isa_level);
   if (x.size(0) == 0) return;
-  if (int8_activations) return quant_linear_int8(o, x, packed, isa);
+  // Q4F and Q8H (the K-quants) have no int8-activation kernel: they take float32 inputs.
+  if (int8_activations && !float_scales(kind_of(packed)))
+    return quant_linear_int8(o, x, packed, isa);
   const int64_t padded = packed.size(1) * kBlock;
   if (x.size(1) != padded) x = at::constant_pad_nd(x, {0, padded - x.size(1)});
   if (x.size(0) >= gemm_rows(kind_of(packed))) {
@@ -282,7 +294,9 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
   const Rows rows{x.data_ptr<float>(), x.stride(0), sums.data()};
   switch (kind_of(packed)) {
     case Kind::Q4: return run<Kind::Q4>(packed, rows, x.size(0), o, isa);
+    case Kind::Q4F: return run<Kind::Q4F>(packed, rows, x.size(0), o, isa);
     case Kind::Q8: return run<Kind::Q8>(packed, rows, x.size(0), o, isa);
+    case Kind::Q8H: return run<Kind::Q8H>(packed, rows, x.size(0), o, isa);
     case Kind::BF16: return run<Kind::BF16>(packed, rows, x.size(0), o, isa);
   }
 }
@@ -294,6 +308,11 @@ void quant_linear_silu(at::Tensor out, at::Tensor gate_up, at::Tensor packed,
   const OutTile o = check_quant_linear(out, gate_up.narrow(1, 0, gate_up.size(1) / 2), packed, bias);
   const Isa isa = usable_isa(isa_level);
   if (gate_up.size(0) == 0) return;
+  if (float_scales(kind_of(packed))) {  // no int8 kernel: silu_mul, then float32 inputs
+    at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    silu_mul(act, gate_up);
+    return quant_linear(out, act, packed, bias, false, isa_level);
+  }
   quant_linear_int8_silu(o, gate_up, packed, isa);
 }
 

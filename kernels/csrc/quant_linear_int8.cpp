@@ -436,14 +436,16 @@ void run_quantized(const at::Tensor& packed, const QuantizedRows& q, int64_t M, 
 }  // namespace
 
 void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed, Isa isa) {
-  TORCH_CHECK(kind_of(packed) != Kind::BF16, "int8 activations need Q4 or Q8 weights, not BF16");
+  TORCH_CHECK(kind_of(packed) == Kind::Q4 || kind_of(packed) == Kind::Q8,
+              "int8 activations need Q4 or Q8 weights, not BF16, Q4F or Q8H");
   const RowSource src{x.data_ptr<float>(), x.stride(0), x.size(1), false};
   run_quantized(packed, quantize_rows(src, x.size(0), packed.size(1), isa), x.size(0), o, isa);
 }
 
 void quant_linear_int8_silu(const OutTile& o, const at::Tensor& gate_up, const at::Tensor& packed,
                             Isa isa) {
-  TORCH_CHECK(kind_of(packed) != Kind::BF16, "int8 activations need Q4 or Q8 weights, not BF16");
+  TORCH_CHECK(kind_of(packed) == Kind::Q4 || kind_of(packed) == Kind::Q8,
+              "int8 activations need Q4 or Q8 weights, not BF16, Q4F or Q8H");
   const RowSource src{gate_up.data_ptr<float>(), gate_up.stride(0), gate_up.size(1) / 2, true};
   const int64_t M = gate_up.size(0);
   run_quantized(packed, quantize_rows(src, M, packed.size(1), isa), M, o, isa);

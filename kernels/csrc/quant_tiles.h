@@ -9,7 +9,12 @@
 //   packed[tile][block of 32 k] =
 //     Q4: 4 x 32 bytes of nibbles (low nibble: group c, high: group c + 4),
 //         then dw[8] and mw[8] (float16): value = dw * q + mw
+//     Q4F: Q4's nibbles, then dw[8] and mw[8] in float32 (GGUF Q4_K: a
+//         sub-block's dw = d * scale and mw = -dmin * min, products of a
+//         float16 and a 6-bit integer, exact in float32 but not in float16)
 //     Q8: 8 x 32 bytes of int8, then dw[8] (float16): value = dw * q
+//     Q8H: Q8's int8s, then dw[2][8] in float32, dw[h] for k in [16h, 16h + 16)
+//         (GGUF Q6_K: sub-blocks of 16, dw = d * scale exact in float32)
 //     BF16: 16 k-pairs x 8 outputs x 2 bfloat16 (32 bytes per pair of k:
 //           lane j holds output j's k = 2p, 2p + 1, the pairs AVX512_BF16's
 //           dot product takes), no scales
@@ -62,23 +67,38 @@ inline Isa usable_isa(int64_t requested) {
 constexpr int64_t kTile = 8;    // output rows per tile
 constexpr int64_t kBlock = 32;  // k per block
 constexpr int64_t kQ4Bytes = 4 * 32 + 2 * 16;
+constexpr int64_t kQ4FBytes = 4 * 32 + 2 * 32;
+constexpr int64_t kQ8HBytes = 8 * 32 + 2 * 32;
 constexpr int64_t kQ8Bytes = 8 * 32 + 16;
 constexpr int64_t kBF16Bytes = 32 * 8 * 2;
 
-enum class Kind { Q4, Q8, BF16 };
+enum class Kind { Q4, Q8, BF16, Q4F, Q8H };
+
+// Q4 and Q4F share their nibbles' layout; only their scales' type differs.
+constexpr bool is_q4(Kind k) { return k == Kind::Q4 || k == Kind::Q4F; }
+// Q4F's and Q8H's scales are float32 (the K-quants'); only Q4 and Q8 have
+// int8-activation kernels.
+constexpr bool float_scales(Kind k) { return k == Kind::Q4F || k == Kind::Q8H; }
 
 constexpr int64_t tile_block_bytes(Kind k) {
-  return k == Kind::Q4 ? kQ4Bytes : k == Kind::Q8 ? kQ8Bytes : kBF16Bytes;
+  return k == Kind::Q4    ? kQ4Bytes
+         : k == Kind::Q4F ? kQ4FBytes
+         : k == Kind::Q8  ? kQ8Bytes
+         : k == Kind::Q8H ? kQ8HBytes
+                          : kBF16Bytes;
 }
-constexpr int64_t scales_offset(Kind k) { return k == Kind::Q4 ? 128 : 256; }
+constexpr int64_t scales_offset(Kind k) { return is_q4(k) ? 128 : 256; }
 
 inline Kind kind_of(const at::Tensor& packed) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "packed weights must be a contiguous uint8 [tiles, blocks, bytes] tensor");
   const int64_t bytes = packed.size(2);
-  TORCH_CHECK(bytes == kQ4Bytes || bytes == kQ8Bytes || bytes == kBF16Bytes,
+  TORCH_CHECK(bytes == kQ4Bytes || bytes == kQ8Bytes || bytes == kBF16Bytes ||
+                  bytes == kQ4FBytes || bytes == kQ8HBytes,
               "packed tile blocks of ", bytes, " bytes: expected ", kQ4Bytes, " (Q4), ", kQ8Bytes,
-              " (Q8) or ", kBF16Bytes, " (BF16)");
+              " (Q8), ", kBF16Bytes, " (BF16), ", kQ4FBytes, " (Q4F) or ", kQ8HBytes, " (Q8H)");
+  if (bytes == kQ4FBytes) return Kind::Q4F;
+  if (bytes == kQ8HBytes) return Kind::Q8H;
   return bytes == kQ4Bytes ? Kind::Q4 : bytes == kQ8Bytes ? Kind::Q8 : Kind::BF16;
 }
 
@@ -103,16 +123,18 @@ inline float tile_bf16(const uint8_t* blk, int64_t j, int64_t k) {
 // The quantized value of output j, k (0..31) in a Q4 or Q8 tile block.
 inline int tile_q(const uint8_t* blk, Kind kind, int64_t j, int64_t k) {
   const int64_t g = k / 4, i = k % 4;
-  if (kind == Kind::Q4) return (blk[(g % 4) * 32 + j * 4 + i] >> (g < 4 ? 0 : 4)) & 0x0F;
+  if (is_q4(kind)) return (blk[(g % 4) * 32 + j * 4 + i] >> (g < 4 ? 0 : 4)) & 0x0F;
   return static_cast<int8_t>(blk[g * 32 + j * 4 + i]);
 }
 
 // dw[j] and (Q4) mw[j] of a tile block, as float.
 inline float tile_d(const uint8_t* blk, Kind kind, int64_t j) {
+  if (kind == Kind::Q4F) return reinterpret_cast<const float*>(blk + scales_offset(kind))[j];
   return half_to_float(reinterpret_cast<const uint16_t*>(blk + scales_offset(kind))[j]);
 }
 inline float tile_m(const uint8_t* blk, Kind kind, int64_t j) {
-  if (kind == Kind::Q8) return 0.f;
+  if (!is_q4(kind)) return 0.f;
+  if (kind == Kind::Q4F) return reinterpret_cast<const float*>(blk + scales_offset(kind))[kTile + j];
   return half_to_float(reinterpret_cast<const uint16_t*>(blk + scales_offset(kind))[kTile + j]);
 }
 
@@ -172,9 +194,11 @@ OutTile check_quant_linear(const at::Tensor& out, const at::Tensor& x, const at:
 // The float32 value of output j, k (0..31) in a tile block.
 inline float tile_value(const uint8_t* blk, Kind kind, int64_t j, int64_t k) {
   if (kind == Kind::BF16) return tile_bf16(blk, j, k);
-  // One rounding, as gguf's d * q + m (the product is exact).
-  return std::fma(tile_d(blk, kind, j), static_cast<float>(tile_q(blk, kind, j, k)),
-                  tile_m(blk, kind, j));
+  // One rounding, as gguf's d * q + m (the product is exact; Q4_K's too).
+  const float d = kind == Kind::Q8H
+                      ? reinterpret_cast<const float*>(blk + scales_offset(kind))[(k / 16) * kTile + j]
+                      : tile_d(blk, kind, j);
+  return std::fma(d, static_cast<float>(tile_q(blk, kind, j, k)), tile_m(blk, kind, j));
 }
 
 // quant_linear_int8.cpp: activations quantized to int8 on the fly (Q4, Q8).

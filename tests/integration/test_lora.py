@@ -7,7 +7,9 @@ equals peft's token for token, and the base model's equals the base
 reference. At run time an adapter is loaded, listed (ListLoraAdapters,
 status, model info), served, and unloaded; unknown names and bad
 directories are INVALID_ARGUMENT naming what is wrong; an adapter unloaded
-while a stream uses it finishes that stream whole. The session's server
+while a stream uses it finishes that stream whole. The endpoint pickers'
+gauges (vllm:*) name the adapters of running and waiting requests. The
+session's server
 (no LoRA) answers FAILED_PRECONDITION to loads, and a router in front of
 both sends adapter requests only to the pod that has the adapter.
 """
@@ -15,6 +17,8 @@ both sends adapter requests only to the pod that has the adapter.
 from __future__ import annotations
 
 import asyncio
+import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,7 @@ from typing import TypeVar
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.client import TandemClient
 from service.gen.tandem.v1 import generation_pb2 as pb
@@ -53,7 +58,7 @@ def lora(
 ) -> Iterator[LoraServer]:
     small = ["--max-num-seqs", "8", "--max-model-len", "1024", "--kv-cache-memory", "128M"]
     args = [*small, "--enable-lora", "--max-loras", "2"]
-    server = ServerProcess([*args, "--lora-modules", f"qv8={lora_adapters['qv8']}"])
+    server = ServerProcess([*args, "--lora-modules", f"qv8={lora_adapters['qv8']}"], metrics=True)
     server.start()  # its start-up overlaps the reference's computation
     try:
         # The session's reference: computed here (overlapping the start-up)
@@ -229,6 +234,77 @@ def test_a_server_without_lora_refuses_adapters(server: ServerProcess) -> None:
     assert generate.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (generate.details() or "").startswith("lora_name: this server serves no LoRA")
     assert listed == [] and isinstance(info, pb.ModelInfo) and not info.HasField("lora")
+
+
+Gauges = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def _picker_gauges(server: ServerProcess) -> Gauges:
+    """The vllm:* families of the server's /metrics: (labels, value) per sample."""
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url).read().decode()
+    return {
+        f.name: [(s.labels, s.value) for s in f.samples]
+        for f in text_string_to_metric_families(text)
+        if f.name.startswith("vllm:")
+    }
+
+
+def _gauges_when(server: ServerProcess, running: int, waiting: int) -> Gauges:
+    """The gauges once the server reports `running` and `waiting` requests."""
+    deadline = time.monotonic() + 30
+    while True:
+        gauges = _picker_gauges(server)
+        counts = [gauges[f"vllm:num_requests_{k}"][0][1] for k in ("running", "waiting")]
+        if counts == [running, waiting] or time.monotonic() > deadline:
+            return gauges
+        time.sleep(0.05)
+
+
+def test_the_endpoint_pickers_gauges_name_running_and_waiting_adapters(
+    lora: LoraServer,
+) -> None:
+    """A full batch (8: 7 base, 1 qv8) with two behind it (one base, one
+    under "wait8", qv8's files under another name): the gauges the Gateway
+    API inference extension reads say so, by vLLM's names; when the calls
+    are cancelled they go back to idle."""
+
+    async def go(client: TandemClient) -> tuple[Gauges, Gauges]:
+        await client.load_lora("wait8", str(lora.adapters["qv8"]))
+        calls = []
+        try:
+            for adapter in ["qv8"] + [""] * 7 + ["wait8", ""]:
+                call = client.stub.Generate(
+                    _greedy(lora.prompt, adapter, 200), metadata=client.metadata
+                )
+                calls.append(call)
+                if len(calls) <= 8:  # running (its first token came) before the next
+                    assert isinstance(await call.read(), pb.GenerateResponse)
+            busy = await asyncio.to_thread(_gauges_when, lora.server, 8, 2)
+        finally:
+            for call in calls:
+                call.cancel()
+            idle = await asyncio.to_thread(_gauges_when, lora.server, 0, 0)
+            await client.unload_lora("wait8")
+        return busy, idle
+
+    busy, idle = _run(go, lora.server.target)
+    labels = {"model_name": "SmolLM2-135M-Instruct", "engine": "0"}
+    counts = [busy[f"vllm:num_requests_{k}"] for k in ("running", "waiting")]
+    assert counts == [[(labels, 8.0)], [(labels, 2.0)]]
+    [(usage_labels, usage)] = busy["vllm:kv_cache_usage_perc"]
+    assert usage_labels == labels and 0 < usage < 1
+    assert busy["vllm:gpu_cache_usage_perc"] == busy["vllm:kv_cache_usage_perc"]
+    [(info, stamp)] = busy["vllm:lora_requests_info"]
+    assert info == {
+        "max_lora": "2",
+        "running_lora_adapters": "qv8",
+        "waiting_lora_adapters": "wait8",
+    }
+    assert abs(stamp - time.time()) < 60  # wall-clock seconds, as vLLM's
+    assert idle["vllm:num_requests_running"] == idle["vllm:num_requests_waiting"] == [(labels, 0.0)]
+    [(info, _)] = idle["vllm:lora_requests_info"]
+    assert info == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
 
 
 def test_the_router_sends_adapter_requests_only_where_the_adapter_is(

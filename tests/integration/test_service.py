@@ -410,6 +410,10 @@ def test_metrics_endpoint_serves_the_families(server: ServerProcess) -> None:
         "tandem_e2e_request_latency_seconds_bucket",
     ]:
         assert f"\n{family}" in text, family
+    # The endpoint pickers' gauges, by vLLM's names; no LoRA, no lora_requests_info.
+    for gauge in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]:
+        assert f'\nvllm:{gauge}{{engine="0",model_name="SmolLM2-135M-Instruct"}} ' in text, gauge
+    assert "vllm:lora_requests_info" not in text
     generated = next(
         float(line.split()[-1])
         for line in text.splitlines()

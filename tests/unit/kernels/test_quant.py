@@ -40,6 +40,7 @@ _GGML = {
     "q4_0": GGMLQuantizationType.Q4_0,
     "q4_1": GGMLQuantizationType.Q4_1,
     "q8_0": GGMLQuantizationType.Q8_0,
+    "q5_0": GGMLQuantizationType.Q5_0,
 }
 
 
@@ -71,7 +72,7 @@ def _int8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (amax / 254) @ w_sums.T + rounding + 1e-6
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q8_0", "int8", "bf16"])
 def test_dequantize_gives_the_reference_values(fmt: str) -> None:
     qw, ref = _weights(fmt)
     got = qw.dequantize()
@@ -96,7 +97,7 @@ def _isa(isa: str) -> str:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q8_0", "int8", "bf16"])
 def test_float_activations_match_the_reference(fmt: str, rows: int, isa: str) -> None:
     qw, _ = _weights(fmt)
     ref_w = qw.dequantize()
@@ -120,7 +121,7 @@ def test_float_activations_match_the_reference(fmt: str, rows: int, isa: str) ->
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q8_0", "int8"])
 def test_int8_activations_stay_within_their_rounding(fmt: str, rows: int, isa: str) -> None:
     qw, _ = _weights(fmt)
     qw = QuantizedWeight(qw.format, qw.out_features, qw.in_features, qw.packed, True)
@@ -245,7 +246,7 @@ def test_bad_inputs_name_what_is_wrong() -> None:
     with pytest.raises(RuntimeError, match="bias"):
         quant_linear(torch.randn(2, IN), qw, torch.randn(OUT + 1))
     with pytest.raises(RuntimeError, match="not a supported block format"):
-        module.pack_gguf_blocks(torch.zeros(8, 36, dtype=torch.uint8), 12)
+        module.pack_gguf_blocks(torch.zeros(8, 36, dtype=torch.uint8), 13)  # Q5_K
     with pytest.raises(RuntimeError, match="not whole blocks"):
         module.pack_gguf_blocks(torch.zeros(8, 35, dtype=torch.uint8), 8)
     with pytest.raises(RuntimeError, match="outside the weight"):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.kv_cache.stats import PrefixCacheStats
 from engine.stats import (
@@ -92,3 +95,73 @@ def test_no_spec_decoding_families_without_speculation() -> None:
     exposition = generate_latest(metrics.registry).decode()
     assert "tandem_spec_decode_num_drafts_total 0.0" in exposition
     assert 'tandem_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 0.0' in exposition
+
+
+PICKER_GAUGES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+)
+
+
+def _scrape(metrics: ServiceMetrics) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The exposition, parsed: (labels, value) of each sample, by family."""
+    text = generate_latest(metrics.registry).decode()
+    return {
+        family.name: [(s.labels, s.value) for s in family.samples]
+        for family in text_string_to_metric_families(text)
+    }
+
+
+def test_the_endpoint_pickers_gauges_carry_vllms_names_and_labels() -> None:
+    metrics = ServiceMetrics()
+    metrics.on_step(SchedulerStats(num_running_reqs=9))  # before describe: no samples
+    assert all(_scrape(metrics)[name] == [] for name in PICKER_GAUGES)
+    metrics.describe_engine("smol", max_loras=None)
+    labels = {"model_name": "smol", "engine": "0"}
+    scraped = _scrape(metrics)
+    assert [scraped[name] for name in PICKER_GAUGES] == [[(labels, 0.0)]] * 4
+    metrics.on_step(SchedulerStats(num_running_reqs=3, num_waiting_reqs=5, kv_cache_usage=0.25))
+    scraped = _scrape(metrics)
+    assert [scraped[name] for name in PICKER_GAUGES] == [
+        [(labels, 3.0)],
+        [(labels, 5.0)],
+        [(labels, 0.25)],
+        [(labels, 0.25)],
+    ]
+    text = generate_latest(metrics.registry).decode()
+    assert 'vllm:num_requests_waiting{engine="0",model_name="smol"} 5.0' in text.splitlines()
+    assert "vllm:lora_requests_info" not in text  # LoRA off, as in vLLM
+
+
+def test_lora_requests_info_names_the_adapters_under_a_timestamp() -> None:
+    metrics = ServiceMetrics()
+    before = time.time()
+    metrics.describe_engine("smol", max_loras=2)
+    [(labels, stamp)] = _scrape(metrics)["vllm:lora_requests_info"]
+    assert labels == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert before <= stamp <= time.time()
+    stats = SchedulerStats(
+        num_running_reqs=3,
+        num_waiting_reqs=2,
+        running_lora_adapters={"sql": 2, "chat": 1},
+        waiting_lora_adapters={"poet": 2},
+    )
+    metrics.on_step(stats)
+    [(labels, newer)] = _scrape(metrics)["vllm:lora_requests_info"]  # the old series is gone
+    assert labels == {
+        "max_lora": "2",
+        "running_lora_adapters": "sql,chat",
+        "waiting_lora_adapters": "poet",
+    }
+    assert stamp <= newer <= time.time()
+    line = (
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",'
+        'waiting_lora_adapters="poet"} '
+    )
+    assert any(x.startswith(line) for x in generate_latest(metrics.registry).decode().splitlines())
+    metrics.on_step(SchedulerStats())  # idle: empty lists, a fresh stamp
+    [(labels, last)] = _scrape(metrics)["vllm:lora_requests_info"]
+    assert (labels["running_lora_adapters"], labels["waiting_lora_adapters"]) == ("", "")
+    assert newer <= last

@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    GraniteConfig,
+    LlamaConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
 from engine.models.loader import LoadedModel, load_model
 from kernels import cpu_kernels
@@ -50,7 +59,39 @@ def _configs() -> dict[str, PretrainedConfig]:
         "llama": LlamaConfig(**_SHAPE),
         "llama-bias": LlamaConfig(**_SHAPE, attention_bias=True, mlp_bias=True),
         "qwen2-qkv-bias": Qwen2Config(**_SHAPE),
+        # The stack takes Granite's attention scale; the embedding multiplier
+        # and logit divisor apply outside it.
+        "granite-no-residual-multiplier": GraniteConfig(
+            **_SHAPE, embedding_multiplier=3.0, attention_multiplier=0.2, logits_scaling=4.0
+        ),
     }
+
+
+def _configs_it_refuses() -> dict[str, PretrainedConfig]:
+    return {
+        "qwen3-qk-norm": Qwen3Config(**_SHAPE),
+        "granite-residual-multiplier": GraniteConfig(**_SHAPE, residual_multiplier=0.5),
+        "phi3-partial-rotary": Phi3Config(
+            **_SHAPE,
+            rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            pad_token_id=0,
+        ),
+        "smollm3-no-rope-layers": SmolLM3Config(**_SHAPE, no_rope_layer_interval=2, pad_token_id=0),
+    }
+
+
+@pytest.mark.parametrize("name", list(_configs_it_refuses()))
+def test_refused_for_layers_it_does_not_implement(name, tmp_path, caplog) -> None:
+    config = _configs_it_refuses()[name]
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ops = select_backend(torch.device("cpu"), "torch")
+    with caplog.at_level("INFO", logger="engine.models.llama"):
+        loaded = load_model(tmp_path, dtype=torch.float32, device=torch.device("cpu"), ops=ops)
+    assert not loaded.spec.plain_llama_layers
+    assert loaded.model.decode_stack is None
+    assert "without the compiled decode stack" in caplog.text
 
 
 @pytest.fixture(scope="module", params=list(_configs()))

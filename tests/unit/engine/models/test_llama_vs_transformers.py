@@ -24,6 +24,7 @@ from transformers import (
 from engine.models.llama import LlamaMLP, hf_parameter_names
 from engine.models.loader import LoadedModel, load_model
 from engine.models.spec import ModelSpec
+from tests.unit.engine.models.families import family_configs, randomize_weights
 from tests.unit.engine.models.paged import REFERENCE_OPS, allocate, step
 
 ATOL = 1e-4
@@ -70,21 +71,8 @@ def _configs() -> dict[str, PretrainedConfig]:
             tie_word_embeddings=False,
         ),
         "qwen2-qkv-bias": Qwen2Config(**_SHAPE, tie_word_embeddings=False),
+        **family_configs(_SHAPE),
     }
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """Weights large enough that logits spread over several units: at HF's
-    default init (std 0.02) they are nearly uniform and hide mistakes."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
-            elif param.ndim == 1:
-                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
 
 
 @pytest.fixture(scope="module", params=list(_configs()))
@@ -96,7 +84,7 @@ def family(request, tmp_path_factory):
     hf = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
         config, attn_implementation="eager", dtype=torch.float32
     )
-    _randomize(hf)
+    randomize_weights(hf)
     hf.eval()
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
@@ -204,5 +192,19 @@ def test_spec_reads_family_switches(tandem):
     if arch == "MistralForCausalLM":
         assert spec.sliding_window == 4096
         assert spec.max_model_len == min(spec.max_position_embeddings, 4096)
+    plain = arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    assert spec.plain_llama_layers == plain
+    assert spec.qk_norm == (arch == "Qwen3ForCausalLM")
+    assert spec.fused_checkpoint_projections == (arch == "Phi3ForCausalLM")
+    if arch == "Qwen3ForCausalLM":
+        assert (spec.head_dim, spec.num_heads * spec.head_dim) == (24, 96)
+    if arch == "GraniteForCausalLM":
+        assert (spec.embedding_multiplier, spec.attention_scale) == (3.0, 0.2)
+        assert (spec.residual_multiplier, spec.logits_divisor) == (0.5, 4.0)
+    else:
+        assert spec.attention_scale == spec.head_dim**-0.5
+    assert spec.rotary_dim == (12 if arch == "Phi3ForCausalLM" else spec.head_dim)
+    want_rope = (True, False, True) if arch == "SmolLM3ForCausalLM" else (True,) * spec.num_layers
+    assert spec.rope_layers == want_rope
     assert all(not p.requires_grad for p in tandem.model.parameters())
     assert not tandem.model.training

@@ -68,13 +68,18 @@ def test_unsupported_architecture_lists_supported(tmp_path):
         load_model(tmp_path, dtype=torch.float32, device=CPU, ops=REFERENCE_OPS)
     message = str(err.value)
     assert "GPT2LMHeadModel" in message
-    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
-        assert name in message
-    assert set(supported_architectures()) == {
+    supported = {
+        "GraniteForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
+        "Phi3ForCausalLM",
         "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "SmolLM3ForCausalLM",
     }
+    for name in supported:
+        assert name in message
+    assert set(supported_architectures()) == supported
 
 
 def test_missing_path_says_what_is_expected(tmp_path):
@@ -366,3 +371,50 @@ def test_default_model_logits_match_transformers(converted, hf_gguf_model):
     with torch.no_grad():
         want = hf_gguf_model(input_ids=torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("rope_type", ["su", "longrope"])
+def test_phi3_long_context_rope_refused(rope_type):
+    config = _plain_config(
+        architectures=["Phi3ForCausalLM"],
+        rope_scaling={"type": rope_type, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+    )
+    with pytest.raises(ModelConfigError, match=f"RoPE type '{rope_type}'.*'rope_type'"):
+        ModelSpec.from_hf_config(config)
+
+
+def test_phi3_partial_rotary_factor_sets_rotary_dim():
+    config = _plain_config(
+        architectures=["Phi3ForCausalLM"],
+        rope_parameters={"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5},
+    )
+    spec = ModelSpec.from_hf_config(config)
+    assert (spec.head_dim, spec.rotary_dim, spec.fused_checkpoint_projections) == (8, 4, True)
+
+
+def test_partial_rotary_factor_refused_outside_phi3():
+    config = _plain_config(partial_rotary_factor=0.5)
+    with pytest.raises(ModelConfigError, match=r"partial_rotary_factor=0\.5"):
+        ModelSpec.from_hf_config(config)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(no_rope_layers=[1, 0]), "no_rope_layers"),
+        (dict(no_rope_layers=[2]), "no_rope_layers"),
+        (dict(logits_scaling=0.0), "logits_scaling"),
+        (dict(residual_multiplier=-1.0), "residual_multiplier"),
+    ],
+)
+def test_invalid_family_switches_refused(overrides, field):
+    with pytest.raises(ModelConfigError, match=field):
+        ModelSpec.from_hf_config(_plain_config(**overrides))
+
+
+def test_smollm3_rope_layers_from_interval():
+    config = _plain_config(
+        architectures=["SmolLM3ForCausalLM"], num_hidden_layers=8, no_rope_layer_interval=4
+    )
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.rope_layers == (True, True, True, False, True, True, True, False)

@@ -59,3 +59,25 @@ def test_lora_requests_hash_apart_from_the_base_model():
         sched.add_request(request)
     assert len(base.block_hashes) == len(adapted.block_hashes) == 2
     assert not set(base.block_hashes) & set(adapted.block_hashes)
+
+
+def test_stats_count_the_requests_of_each_adapter_running_and_waiting():
+    for policy in ("fcfs", "priority"):
+        sched = make_scheduler(max_loras=2, max_num_batched_tokens=256, policy=policy)
+        for rid, lora in [("r0", 1), ("r1", 2), ("r2", 3), ("r3", 1), ("r4", 0), ("r5", 3)]:
+            sched.add_request(_request(rid, lora))
+        step(sched)
+        stats = sched.make_stats()
+        assert stats is not None
+        # Base-model requests (r4) count in neither; adapter 3 waits twice.
+        assert stats.running_lora_adapters == {"a1": 2, "a2": 1}, policy
+        assert stats.waiting_lora_adapters == {"a3": 2}, policy
+
+
+def test_without_lora_the_stats_name_no_adapters():
+    sched = make_scheduler(max_num_batched_tokens=256)
+    sched.add_request(_request("r0", 1))
+    step(sched)
+    stats = sched.make_stats()
+    assert stats is not None
+    assert stats.running_lora_adapters == stats.waiting_lora_adapters == {}

@@ -1,0 +1,124 @@
+"""Greedy outputs of the LLM API on tiny random models of each family added
+after Llama/Mistral/Qwen2 (Qwen3, Granite, Phi-3, SmolLM3: see
+tests/unit/engine/models/families.py) are token-identical to transformers'
+own model, in float32 over 32 tokens on 4 prompts: once with chunked
+prefill and prefix caching, once with a KV cache small enough to preempt."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GraniteConfig, PreTrainedTokenizerBase
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from kernels import cpu_kernels
+from tests.unit.engine.models.families import family_configs, randomize_weights
+
+VOCAB = 96
+MAX_TOKENS = 32
+SHARED_PREFIX = 16  # one 16-token block every prompt starts with
+PROMPT_TAILS = (2, 9, 1, 6)
+
+_SHAPE: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+
+def _configs() -> dict[str, Any]:
+    configs: dict[str, Any] = family_configs(_SHAPE)
+    # Granite without residual_multiplier, at head_dim 64: plain layers the
+    # compiled decode stack runs (with Granite's attention scale; the
+    # embedding multiplier and logit divisor apply around it).
+    configs["granite-decode-stack"] = GraniteConfig(
+        **{**_SHAPE, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
+        embedding_multiplier=3.0,
+        attention_multiplier=0.2,
+        logits_scaling=4.0,
+    )
+    return configs
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    prefix = [rng.randrange(VOCAB) for _ in range(SHARED_PREFIX)]
+    return [prefix + [rng.randrange(VOCAB) for _ in range(n)] for n in PROMPT_TAILS]
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def family(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+) -> tuple[Path, list[list[int]]]:
+    """(saved model directory, transformers' greedy tokens for each prompt)."""
+    config = _configs()[request.param]
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    randomize_weights(hf)
+    hf.eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)  # the LLM API wants one; token ids < VOCAB decode
+    return path, [_hf_greedy(hf, p) for p in prompts]
+
+
+def _hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = hf(input_ids=torch.tensor([tokens])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert all(o.finished for o in outs)
+    return [o.token_ids for o in outs]
+
+
+def test_chunked_prefill_and_prefix_caching(family, prompts):
+    path, expected = family
+    llm = LLM(str(path), enable_prefix_caching=True, max_num_batched_tokens=16)
+    assert min(len(p) for p in prompts) > 16  # every prefill spans several steps
+    assert _generate(llm, prompts[:1]) == expected[:1]  # warms the cache
+    assert _generate(llm, prompts) == expected
+    assert llm.totals.prefix_cache_hits > 0
+
+
+def test_tiny_kv_cache_preempts_and_resumes(family, prompts):
+    path, expected = family
+    # 6 usable blocks of 16 tokens (one request's worth at max_model_len 64)
+    # for four requests growing from 2 blocks to 4: they cannot all stay resident.
+    llm = LLM(str(path), enable_prefix_caching=False, max_model_len=64, num_blocks_override=7)
+    assert _generate(llm, prompts) == expected
+    assert llm.totals.num_preemptions > 0
+
+
+def test_decode_stack_only_for_plain_layers(family):
+    path, _ = family
+    llm = LLM(str(path), enable_prefix_caching=False)
+    if cpu_kernels.load() is None:
+        pytest.skip("no compiled CPU kernels here")
+    model = llm.core.worker.loaded.model
+    spec = model.spec
+    runs_stack = spec.plain_llama_layers and spec.head_dim in cpu_kernels.HEAD_DIMS
+    assert (model.decode_stack is not None) == runs_stack

@@ -1,0 +1,62 @@
+"""Tiny configs of the model families added after Llama/Mistral/Qwen2, and
+the random weights every family test uses (tests/unit/engine/models/
+test_llama_vs_transformers.py, tests/e2e/test_llm_families.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import (
+    GraniteConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen3Config,
+    SmolLM3Config,
+)
+
+
+def family_configs(shape: dict[str, Any]) -> dict[str, PretrainedConfig]:
+    """One config per family added after Llama/Mistral/Qwen2, each with its
+    odd feature switched on."""
+    return {
+        # head_dim 24 (not hidden / heads = 16): Qwen3 gives it explicitly.
+        "qwen3-qk-norm": Qwen3Config(**shape, head_dim=24, tie_word_embeddings=True),
+        "granite-multipliers": GraniteConfig(
+            **shape,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.2,
+            residual_multiplier=0.5,
+            logits_scaling=4.0,
+            tie_word_embeddings=True,
+        ),
+        # rotary_dim 12 of head_dim 16.
+        "phi3-partial-rotary": Phi3Config(
+            **shape,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+            },
+            pad_token_id=0,
+            tie_word_embeddings=False,
+        ),
+        # Layers 1 and 3 of 3 use RoPE, layer 2 goes without (1-based interval 2).
+        "smollm3-no-rope-layers": SmolLM3Config(
+            **{**shape, "num_hidden_layers": 3}, no_rope_layer_interval=2, pad_token_id=0
+        ),
+    }
+
+
+def randomize_weights(model: torch.nn.Module) -> None:
+    """Weights large enough that logits spread over several units: at HF's
+    default init (std 0.02) they are nearly uniform and hide mistakes."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif param.ndim == 1:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
