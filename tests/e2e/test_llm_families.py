@@ -17,32 +17,25 @@ from transformers import AutoModelForCausalLM, GraniteConfig, PreTrainedTokenize
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import cpu_kernels
-from tests.unit.engine.models.families import family_configs, randomize_weights
+from tests.unit.engine.models.families import (
+    TINY_SHAPE,
+    TINY_VOCAB,
+    family_configs,
+    randomize_weights,
+)
 
-VOCAB = 96
 MAX_TOKENS = 32
 SHARED_PREFIX = 16  # one 16-token block every prompt starts with
 PROMPT_TAILS = (2, 9, 1, 6)
 
-_SHAPE: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
-
 
 def _configs() -> dict[str, Any]:
-    configs: dict[str, Any] = family_configs(_SHAPE)
+    configs: dict[str, Any] = family_configs(TINY_SHAPE)
     # Granite without residual_multiplier, at head_dim 64: plain layers the
     # compiled decode stack runs (with Granite's attention scale; the
     # embedding multiplier and logit divisor apply around it).
     configs["granite-decode-stack"] = GraniteConfig(
-        **{**_SHAPE, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
+        **{**TINY_SHAPE, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
         embedding_multiplier=3.0,
         attention_multiplier=0.2,
         logits_scaling=4.0,
@@ -53,8 +46,8 @@ def _configs() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     rng = random.Random(0)
-    prefix = [rng.randrange(VOCAB) for _ in range(SHARED_PREFIX)]
-    return [prefix + [rng.randrange(VOCAB) for _ in range(n)] for n in PROMPT_TAILS]
+    prefix = [rng.randrange(TINY_VOCAB) for _ in range(SHARED_PREFIX)]
+    return [prefix + [rng.randrange(TINY_VOCAB) for _ in range(n)] for n in PROMPT_TAILS]
 
 
 @pytest.fixture(scope="module", params=list(_configs()))
@@ -75,7 +68,7 @@ def family(
     hf.eval()
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)  # the LLM API wants one; token ids < VOCAB decode
+    tokenizer.save_pretrained(path)  # the LLM API wants one; token ids < TINY_VOCAB decode
     return path, [_hf_greedy(hf, p) for p in prompts]
 
 

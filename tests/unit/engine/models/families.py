@@ -15,6 +15,19 @@ from transformers import (
     SmolLM3Config,
 )
 
+TINY_VOCAB = 96
+# The shape every tiny test model shares (its family's features on top).
+TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
 
 def family_configs(shape: dict[str, Any]) -> dict[str, PretrainedConfig]:
     """One config per family added after Llama/Mistral/Qwen2, each with its

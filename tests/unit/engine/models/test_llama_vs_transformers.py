@@ -9,7 +9,6 @@ logit row must match transformers' forward over the whole sequence.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 import torch
@@ -24,24 +23,17 @@ from transformers import (
 from engine.models.llama import LlamaMLP, hf_parameter_names
 from engine.models.loader import LoadedModel, load_model
 from engine.models.spec import ModelSpec
-from tests.unit.engine.models.families import family_configs, randomize_weights
+from tests.unit.engine.models.families import (
+    TINY_SHAPE,
+    TINY_VOCAB,
+    family_configs,
+    randomize_weights,
+)
 from tests.unit.engine.models.paged import REFERENCE_OPS, allocate, step
 
 ATOL = 1e-4
-VOCAB = 96
 PROMPT_LENS = (11, 5, 8)
 DECODE_STEPS = 3
-
-_SHAPE: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
 
 
 def _configs() -> dict[str, PretrainedConfig]:
@@ -49,7 +41,7 @@ def _configs() -> dict[str, PretrainedConfig]:
         # original_max_position_embeddings well inside head_dim 16's wavelength
         # range, so all three llama3 bands (kept, blended, stretched) occur.
         "llama3-rope-untied": LlamaConfig(
-            **_SHAPE,
+            **TINY_SHAPE,
             rope_parameters={
                 "rope_type": "llama3",
                 "rope_theta": 10000.0,
@@ -61,17 +53,17 @@ def _configs() -> dict[str, PretrainedConfig]:
             tie_word_embeddings=False,
         ),
         "llama-tied-bias": LlamaConfig(
-            **_SHAPE, tie_word_embeddings=True, attention_bias=True, mlp_bias=True
+            **TINY_SHAPE, tie_word_embeddings=True, attention_bias=True, mlp_bias=True
         ),
         "mistral-linear-rope": MistralConfig(
-            **_SHAPE,
+            **TINY_SHAPE,
             head_dim=16,
             sliding_window=4096,
             rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0},
             tie_word_embeddings=False,
         ),
-        "qwen2-qkv-bias": Qwen2Config(**_SHAPE, tie_word_embeddings=False),
-        **family_configs(_SHAPE),
+        "qwen2-qkv-bias": Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False),
+        **family_configs(TINY_SHAPE),
     }
 
 
@@ -98,7 +90,7 @@ def tandem(family) -> LoadedModel:
 
 def _sequences(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(n + DECODE_STEPS)] for n in PROMPT_LENS]
+    return [[rng.randrange(TINY_VOCAB) for _ in range(n + DECODE_STEPS)] for n in PROMPT_LENS]
 
 
 def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
