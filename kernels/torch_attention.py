@@ -17,6 +17,22 @@ ops per call because it runs for every layer of every step:
   prefix. Where the compiled kernel applies (float32 queries, a float32 or
   bfloat16 cache, AVX-512), all of a batch's chunks go to it in one call
   instead: it reads K/V in place and skips the keys a causal mask hides.
+  Both compiled kernels also read an int8 cache (below).
+
+Sliding window (`sliding_window=w`, semantics in `kernels.reference`): a
+windowed decode gathers (or the compiled kernel walks) only the blocks from
+the first in-window one, block `(p - w + 1) // block_size` for the token at
+position p, and a windowed prefill chunk is cut into tiles of query rows,
+each over the blocks from its first row's first in-window block: reading KV
+that the mask then hides is wasted bandwidth, and a 4k context under a 512
+window reads ~512 tokens' K/V per decode instead of 4k. A window at least as
+long as every context is no window at all (the unwindowed path, bit for bit).
+
+An int8 cache (`kernels.kv_int8`: int8 rows with their float32 scales) is
+written quantized (the compiled writer, else the reference quantizer) and
+read in place by the compiled decode and prefill kernels. Elsewhere the
+gathers above take its int8 rows, and only those gathered rows are
+dequantized, to float32, before SDPA: never a dequantized copy of the cache.
 
 Everything derived from the batch layout alone (gather indices, masks, host
 copies of the offsets) is a `_Plan`, built on the first call with a given
@@ -40,11 +56,20 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernels
+from kernels import cpu_kernels, kv_int8
 from kernels.metadata import AttentionMetadata
+from kernels.reference import check_sliding_window
 
-# Caches the compiled CPU kernels read and write (queries and keys float32).
+# Caches the compiled decode stack (engine/models/llama.py) runs over: its
+# C++ cache write copies or narrows rows and does not quantize them.
 COMPILED_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# Caches the compiled kernels of this module read and write (queries and
+# keys float32): the int8 cache too, quantized by its own writer.
+KERNEL_CACHE_DTYPES = (*COMPILED_CACHE_DTYPES, torch.int8)
+# Query rows per SDPA call of a windowed prefill chunk (at least; a tile is
+# as tall as the window when that is longer). A tile reads its rows' window
+# plus itself, so short tiles read less, but each call costs ~tens of us.
+_WINDOW_TILE_ROWS = 256
 
 
 def reshape_and_cache(
@@ -54,16 +79,17 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write new K/V rows `[num_tokens, num_kv_heads, head_dim]` into the paged
-    cache `[2, num_blocks, block_size, num_kv_heads, head_dim]` at their slots."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    cache `[2, num_blocks, block_size, num_kv_heads, head_dim]` at their slots
+    (quantized rows `[..., head_dim + 4]` for an int8 cache)."""
     kernel = _compiled_cache_write(key, value, kv_cache)
     if kernel is not None:
-        kernel.cache_kv(kv_cache, key, value, slot_mapping)
+        write = kernel.cache_kv_int8 if kv_int8.is_int8_cache(kv_cache) else kernel.cache_kv
+        write(kv_cache, key, value, slot_mapping)
         return
     # One row per slot: blocks and offsets flatten into a single slot index.
-    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    slots[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    slots[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    slots = kv_cache.view(2, -1, key.shape[1], kv_cache.shape[-1])
+    slots[0].index_copy_(0, slot_mapping, kv_int8.cache_rows(key, kv_cache))
+    slots[1].index_copy_(0, slot_mapping, kv_int8.cache_rows(value, kv_cache))
 
 
 def paged_attention(
@@ -71,12 +97,15 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` `[num_tokens, num_heads, head_dim]` over each
-    sequence's cached context; returns `[num_tokens, num_heads, head_dim]`."""
+    sequence's cached context (its last `sliding_window` positions per token
+    when given); returns `[num_tokens, num_heads, head_dim]`."""
+    check_sliding_window(sliding_window)
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    plan = _PLANS.get(meta, kv_cache, query)
+    plan = _PLANS.get(meta, kv_cache, query, _effective_window(sliding_window, meta))
     if plan.decode is not None and plan.decode_rows is None:
         return _decode(query, kv_cache, plan.decode, scale)
     out = torch.empty_like(query)
@@ -84,11 +113,18 @@ def paged_attention(
         decoded = _decode(query.index_select(0, plan.decode_rows), kv_cache, plan.decode, scale)
         out.index_copy_(0, plan.decode_rows, decoded)
     if plan.compiled_prefills is not None:
-        _prefill_compiled(out, query, kv_cache, plan.compiled_prefills, scale)
+        _prefill_compiled(out, query, kv_cache, plan.compiled_prefills, scale, plan.window)
     for prefill in plan.prefills:
         lo, hi = prefill.rows
         out[lo:hi] = _prefill(query[lo:hi], kv_cache, prefill, scale)
     return out
+
+
+def _effective_window(sliding_window: int | None, meta: AttentionMetadata) -> int | None:
+    """None when the window hides nothing: no context is longer than it."""
+    if sliding_window is None or sliding_window >= meta.max_seq_len:
+        return None
+    return sliding_window
 
 
 # --- per-batch plans -----------------------------------------------------------
@@ -107,14 +143,15 @@ class _DecodePlan:
     # The decodes' own block-table rows and lengths, for the compiled kernel.
     block_table: torch.Tensor
     seq_lens: torch.Tensor
+    window: int | None
 
 
 @dataclass(frozen=True, slots=True)
 class _PrefillPlan:
-    rows: tuple[int, int]  # the sequence's query rows
-    gather_rows: torch.Tensor  # as _DecodePlan's, for this sequence's blocks
-    seq_len: int
-    # [q_len, seq_len] boolean "may attend"; None when there is no cached
+    rows: tuple[int, int]  # query rows (a sequence's chunk, or a tile of it)
+    gather_rows: torch.Tensor  # as _DecodePlan's, for the blocks the rows see
+    kv_len: int  # gathered positions used (from the first gathered block on)
+    # [rows, kv_len] boolean "may attend"; None when there is no cached
     # prefix and plain is_causal is right.
     mask: torch.Tensor | None
 
@@ -138,42 +175,58 @@ class _Plan:
     # call, or one torch call each.
     compiled_prefills: _CompiledPrefills | None
     prefills: tuple[_PrefillPlan, ...]
+    window: int | None
 
 
 class _PlanCache:
-    """Holds the plan for the last batch seen (one forward pass's metadata is
-    shared by every layer). Keeps that metadata alive so its id is not reused."""
+    """Holds the plans for the last batch seen (one forward pass's metadata is
+    shared by every layer), one per sliding window: models that interleave
+    local and global layers (Gemma 3) would otherwise rebuild every layer.
+    Keeps that metadata alive so its id is not reused."""
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._key: tuple[object, ...] = ()
-        self._plan: _Plan | None = None
+        self._plans: dict[int | None, _Plan] = {}
 
-    def get(self, meta: AttentionMetadata, kv_cache: torch.Tensor, query: torch.Tensor) -> _Plan:
+    def get(
+        self,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        query: torch.Tensor,
+        window: int | None,
+    ) -> _Plan:
         # Identity, not contents: AttentionMetadata is frozen and the runner
         # builds a new one per forward pass (inference tensors carry no
         # version counter to detect in-place edits with).
         key = (kv_cache.shape[1:], kv_cache.dtype, kv_cache.device, query.shape[1:], query.dtype)
-        if self._plan is None or self._meta is not meta or self._key != key:
-            self._plan = _make_plan(meta, kv_cache, _compiled_prefill(query, kv_cache))
+        if self._meta is not meta or self._key != key:
+            self._plans.clear()
             self._meta, self._key = meta, key
-        return self._plan
+        plan = self._plans.get(window)
+        if plan is None:
+            compiled = _compiled_prefill(query, kv_cache)
+            plan = self._plans[window] = _make_plan(meta, kv_cache, compiled, window)
+        return plan
 
 
 _PLANS = _PlanCache()
 
 
 def _make_plan(
-    meta: AttentionMetadata, kv_cache: torch.Tensor, compiled_prefill: bool = False
+    meta: AttentionMetadata,
+    kv_cache: torch.Tensor,
+    compiled_prefill: bool = False,
+    window: int | None = None,
 ) -> _Plan:
     if meta.decode_only:
-        return _Plan(_all_decodes_plan(meta, kv_cache), None, None, ())
+        return _Plan(_all_decodes_plan(meta, kv_cache, window), None, None, (), window)
     # Host copies of the layout: cheap on CPU, where this backend runs.
     starts: list[int] = meta.query_start_loc.tolist()
     seq_lens: list[int] = meta.seq_lens.tolist()
     decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
     if len(decodes) == len(seq_lens):
-        return _Plan(_all_decodes_plan(meta, kv_cache), None, None, ())
+        return _Plan(_all_decodes_plan(meta, kv_cache, window), None, None, (), window)
 
     decode: _DecodePlan | None = None
     decode_rows: torch.Tensor | None = None
@@ -184,16 +237,21 @@ def _make_plan(
             meta.seq_lens.index_select(0, seqs),
             max(seq_lens[i] for i in decodes),
             kv_cache,
+            window,
         )
         decode_rows = torch.tensor([starts[i] for i in decodes], device=kv_cache.device)
     chunks = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
     if compiled_prefill:
-        return _Plan(decode, decode_rows, _compiled_prefills(meta, chunks, starts), ())
+        compiled = _compiled_prefills(meta, chunks, starts)
+        return _Plan(decode, decode_rows, compiled, (), window)
     prefills = tuple(
-        _prefill_plan((starts[i], starts[i + 1]), meta.block_table[i], seq_lens[i], kv_cache)
+        plan
         for i in chunks
+        for plan in _prefill_plans(
+            (starts[i], starts[i + 1]), meta.block_table[i], seq_lens[i], kv_cache, window
+        )
     )
-    return _Plan(decode, decode_rows, None, prefills)
+    return _Plan(decode, decode_rows, None, prefills, window)
 
 
 def _compiled_prefills(
@@ -208,24 +266,36 @@ def _compiled_prefills(
     )
 
 
-def _all_decodes_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _DecodePlan:
-    return _decode_plan(meta.block_table, meta.seq_lens, meta.max_seq_len, kv_cache)
+def _all_decodes_plan(
+    meta: AttentionMetadata, kv_cache: torch.Tensor, window: int | None
+) -> _DecodePlan:
+    return _decode_plan(meta.block_table, meta.seq_lens, meta.max_seq_len, kv_cache, window)
 
 
 def _decode_plan(
-    block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, kv_cache: torch.Tensor
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    kv_cache: torch.Tensor,
+    window: int | None = None,
 ) -> _DecodePlan:
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    num_cols = -(-max_seq_len // block_size)
+    num_cols = _decode_columns(max_seq_len, block_size, window)
     padded_len = num_cols * block_size
+    if window is None:
+        first_block = torch.zeros_like(seq_lens)
+        columns = block_table[:, :num_cols]
+    else:
+        # Each sequence's gather starts at its first in-window block (the
+        # token at p = len - 1 sees len - window .. p).
+        first_block = (seq_lens - window).clamp(min=0) // block_size
+        wanted = first_block[:, None].long() + torch.arange(num_cols, device=seq_lens.device)
+        columns = block_table.gather(1, wanted.clamp(max=block_table.shape[1] - 1))
     # Entries past a sequence's last block are unspecified (maybe -1, maybe
     # stale); any real block will do since those positions are masked.
-    blocks = block_table[:, :num_cols].clamp(0, num_blocks - 1)
+    blocks = columns.clamp(0, num_blocks - 1)
     gather_rows = torch.cat((blocks, blocks + num_blocks)).view(-1)
-    positions = torch.arange(padded_len, device=kv_cache.device)
-    hidden = positions >= seq_lens[:, None]
-    mask = torch.zeros(hidden.shape, dtype=kv_cache.dtype, device=kv_cache.device)
-    mask.masked_fill_(hidden, float("-inf"))
+    mask = _decode_mask(first_block * block_size, seq_lens, padded_len, window, kv_cache)
     return _DecodePlan(
         gather_rows,
         mask[:, None, None, :],
@@ -233,7 +303,53 @@ def _decode_plan(
         padded_len,
         block_table.to(torch.int32),
         seq_lens.to(torch.int32).contiguous(),
+        window,
     )
+
+
+def _decode_columns(max_seq_len: int, block_size: int, window: int | None) -> int:
+    """Blocks gathered per decode: every block of the longest context, or
+    under a window the most that `window` consecutive positions can touch."""
+    whole = -(-max_seq_len // block_size)
+    if window is None:
+        return whole
+    return min(whole, (window + block_size - 2) // block_size + 1)
+
+
+def _decode_mask(
+    gather_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    padded_len: int,
+    window: int | None,
+    kv_cache: torch.Tensor,
+) -> torch.Tensor:
+    """[num_decodes, padded_len] additive mask hiding the gathered slots past
+    each context's end and, under a window, before its first visible key."""
+    positions = torch.arange(padded_len, device=kv_cache.device) + gather_start[:, None]
+    hidden = positions >= seq_lens[:, None]
+    if window is not None:
+        hidden |= positions < seq_lens[:, None] - window
+    mask = torch.zeros(hidden.shape, dtype=_values_dtype(kv_cache), device=kv_cache.device)
+    return mask.masked_fill_(hidden, float("-inf"))
+
+
+def _prefill_plans(
+    rows: tuple[int, int],
+    block_row: torch.Tensor,
+    seq_len: int,
+    kv_cache: torch.Tensor,
+    window: int | None,
+) -> list[_PrefillPlan]:
+    """One chunk's plans: the whole chunk over its whole context, or under a
+    window tiles of query rows, each over the blocks its rows can see."""
+    if window is None:
+        return [_prefill_plan(rows, block_row, seq_len, kv_cache)]
+    lo, hi = rows
+    tile = max(window, _WINDOW_TILE_ROWS)
+    return [
+        _window_tile_plan((t, min(t + tile, hi)), seq_len - (hi - t), block_row, kv_cache, window)
+        for t in range(lo, hi, tile)
+    ]
 
 
 def _prefill_plan(
@@ -249,6 +365,28 @@ def _prefill_plan(
         positions = torch.arange(seq_len, device=block_row.device)
         mask = positions <= positions[seq_len - q_len :, None]
     return _PrefillPlan(rows, torch.cat((blocks, blocks + num_blocks)), seq_len, mask)
+
+
+def _window_tile_plan(
+    rows: tuple[int, int],
+    first_pos: int,
+    block_row: torch.Tensor,
+    kv_cache: torch.Tensor,
+    window: int,
+) -> _PrefillPlan:
+    """Query rows `rows` at context positions `first_pos ..` under a window:
+    the blocks from the first row's first in-window block to the last row's
+    own block, with a banded mask."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    end = first_pos + rows[1] - rows[0]  # one past the last row's position
+    first_block = max(0, first_pos - window + 1) // block_size
+    blocks = block_row[first_block : -(-end // block_size)]
+    device = block_row.device
+    keys = torch.arange(first_block * block_size, end, device=device)
+    queries = torch.arange(first_pos, end, device=device)[:, None]
+    mask = (keys <= queries) & (keys > queries - window)
+    gather_rows = torch.cat((blocks, blocks + num_blocks))
+    return _PrefillPlan(rows, gather_rows, int(keys.shape[0]), mask)
 
 
 # --- the attention itself ------------------------------------------------------
@@ -300,13 +438,15 @@ def _decode(
     kernel = _compiled_decode(query, kv_cache)
     if kernel is not None:
         out = torch.empty_like(query)
-        kernel.decode_attention(out, query, kv_cache, plan.block_table, plan.seq_lens, scale)
+        kernel.decode_attention(
+            out, query, kv_cache, plan.block_table, plan.seq_lens, scale, plan.window or 0
+        )
         return out
     kv = _gather_blocks(kv_cache, plan.gather_rows)
-    kv = kv.view(2, plan.num_seqs, plan.padded_len, num_kv_heads, head_dim)
+    kv = kv.view(2, plan.num_seqs, plan.padded_len, num_kv_heads, kv_cache.shape[-1])
     # [seqs, kv_heads, group, dim]: a KV head's query heads become its rows.
-    dtype = torch.promote_types(query.dtype, kv_cache.dtype)
-    kv = kv.to(dtype)
+    dtype = torch.promote_types(query.dtype, _values_dtype(kv_cache))
+    kv = _as_values(kv, kv_cache, dtype)
     q = query.to(dtype).reshape(plan.num_seqs, num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
         q,
@@ -316,6 +456,20 @@ def _decode(
         scale=scale,
     )
     return out.reshape(plan.num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _values_dtype(kv_cache: torch.Tensor) -> torch.dtype:
+    """The dtype of the cache's values once read: an int8 cache's dequantize
+    to float32."""
+    return torch.float32 if kv_int8.is_int8_cache(kv_cache) else kv_cache.dtype
+
+
+def _as_values(kv: torch.Tensor, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as `dtype` values: int8 rows dequantized (only
+    these rows, never the whole cache), others converted."""
+    if kv_int8.is_int8_cache(kv_cache):
+        return kv_int8.dequantize_rows(kv, dtype)
+    return kv.to(dtype)
 
 
 def _mask_as(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -332,17 +486,19 @@ def _compiled_cache_write(
 ) -> ModuleType | None:
     """The compiled module when its cache write applies: float32 rows into a
     float32 or bfloat16 CPU cache, each token's heads adjacent in key and
-    value (views of one qkv buffer)."""
+    value (views of one qkv buffer), or into an int8 CPU cache (rows
+    contiguous, any layout of them)."""
     if not (
         kv_cache.device.type == "cpu"
         and key.dtype == value.dtype == torch.float32
-        and kv_cache.dtype in COMPILED_CACHE_DTYPES
+        and kv_cache.dtype in KERNEL_CACHE_DTYPES
         and kv_cache.is_contiguous()
-        and key.stride(-1) == 1
-        and key.stride(1) == key.shape[2]
-        and key.stride() == value.stride()
+        and key.stride(-1) == value.stride(-1) == 1
         and key.shape == value.shape
     ):
+        return None
+    adjacent_heads = key.stride(1) == key.shape[2] and key.stride() == value.stride()
+    if not (adjacent_heads or kv_int8.is_int8_cache(kv_cache)):
         return None
     return cpu_kernels.load()
 
@@ -351,10 +507,11 @@ def _compiled_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> ModuleType 
     if not (
         kv_cache.device.type == "cpu"
         and query.dtype == torch.float32
-        and kv_cache.dtype in COMPILED_CACHE_DTYPES
+        and kv_cache.dtype in KERNEL_CACHE_DTYPES
         and kv_cache.is_contiguous()
         and query.stride(-1) == 1
         and query.shape[-1] in cpu_kernels.HEAD_DIMS
+        and kv_int8.head_dim_of(kv_cache) == query.shape[-1]
     ):
         return None
     return cpu_kernels.load()
@@ -362,7 +519,7 @@ def _compiled_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> ModuleType 
 
 def _compiled_prefill(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the compiled kernel takes this model's prefill chunks: float32
-    queries over a float32 or bfloat16 CPU cache, at a head size, GQA group
+    queries over a float32, bfloat16 or int8 CPU cache, at a head size, GQA group
     and block size it has code for (AVX-512 builds)."""
     if _compiled_decode(query, kv_cache) is None:
         return False
@@ -379,6 +536,7 @@ def _prefill_compiled(
     kv_cache: torch.Tensor,
     plan: _CompiledPrefills,
     scale: float,
+    window: int | None,
 ) -> None:
     kernel = cpu_kernels.load()
     assert kernel is not None  # the plan was made for it
@@ -391,22 +549,25 @@ def _prefill_compiled(
         plan.query_starts,
         plan.query_lens,
         scale,
+        window or 0,  # the kernel's "no window"
     )
 
 
 def _prefill(
     query: torch.Tensor, kv_cache: torch.Tensor, plan: _PrefillPlan, scale: float
 ) -> torch.Tensor:
-    """One sequence's chunk of new tokens over exactly its own context."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    """One sequence's chunk of new tokens (or a tile of it) over the context
+    positions it can see."""
+    num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     kv = _gather_blocks(kv_cache, plan.gather_rows)
-    kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : plan.seq_len]
+    kv = kv.view(2, -1, num_kv_heads, kv_cache.shape[-1])[:, : plan.kv_len]
     # 4-d [1, heads, len, dim]: 3-d inputs miss the CPU flash kernel and fall
     # back to materialising the whole score matrix. A cache narrower than the
-    # model (--kv-cache-dtype) is widened: attention runs in the model's dtype.
-    dtype = torch.promote_types(query.dtype, kv_cache.dtype)
-    kv = kv.to(dtype)
+    # model (--kv-cache-dtype) is widened: attention runs in the model's dtype
+    # (float32 at least over an int8 cache).
+    dtype = torch.promote_types(query.dtype, _values_dtype(kv_cache))
+    kv = _as_values(kv, kv_cache, dtype)
     q = query.to(dtype).transpose(0, 1)[None]
     k, v = kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None]
     gqa = num_heads != num_kv_heads

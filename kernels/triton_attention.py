@@ -17,8 +17,17 @@ Long decodes with few sequences would leave most of a GPU idle with one
 program per (sequence, KV head), so the KV range can also be split across
 programs whose partial results a second small kernel merges.
 
+Under a sliding window (semantics in `kernels.reference`) each program's KV
+range starts at the first in-window block of its tile's first token, and
+keys before a row's own window are masked within the loop: the blocks
+before it are never loaded (reading K/V the mask hides is wasted
+bandwidth). Splits then divide that window-sized range, not the context.
+
 The kernels also run under Triton's CPU interpreter (`TRITON_INTERPRET=1`
 set before triton is imported), which is how the unit tests check them.
+
+An int8 KV cache (`kernels.kv_int8`, the CPU's quantized cache) is refused
+with a ValueError: the GPU's quantized cache is to be fp8, not this format.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
+from kernels.reference import check_sliding_window
 
 _LOG2E = math.log2(math.e)
 # tl.dot needs every matrix dimension to be at least 16.
@@ -107,6 +117,7 @@ def _paged_attention_kernel(
     qk_scale,
     num_splits,
     split_len,
+    window,
     stride_query_t,
     stride_query_h,
     stride_out_split,
@@ -125,6 +136,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -162,9 +174,14 @@ def _paged_attention_kernel(
         q = q.to(k_cache_ptr.dtype.element_ty)
 
         # The tile's last real token sees the most context; this split owns
-        # [kv_lo, kv_hi) of it.
+        # [kv_lo, kv_hi) of it, counted from kv_base: 0, or under a window
+        # the block of the tile's first token's first in-window key.
         kv_end = ctx_start + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-        kv_lo = split * split_len
+        kv_base = 0
+        if WINDOWED:
+            first_key = tl.maximum(ctx_start + q_tile * BLOCK_Q - window + 1, 0)
+            kv_base = first_key - first_key % BLOCK_SIZE
+        kv_lo = kv_base + split * split_len
         kv_hi = tl.minimum(kv_end, kv_lo + split_len)
 
         row_max = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
@@ -186,6 +203,8 @@ def _paged_attention_kernel(
             k = tl.load(k_cache_ptr + kv_ptrs, mask=pos_valid[:, None], other=0.0)
             scores = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale
             visible = (pos[None, :] <= causal_limit[:, None]) & pos_valid[None, :]
+            if WINDOWED:
+                visible = visible & (pos[None, :] > causal_limit[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
 
             new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -251,8 +270,8 @@ def _merge_splits_kernel(
     stats = splits * stride_stats_split + token * stride_stats_t + head
     split_max = tl.load(partial_max_ptr + stats, mask=split_valid, other=float("-inf"))
     split_sum = tl.load(partial_sum_ptr + stats, mask=split_valid, other=0.0)
-    # Split 0 always holds context position 0, so the overall max is finite
-    # and empty splits (max -inf) get weight exp2(-inf) = 0.
+    # Some split holds the token's own position, so the overall max is
+    # finite and empty splits (max -inf) get weight exp2(-inf) = 0.
     weight = tl.exp2(split_max - tl.max(split_max, 0))
     total = tl.sum(split_sum * weight, 0)
     partial = tl.load(
@@ -286,6 +305,7 @@ def reshape_and_cache(
     cache `[2, num_blocks, block_size, num_kv_heads, head_dim]` at their slots
     (a negative slot is skipped)."""
     num_tokens, num_kv_heads, head_dim = key.shape
+    _check_cache_dtype(kv_cache)
     _check_head_dim(head_dim)
     _check_last_dim_contiguous(key=key, value=value, kv_cache=kv_cache)
     if num_tokens == 0:
@@ -354,18 +374,27 @@ def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-def _choose_splits(
-    query: torch.Tensor, meta: AttentionMetadata, programs: int, block_n: int
-) -> int:
+def _choose_splits(query: torch.Tensor, kv_span: int, programs: int, block_n: int) -> int:
     """Split the KV range when the grid is too small to fill the GPU and the
-    contexts are long enough for the merge to pay off."""
+    ranges (`kv_span` positions at most) are long enough for the merge to
+    pay off."""
     if query.device.type != "cuda":
         return 1
     index = query.device.index
     sm_count = _sm_count(torch.cuda.current_device() if index is None else index)
     wanted = _cdiv(2 * sm_count, programs)
-    worthwhile = meta.max_seq_len // max(_MIN_SPLIT_LEN, block_n)
+    worthwhile = kv_span // max(_MIN_SPLIT_LEN, block_n)
     return max(1, min(wanted, worthwhile, _MAX_SPLITS))
+
+
+def _kv_span(meta: AttentionMetadata, window: int | None, block_q: int, block_size: int) -> int:
+    """The most KV positions one program's range covers: a context, or under
+    a window the tile's first token's window (from its block's start) up to
+    the tile's last token."""
+    longest = max(meta.max_seq_len, 1)
+    if window is None:
+        return longest
+    return min(longest, window + block_q + block_size)
 
 
 def paged_attention(
@@ -373,11 +402,13 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
     *,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` `[num_tokens, num_heads, head_dim]` over each
-    sequence's cached context; returns `[num_tokens, num_heads, head_dim]`.
+    sequence's cached context (its last `sliding_window` positions per token
+    when given); returns `[num_tokens, num_heads, head_dim]`.
 
     `num_kv_splits` forces the number of KV-range splits (tests and
     benchmarks); by default it is chosen from the batch shape on CUDA and is 1
@@ -385,8 +416,10 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    _check_cache_dtype(kv_cache)
     _check_head_dim(head_dim)
     _check_last_dim_contiguous(query=query, kv_cache=kv_cache)
+    check_sliding_window(sliding_window)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     out = torch.empty_like(query)
@@ -397,13 +430,18 @@ def paged_attention(
     exact_fp32 = kv_cache.dtype == torch.float32
     cfg = _tile_config(meta.max_query_len, group_pad, head_dim, exact_fp32)
     q_tiles = _cdiv(meta.max_query_len, cfg.block_q)
+    # A window no context outgrows hides nothing: the unwindowed kernel.
+    window = (
+        None if sliding_window is None or sliding_window >= meta.max_seq_len else sliding_window
+    )
+    kv_span = _kv_span(meta, window, cfg.block_q, block_size)
     splits = num_kv_splits or _choose_splits(
-        query, meta, meta.num_seqs * num_kv_heads * q_tiles, cfg.block_n
+        query, kv_span, meta.num_seqs * num_kv_heads * q_tiles, cfg.block_n
     )
     # Whole BLOCK_N steps per split, so only a sequence's tail step is ragged.
-    split_len = _cdiv(_cdiv(max(meta.max_seq_len, 1), splits), cfg.block_n)
+    split_len = _cdiv(_cdiv(kv_span, splits), cfg.block_n)
     split_len *= cfg.block_n
-    splits = _cdiv(max(meta.max_seq_len, 1), split_len)
+    splits = _cdiv(kv_span, split_len)
 
     if splits > 1:
         target = query.new_empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32)
@@ -431,6 +469,7 @@ def paged_attention(
         scale * _LOG2E,
         splits,
         split_len,
+        window or 0,
         query.stride(0),
         query.stride(1),
         *stride_out,
@@ -446,6 +485,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         SPLIT=splits > 1,
+        WINDOWED=window is not None,
         # fp32 caches get exact products; tf32 would cost ~1e-3 relative error.
         DOT_PRECISION="ieee" if exact_fp32 else "tf32",
         UPCAST_DOT=_INTERPRETED,
@@ -484,6 +524,14 @@ def _check_head_dim(head_dim: int) -> None:
     # tl.arange needs a power of two and tl.dot at least 16.
     if head_dim < _MIN_DOT or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+
+
+def _check_cache_dtype(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dtype == torch.int8:
+        raise ValueError(
+            "the Triton backend has no int8 KV cache (kv_cache_dtype='int8' is the CPU's "
+            "torch backend's); use kv_cache_dtype float32, bfloat16 or float16 with Triton"
+        )
 
 
 def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:

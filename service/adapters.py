@@ -12,7 +12,8 @@ An RPC's failure becomes its gRPC status through service.errors
 
 The ``vllm.grpc.engine`` protocol that smg speaks has no adapter RPCs (and
 no adapter field in its GenerateRequest), so service.vllm_servicer has
-none: adapters are managed over tandem.v1 (``tandem lora``, the router).
+none: adapters are managed over tandem.v1 (``tandem lora``, the router),
+and smg reaches one as the model of its own port (service/adapter_ports.py).
 """
 
 from __future__ import annotations

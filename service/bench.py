@@ -205,8 +205,10 @@ def _server_command(args: argparse.Namespace, port: int) -> list[str]:
     ]
     if args.model:
         cmd += ["--model", args.model]
-    if args.int8_activations:
-        cmd.append("--int8-activations")
+    if args.exact:
+        cmd.append("--exact")
+    if args.int8_activations is not None:
+        cmd += ["--int8-activations", str(args.int8_activations).lower()]
     return cmd
 
 
@@ -280,7 +282,12 @@ async def _compare(
 ) -> list[Comparison]:
     from engine.llm import LLM
 
-    llm = LLM(args.model, quantization=args.quantization, int8_activations=args.int8_activations)
+    llm = LLM(
+        args.model,
+        quantization=args.quantization,
+        exact=args.exact,
+        int8_activations=args.int8_activations,
+    )
     # Round 0 reuses the sweep's saturated round; later rounds get new prompts
     # (a repeated prompt would hit the server's prefix cache).
     top = max(range(len(rates)), key=lambda i: rates[i])

@@ -198,6 +198,15 @@ def _add_lora_flags(g: argparse._ArgumentGroup) -> None:
         help="PEFT adapter directories to load at start, as NAME=PATH (implies "
         "--enable-lora); one that does not load stops the start",
     )
+    g.add_argument(
+        "--lora-port",
+        action="append",
+        type=_lora_port,
+        metavar="NAME=PORT",
+        help="serve adapter NAME on its own PORT as a model of its own, for the smg gateway "
+        "(its engine protocol carries no adapter; give smg this port as another --worker); "
+        "repeatable; needs --enable-lora (or --lora-modules)",
+    )
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -205,6 +214,13 @@ def _lora_module(text: str) -> tuple[str, str]:
     if not sep or not name.strip() or not path:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
     return name, path
+
+
+def _lora_port(text: str) -> tuple[str, int]:
+    name, sep, port = text.partition("=")
+    if not sep or not name.strip() or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PORT")
+    return name, int(port)
 
 
 def lora_from_args(args: argparse.Namespace) -> LoRAConfig | None:
@@ -350,6 +366,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         kv_events=kv_events_from_args(args),
         lora_modules=tuple(args.lora_modules or ()),
+        lora_ports=tuple(args.lora_port or ()),
     )
     asyncio.run(serve(engine_config_from_args(args), config))
     return 0
@@ -642,6 +659,11 @@ async def _status(args: argparse.Namespace) -> int:
     about = f"{info.architecture}, {info.dtype}" + (f"; weights {weights}" if weights else "")
     print(f"model      {info.model_name} ({about})")
     print(f"context    {info.max_model_len} tokens; vocab {info.vocab_size}")
+    if info.numerics:  # "" from an older server
+        print(
+            f"numerics   {info.numerics}: {info.activations} activations, "
+            f"{info.kv_cache_dtype} KV cache"
+        )
     print(
         f"kv cache   {info.num_kv_blocks} blocks of {info.block_size}; "
         f"usage {status.kv_cache_usage:.1%}"

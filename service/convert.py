@@ -226,6 +226,9 @@ def model_info(
         dtype=dtype,
         lora_adapters=[lora_adapter(a) for a in adapters],
         weight_format=info.weight_format,
+        activations=info.numerics.activations,
+        kv_cache_dtype=info.numerics.kv_cache_dtype,
+        numerics=info.numerics.path,
     )
     if lora is not None:
         out.lora.CopyFrom(

@@ -9,6 +9,9 @@ UNAVAILABLE         EngineDrainingError (draining), EngineDeadError,
                     RequestFailedError (the engine ended the request with an
                     error: a KV load failed under --kv-load-failure-policy fail;
                     raised by service.convert for the request's last output)
+NOT_FOUND           AdapterNotLoadedError: a request on a LoRA adapter's own
+                    port (--lora-port) while that adapter is not loaded (smg
+                    answers it as HTTP 404, vLLM's answer to an unknown model)
 FAILED_PRECONDITION LoRADisabledError: LoadLoraAdapter / UnloadLoraAdapter on
                     a server started without --enable-lora (no argument
                     could succeed: the server's configuration must change)
@@ -51,6 +54,10 @@ class LoRADisabledError(RuntimeError):
     """An adapter was to be loaded or unloaded on a server without LoRA."""
 
 
+class AdapterNotLoadedError(RuntimeError):
+    """A request reached the port of a LoRA adapter that is not loaded."""
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -59,6 +66,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineLoadingError, grpc.StatusCode.UNAVAILABLE),
     (RequestFailedError, grpc.StatusCode.UNAVAILABLE),
     (LoRADisabledError, grpc.StatusCode.FAILED_PRECONDITION),
+    (AdapterNotLoadedError, grpc.StatusCode.NOT_FOUND),
 ]
 
 

@@ -10,8 +10,8 @@ from service.knob_flags import add_knob_flag, knob
 
 
 def add_quantization_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """--quantization and --int8-activations (ModelConfig's fields of the
-    same names, declared there; engine/models/weight_plan.py says what each
-    choice does)."""
-    for name in ("quantization", "int8_activations"):
+    """--quantization, --exact and --int8-activations (ModelConfig's fields
+    of the same names, declared there; engine/models/weight_plan.py says what
+    each quantization does, engine/numerics.py what the other two resolve to)."""
+    for name in ("quantization", "exact", "int8_activations"):
         add_knob_flag(p, knob("model", name))

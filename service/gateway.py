@@ -12,6 +12,11 @@ smg (exec: signals, exit code and logs are smg's own):
     tandem gateway --worker 127.0.0.1:50051                 # colocated pods
     tandem gateway --prefill 10.0.0.1:50051 --decode 10.0.0.2:50051   # P/D
 
+A pod's LoRA adapter is a model smg reaches on the adapter's own port
+(``tandem serve --lora-port NAME=PORT``, service/adapter_ports.py): name
+that port as one more --worker (or --prefill/--decode) and requests whose
+``model`` is NAME run under the adapter.
+
 Policies: cache-aware routing for colocated pods and for prefill (requests
 sharing a prefix land where it is cached; smg follows the pods' KV events),
 and least load for decode, whose work is the generated tokens and
@@ -130,7 +135,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "OpenAI HTTP on --port, cache-aware routing, P/D with --prefill/--decode. "
         "Arguments after -- go to `smg launch` unchanged.",
     )
-    p.add_argument("--worker", action="append", default=[], help="a colocated pod, host:port")
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        help="a colocated pod, or one of its adapters' --lora-port ports: host:port",
+    )
     p.add_argument("--prefill", action="append", default=[], help="a prefill pod, host:port")
     p.add_argument("--decode", action="append", default=[], help="a decode pod, host:port")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")

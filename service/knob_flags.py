@@ -27,6 +27,11 @@ def add_knob_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup, k: KnobF
     the section's (``knob_values``)."""
     override = getattr(EngineConfig(), k.section) is None
     help = k.knob.help if k.negated else f"{k.knob.help} (default: {k.default_text})"
+    if k.type is bool and k.default is None:
+        # Unset until given (resolved later, e.g. engine/numerics.py): the
+        # flag alone is true, and "true"/"false" say which.
+        p.add_argument(k.flag, nargs="?", const=True, type=parse_bool, default=None, help=help)
+        return
     if k.type is bool:
         p.add_argument(k.flag, action="store_true", default=None if override else False, help=help)
         return
@@ -46,6 +51,16 @@ def knob_values(args: argparse.Namespace, section: str) -> dict[str, Any]:
         if k.section == section and (given := getattr(args, k.dest, None)) is not None:
             out[k.name] = k.value(given)
     return out
+
+
+def parse_bool(text: str) -> bool:
+    """true/false (also yes/no, on/off, 1/0), in any case."""
+    t = text.strip().lower()
+    if t in ("true", "yes", "on", "1"):
+        return True
+    if t in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 
 
 def parse_size(text: str) -> int:

@@ -22,6 +22,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine import AsyncEngine, ConfigError, EngineConfig
 from engine.pod_role import apply_role, pod_role
+from service.adapter_ports import AdapterPorts
 from service.gen.tandem.v1 import generation_pb2 as pb
 from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from service.gen.tandem.v1 import kv_transfer_pb2_grpc
@@ -59,6 +60,9 @@ class ServerConfig:
     # (name, path) of LoRA adapters loaded before the server reports SERVING
     # (--lora-modules); one that fails to load fails the start.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # (name, port): LoRA adapter `name` served on its own port as its own
+    # model, for the smg gateway (--lora-port; service/adapter_ports.py).
+    lora_ports: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -74,6 +78,12 @@ class ServerConfig:
         names = [name for name, _ in self.lora_modules]
         if duplicates := sorted({n for n in names if names.count(n) > 1}):
             raise ConfigError(f"lora_modules: each name once, got {duplicates} more than once")
+        names = [name for name, _ in self.lora_ports]
+        if duplicates := sorted({n for n in names if names.count(n) > 1}):
+            raise ConfigError(f"lora_ports: one port per adapter, got {duplicates} more than once")
+        ports = [port for _, port in self.lora_ports if port]
+        if self.port in ports or len(set(ports)) != len(ports):
+            raise ConfigError(f"lora_ports: each port once and not --port's, got {ports}")
 
 
 class TandemServer:
@@ -82,6 +92,8 @@ class TandemServer:
             engine_config = recording_events(engine_config)
         if config.lora_modules and engine_config.lora is None:
             raise ConfigError("lora_modules: LoRA is off (EngineConfig.lora is None)")
+        if config.lora_ports and engine_config.lora is None:
+            raise ConfigError("lora_ports: LoRA is off (EngineConfig.lora is None)")
         # The pod's role (--role) lives in the engine config: checked, and
         # what it implies applied, before anything listens.
         engine_config = apply_role(engine_config)
@@ -106,6 +118,15 @@ class TandemServer:
             role=self.role,
             kv_connector=connector,
             served_model_name=config.served_model_name,
+        )
+        # One more VllmEngine port per --lora-port adapter (same engine).
+        self.adapter_ports = AdapterPorts(
+            config.lora_ports,
+            inputs,
+            role=self.role,
+            kv_connector=connector,
+            api_key=config.api_key,
+            health_servicer=self.health,
         )
         self.side_channel = KVTransferServicer()
         self.kv_publisher: ZmqKvEventPublisher | None = None
@@ -134,6 +155,7 @@ class TandemServer:
         # Every port is taken before the model loads: a taken one ends
         # the start at once (ListenError).
         self.port = listen(server, cfg.host, cfg.port, _server_credentials(cfg))
+        self.adapter_ports.listen(cfg.host, _server_credentials(cfg))
         if cfg.metrics_port is not None:
             self._serve_metrics(cfg.metrics_host, cfg.metrics_port)
         if cfg.kv_events is not None:
@@ -141,6 +163,7 @@ class TandemServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
+        await self.adapter_ports.start(cfg.host)
         logger.info("listening on %s; loading the model", host_port(cfg.host, self.port))
         self.engine = await AsyncEngine.create(
             with_side_channel(self.engine_config, cfg.host, self.port),
@@ -157,6 +180,7 @@ class TandemServer:
             lora.max_loras if lora is not None else None,
         )
         await self._load_lora_modules(self.engine)
+        self.adapter_ports.attach(self.engine)
         if self.kv_publisher is not None:
             # Subscribed before SERVING: no request's blocks go unpublished.
             self.kv_publisher.start(self.engine.subscribe_kv_events())
@@ -231,6 +255,7 @@ class TandemServer:
             await publisher.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        await self.adapter_ports.stop(grace=1.0)
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

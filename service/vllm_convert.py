@@ -16,6 +16,7 @@ Pure functions, no gRPC context; ``service.vllm_servicer`` owns the calls.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,9 +75,11 @@ class VllmGenerateInput:
 
 
 def generate_input(
-    msg: vpb.GenerateRequest, inputs: InputProcessor, *, role: str
+    msg: vpb.GenerateRequest, inputs: InputProcessor, *, role: str, lora_name: str | None = None
 ) -> VllmGenerateInput:
-    """Raises InvalidRequestError naming the proto field that is wrong."""
+    """Raises InvalidRequestError naming the proto field that is wrong.
+    ``lora_name``: the adapter of the port the request came in on (the
+    protocol has no field for one; service/adapter_ports.py)."""
     if not msg.request_id:
         raise InvalidRequestError("request_id", "must be set (the gateway's id for Abort)")
     _refuse_unsupported(msg)
@@ -92,7 +95,7 @@ def generate_input(
         prompt=_prompt(msg, inputs),
         params=sampling_params(msg.sampling_params),
         n=n,
-        options=RequestOptions(kv_transfer_params=kv),
+        options=RequestOptions(lora_name=lora_name, kv_transfer_params=kv),
     )
     return VllmGenerateInput(call, msg.stream)
 
@@ -298,7 +301,14 @@ class ServerFacts:
     block_size: int
     dtype: str
     max_num_seqs: int
-    kv_cache_dtype: str = "auto"  # as --kv-cache-dtype says (vLLM's spelling)
+    kv_cache_dtype: str = "auto"  # vLLM's spelling (vllm_kv_cache_dtype)
+
+
+def vllm_kv_cache_dtype(cache_dtype: str, dtype: str) -> str:
+    """The KV cache's dtype as vLLM's --kv-cache-dtype spells it: "auto" for
+    the model's dtype, else its name (as resolved: "bfloat16" where Tandem's
+    fast path is the default, engine/numerics.py)."""
+    return "auto" if cache_dtype == dtype else cache_dtype
 
 
 def server_info(facts: ServerFacts, status: EngineStatus) -> vpb.GetServerInfoResponse:
@@ -352,6 +362,18 @@ def fold_hash(block_hash: bytes) -> int:
     bytes, big-endian (vLLM's rule for its int hashes), read as int64."""
     value = int.from_bytes(block_hash[-8:], "big")
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def events_of_model(batch: KvEventBatch, lora_name: str | None) -> KvEventBatch:
+    """The batch as one model's worker sees it (the base model's, or a LoRA
+    adapter's on its own port): blocks stored under another model are left
+    out, so smg's cache-aware routing matches a request against the blocks
+    its model can reuse. Removals and clears name no model and all stay
+    (smg ignores a removed hash it never saw)."""
+    if not any(isinstance(e, BlockStored) for e in batch.events):
+        return batch
+    kept = [e for e in batch.events if not isinstance(e, BlockStored) or e.lora_name == lora_name]
+    return dataclasses.replace(batch, events=kept)
 
 
 def kv_event_batch(batch: KvEventBatch, first_event_id: int) -> common_pb2.KvEventBatch:

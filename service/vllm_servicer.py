@@ -20,6 +20,11 @@ The contract, as smg and vLLM's own servicer use it:
 
 The servicer is registered before the model loads: RPCs answer UNAVAILABLE
 (HealthCheck answers not healthy) until ``attach``.
+
+With ``lora_name`` set, the servicer is one LoRA adapter's (its own port,
+service/adapter_ports.py): every request runs under that adapter, the model
+it reports is the adapter's name, and while the adapter is not loaded its
+requests answer NOT_FOUND (smg: HTTP 404, as for an unknown model).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from engine import AsyncEngine, RequestOutput
 from service import choices
 from service import vllm_convert as convert
 from service.engine_holder import EngineHolder
-from service.errors import abort_with, refused_by_engine
+from service.errors import AdapterNotLoadedError, abort_with, refused_by_engine
 from service.tokenizer_bundle import TokenizerBundle
 from service.vllm_convert import ChoiceOutput
 
@@ -61,10 +66,12 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
         role: str = "both",
         kv_connector: str = "",
         served_model_name: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.role = role
         self.kv_connector = kv_connector
-        self.served_model_name = served_model_name
+        self.served_model_name = lora_name or served_model_name
+        self.lora_name = lora_name
         self._input_pool = input_pool
         super().__init__()
         self._tokenizer: TokenizerBundle | None = None
@@ -86,9 +93,16 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
         try:
             engine = self.engine
             parsed = await self._off_loop(
-                convert.generate_input, request, engine.front.inputs, role=self.role
+                convert.generate_input,
+                request,
+                engine.front.inputs,
+                role=self.role,
+                lora_name=self.lora_name,
             )
             call = parsed.call
+            # Checked on the loop, where an unload runs: no unload falls
+            # between this check and the submit.
+            self._check_adapter(engine)
             streams = choices.submit(engine, call)
         except Exception as exc:
             await abort_with(context, exc, refused=True)
@@ -112,6 +126,18 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
                 raise
             except Exception as exc:
                 await abort_with(context, exc, refused=refused_by_engine(exc, call.n))
+
+    def _check_adapter(self, engine: AsyncEngine) -> None:
+        """The engine's own refusal of an unknown adapter is INVALID_ARGUMENT
+        (HTTP 400 at smg); on an adapter's port the adapter is the model, and
+        a model that is not served is vLLM's 404."""
+        name = self.lora_name
+        if name is None or any(r.lora_name == name for r in engine.list_loras()):
+            return
+        raise AdapterNotLoadedError(
+            f"model {name!r}: the LoRA adapter is not loaded on this pod "
+            f"(tandem lora load {name} PATH loads it)"
+        )
 
     # --- control ---------------------------------------------------------------------
 
@@ -205,7 +231,9 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
             block_size=config.cache.block_size,
             dtype=config.model.dtype,
             max_num_seqs=config.scheduler.max_num_seqs,
-            kv_cache_dtype=config.model.kv_cache_dtype,
+            kv_cache_dtype=convert.vllm_kv_cache_dtype(
+                engine.info.kv_cache_dtype, config.model.dtype
+            ),
         )
         return convert.server_info(facts, engine.status())
 
@@ -239,7 +267,8 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
         """Live events from the subscription on (``start_sequence_number``
         is not replayed: a subscriber starts from an empty view, and the
-        ZMQ publisher's replay socket serves catch-up)."""
+        ZMQ publisher's replay socket serves catch-up). Blocks stored under
+        another model than this servicer's are left out."""
         subscription = (await self._engine_for(context)).subscribe_kv_events()
         # The headers now, not with the first batch (which may be minutes
         # away on an idle pod): smg takes a stream that has not answered
@@ -248,6 +277,7 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
         next_id = 1
         try:
             while (batch := await subscription.next()) is not None:
+                batch = convert.events_of_model(batch, self.lora_name)
                 yield convert.kv_event_batch(batch, next_id)
                 next_id += len(batch.events)
         finally:

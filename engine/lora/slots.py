@@ -22,7 +22,8 @@ import torch
 from engine.config import LoRAConfig
 from engine.lora.adapter import LoRAAdapter, fused_shapes, read_adapter
 from engine.lora.request import LoRARequest
-from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
+from engine.models.layers import Linear
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from kernels.lora import LoRALayer
 
 logger = logging.getLogger(__name__)

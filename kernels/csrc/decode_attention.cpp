@@ -12,6 +12,18 @@
 // checkpoints people run on CPUs. A bfloat16 cache (--kv-cache-dtype
 // bfloat16) takes either, its rows widened to float32 (exactly) as they are
 // read.
+//
+// An int8 cache (kv_int8.h: int8 values, then each row's float32 scale)
+// takes either too, its rows converted to float32 in registers as they are
+// read and the scale applied once per key rather than per element: K's to
+// the 16 keys' dot products at once, V's to the key's probability. Rows
+// are D + 4 bytes, about half a bfloat16 row: decode reads half the bytes.
+//
+// A sliding window (window > 0; 0 is the whole context) starts each
+// sequence's walk at its first in-window key, len - window, skipping the
+// blocks before it unread: reading K/V that the mask would hide is wasted
+// bandwidth, and bandwidth is what decode is bound by (a 4k context under a
+// 512 window reads ~512 rows per head, not 4k).
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <ATen/Parallel.h>
@@ -27,6 +39,21 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "kv_int8.h"
+
+using tandem_kv_int8::row_scale;
+
+namespace {
+// Cache elements per (token, head) row: D, or D + 4 for int8 (the scale).
+template <typename T, int64_t D>
+constexpr int64_t kRow = std::is_same_v<T, int8_t> ? tandem_kv_int8::row_elems(D) : D;
+
+// The first context position a decode at position len - 1 sees.
+inline int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+}  // namespace
 
 
 // One KV head's n rows of a block as float32, with their row stride: the
@@ -50,14 +77,28 @@ inline std::pair<const float*, int64_t> rows_as_float(const c10::BFloat16* rows,
   return {buf, D};
 }
 
+template <int64_t D>
+inline std::pair<const float*, int64_t> rows_as_float(const int8_t* rows, int64_t stride,
+                                                      int64_t n, float* buf) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* row = rows + t * stride;
+    const float scale = row_scale<D>(row);
+    float* out = buf + t * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(row[d]) * scale;
+  }
+  return {buf, D};
+}
+
 // query [S, H, D] float32 (one decode token per sequence; any row stride),
-// kv_cache [2, num_blocks, block_size, Hkv, D] contiguous, of element type T
-// (float or c10::BFloat16), block_table [S, max_blocks] int32, seq_lens [S]
+// kv_cache [2, num_blocks, block_size, Hkv, kRow<T, D>] contiguous, of element
+// type T (float, c10::BFloat16 or int8_t), block_table [S, max_blocks] int32, seq_lens [S]
 // int32, out [S, H, D] float32. D is a template constant so the per-row
 // loops unroll and vectorize fully.
 template <int64_t D, typename T>
 void decode_attention_d(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
-                        at::Tensor block_table, at::Tensor seq_lens, double scale) {
+                        at::Tensor block_table, at::Tensor seq_lens, double scale,
+                        int64_t window) {
   const int64_t S = query.size(0), H = query.size(1);
   const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
   const int64_t G = H / HKV;
@@ -66,7 +107,8 @@ void decode_attention_d(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
   const int64_t bt_s0 = block_table.stride(0);
   const float* q_base = query.data_ptr<float>();
   const T* k_base = static_cast<const T*>(kv_cache.data_ptr());
-  const T* v_base = k_base + NB * BS * HKV * D;
+  constexpr int64_t R = kRow<T, D>;
+  const T* v_base = k_base + NB * BS * HKV * R;
   const int32_t* bt = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* o_base = out.data_ptr<float>();
@@ -85,13 +127,14 @@ void decode_attention_d(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
         l[g] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += BS) {
+      // From the first in-window key: its block's earlier rows are skipped,
+      // and the blocks before it never read.
+      for (int64_t start = window_start(len, window); start < len; start += BS - start % BS) {
         const int64_t block = bt[s * bt_s0 + start / BS];
-        const int64_t n = std::min(BS, len - start);
-        const auto [kb, k_stride] =
-            rows_as_float<D>(k_base + (block * BS * HKV + h) * D, HKV * D, n, kbuf.data());
-        const auto [vb, v_stride] =
-            rows_as_float<D>(v_base + (block * BS * HKV + h) * D, HKV * D, n, vbuf.data());
+        const int64_t n = std::min(BS - start % BS, len - start);
+        const int64_t first_row = (block * BS + start % BS) * HKV + h;
+        const auto [kb, k_stride] = rows_as_float<D>(k_base + first_row * R, HKV * R, n, kbuf.data());
+        const auto [vb, v_stride] = rows_as_float<D>(v_base + first_row * R, HKV * R, n, vbuf.data());
         for (int64_t g = 0; g < G; ++g) {
           const float* __restrict qg = q.data() + g * D;
           float block_max = m[g];
@@ -143,12 +186,16 @@ namespace {
 // L2, not L1: L1's few outstanding misses held a DRAM-resident cache to a
 // third of the read bandwidth (10.8 GB/s against 20-21 into L2, 64
 // sequences x ~300 keys, two threads; benchmarks/JOURNAL.md).
+// An int8 row (D + 4 bytes) is not line-aligned: its last byte may sit on
+// one more line than its first bytes' span.
 template <int D, typename T>
 inline void prefetch_rows(const T* first, int64_t n, int64_t row) {
-  constexpr int per_line = 64 / sizeof(T);
-  for (int64_t t = 0; t < n; ++t)
-    for (int c = 0; c < D; c += per_line)
-      _mm_prefetch(reinterpret_cast<const char*>(first + t * row + c), _MM_HINT_T1);
+  constexpr int64_t bytes = kRow<T, D> * sizeof(T);
+  for (int64_t t = 0; t < n; ++t) {
+    const char* p = reinterpret_cast<const char*>(first + t * row);
+    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T1);
+    if constexpr (bytes % 64 != 0) _mm_prefetch(p + bytes - 1, _MM_HINT_T1);
+  }
 }
 
 // A K/V row of D cache elements as float32 in C = D / 16 registers. float32
@@ -168,6 +215,15 @@ inline void load_row(const c10::BFloat16* p, __m512 (&r)[D / 16]) {
     r[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
     r[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
   }
+}
+
+// int8 rows: 16 values at a time sign-extended and converted (exact), in
+// their natural order; the row's scale is applied by the caller.
+template <int D>
+inline void load_row(const int8_t* p, __m512 (&r)[D / 16]) {
+  for (int c = 0; c < D / 16; ++c)
+    r[c] = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 16))));
 }
 
 template <typename T, int D>
@@ -209,8 +265,11 @@ struct HeadTask {
   int64_t o_s1;
   const T* k;  // this KV head's slice of block 0 of the K (and V) cache
   const T* v;
-  const int32_t* blocks;
-  int64_t len, block_size, block_elems, row;
+  const int32_t* blocks;  // the block-table row from the first block read
+  // Context positions from blocks[0]'s first, and how many of blocks[0]'s
+  // rows precede the first key attended (a sliding window's start).
+  int64_t len, skip;
+  int64_t block_size, block_elems, row;
   float scale;
 };
 
@@ -263,20 +322,39 @@ inline void score_keys(const __m512 (&q)[G][D / 16], const T* first, int64_t row
     for (int g = 0; g < G; ++g) pairs[g][p] = fold_pair(partial_dot(q[g], k0), partial_dot(q[g], k1));
   }
   const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-  for (int g = 0; g < G; ++g)
-    _mm512_mask_storeu_ps(scores + g * len + at, live, sixteen_dots(pairs[g]));
+  if constexpr (std::is_same_v<T, int8_t>) {
+    // Each key's dot product times its row's scale: one multiply per key.
+    alignas(64) float key_scales[16];
+    for (int i = 0; i < 16; ++i) key_scales[i] = row_scale<D>(first + std::min(i, n - 1) * row);
+    const __m512 sv = _mm512_load_ps(key_scales);
+    for (int g = 0; g < G; ++g)
+      _mm512_mask_storeu_ps(scores + g * len + at, live, _mm512_mul_ps(sixteen_dots(pairs[g]), sv));
+  } else {
+    for (int g = 0; g < G; ++g)
+      _mm512_mask_storeu_ps(scores + g * len + at, live, sixteen_dots(pairs[g]));
+  }
+}
+
+// The weight of a V row's values: the key's probability, times the row's
+// scale for an int8 cache.
+template <int D, typename T>
+inline float value_weight(float p, const T* row) {
+  if constexpr (std::is_same_v<T, int8_t>) return p * row_scale<D>(row);
+  return p;
 }
 
 // How many blocks ahead of the one in use to prefetch (2 and 4 measured
 // alike, 1 and 3 slower).
 constexpr int64_t kAhead = 4;
 
-// One (sequence, KV head): the G query heads of its group over its context.
-// `scores` holds G * len floats.
+// One (sequence, KV head): the G query heads of its group over its context
+// (keys t.skip .. t.len - 1 of the task's blocks). `scores` holds G * keys
+// floats, key i of the context at scores[g * keys + i - t.skip].
 template <int D, int G, typename T>
 void attend_group(const HeadTask<T>& t, float* __restrict scores) {
   constexpr int C = D / 16;  // 16-float registers per head row
-  const int64_t len = t.len, BS = t.block_size;
+  const int64_t len = t.len, BS = t.block_size, skip = t.skip;
+  const int64_t keys = len - skip;
   const int64_t num_blocks = (len + BS - 1) / BS;
   __m512 qr[G][C];
   for (int g = 0; g < G; ++g) row_order_query<T, D>(t.q + g * t.q_s1, t.scale, qr[g]);
@@ -291,20 +369,20 @@ void attend_group(const HeadTask<T>& t, float* __restrict scores) {
       prefetch_rows<D>(t.k + t.blocks[ahead] * t.block_elems, BS, t.row);
     else if (ahead - num_blocks < num_blocks)
       prefetch_rows<D>(t.v + t.blocks[ahead - num_blocks] * t.block_elems, BS, t.row);
-    for (int64_t i = 0; i < n; i += 16)
+    for (int64_t i = b == 0 ? skip : 0; i < n; i += 16)
       score_keys<D, G, T>(qr, kb + i * t.row, t.row, static_cast<int>(std::min<int64_t>(16, n - i)),
-                          scores, len, start + i);
+                          scores, keys, start + i - skip);
   }
-  // Softmax per head over the whole context (vectorized exp).
+  // Softmax per head over the keys attended (vectorized exp).
   float inv_sum[G];
   for (int g = 0; g < G; ++g) {
-    float* __restrict sc = scores + g * len;
+    float* __restrict sc = scores + g * keys;
     float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < len; ++i) m = std::max(m, sc[i]);
+    for (int64_t i = 0; i < keys; ++i) m = std::max(m, sc[i]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < len; ++i) {
+    for (int64_t i = 0; i < keys; ++i) {
       sc[i] = std::exp(sc[i] - m);
       sum += sc[i];
     }
@@ -319,11 +397,13 @@ void attend_group(const HeadTask<T>& t, float* __restrict scores) {
     const T* vb = t.v + t.blocks[b] * t.block_elems;
     if (b + kAhead < num_blocks)
       prefetch_rows<D>(t.v + t.blocks[b + kAhead] * t.block_elems, BS, t.row);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = b == 0 ? skip : 0; i < n; ++i) {
       __m512 vr[C];
-      load_row<D>(vb + i * t.row, vr);
+      const T* v_row = vb + i * t.row;
+      load_row<D>(v_row, vr);
       for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * len + start + i]);
+        const __m512 p =
+            _mm512_set1_ps(value_weight<D>(scores[g * keys + start + i - skip], v_row));
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
       }
     }
@@ -333,18 +413,21 @@ void attend_group(const HeadTask<T>& t, float* __restrict scores) {
 
 template <int D, int G, typename T>
 void decode_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
-                             at::Tensor block_table, at::Tensor seq_lens, double scale) {
+                             at::Tensor block_table, at::Tensor seq_lens, double scale,
+                             int64_t window) {
   const int64_t S = query.size(0);
   const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
   const float* q_base = query.data_ptr<float>();
   const T* k_base = static_cast<const T*>(kv_cache.data_ptr());
-  const T* v_base = k_base + NB * BS * HKV * D;
+  constexpr int64_t R = kRow<T, D>;
+  const T* v_base = k_base + NB * BS * HKV * R;
   const int32_t* bt = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* o_base = out.data_ptr<float>();
-  int64_t max_len = 0;
-  for (int64_t s = 0; s < S; ++s) max_len = std::max<int64_t>(max_len, lens[s]);
-  const int64_t row = HKV * D;
+  int64_t max_keys = 0;  // scores per head of the longest task
+  for (int64_t s = 0; s < S; ++s)
+    max_keys = std::max<int64_t>(max_keys, lens[s] - window_start(lens[s], window));
+  const int64_t row = HKV * R;
   // Longest sequences first, handed out one task at a time: contexts differ
   // in length, and two threads splitting the tasks in halves waited on
   // each other.
@@ -354,7 +437,7 @@ void decode_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cac
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), S * HKV);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(G * std::max<int64_t>(max_len, 1));
+    std::vector<float> scores(G * std::max<int64_t>(max_keys, 1));
     for (int64_t task = next++; task < S * HKV; task = next++) {
       const int64_t s = order[task / HKV], h = task % HKV;
       if (lens[s] <= 0) {  // nothing to attend to: zeros, as the generic path gives
@@ -362,14 +445,16 @@ void decode_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cac
           std::fill_n(o_base + s * out.stride(0) + (h * G + g) * out.stride(1), D, 0.f);
         continue;
       }
+      const int64_t first = window_start(lens[s], window), first_block = first / BS;
       const HeadTask<T> t{q_base + s * query.stride(0) + h * G * query.stride(1),
                        query.stride(1),
                        o_base + s * out.stride(0) + h * G * out.stride(1),
                        out.stride(1),
-                       k_base + h * D,
-                       v_base + h * D,
-                       bt + s * block_table.stride(0),
-                       lens[s],
+                       k_base + h * R,
+                       v_base + h * R,
+                       bt + s * block_table.stride(0) + first_block,
+                       lens[s] - first_block * BS,
+                       first - first_block * BS,
                        BS,
                        BS * row,
                        row,
@@ -379,7 +464,8 @@ void decode_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cac
   });
 }
 
-using DecodeFn = void (*)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, double);
+using DecodeFn = void (*)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
+                          int64_t);
 
 template <int D, typename T>
 DecodeFn avx512_for_group(int64_t group) {
@@ -412,13 +498,15 @@ namespace {
 
 template <typename T>
 void decode_attention_portable(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
-                               at::Tensor block_table, at::Tensor seq_lens, double scale) {
+                               at::Tensor block_table, at::Tensor seq_lens, double scale,
+                               int64_t window) {
   switch (query.size(2)) {
-    case 64: return decode_attention_d<64, T>(out, query, kv_cache, block_table, seq_lens, scale);
+    case 64:
+      return decode_attention_d<64, T>(out, query, kv_cache, block_table, seq_lens, scale, window);
     case 128:
-      return decode_attention_d<128, T>(out, query, kv_cache, block_table, seq_lens, scale);
+      return decode_attention_d<128, T>(out, query, kv_cache, block_table, seq_lens, scale, window);
     case 256:
-      return decode_attention_d<256, T>(out, query, kv_cache, block_table, seq_lens, scale);
+      return decode_attention_d<256, T>(out, query, kv_cache, block_table, seq_lens, scale, window);
     default:
       TORCH_CHECK(false, "decode_attention: head_dim ", query.size(2), " is not 64, 128 or 256");
   }
@@ -426,20 +514,39 @@ void decode_attention_portable(at::Tensor out, at::Tensor query, at::Tensor kv_c
 
 }  // namespace
 
+namespace {
+
+template <typename T>
+void decode_attention_typed(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                            at::Tensor block_table, at::Tensor seq_lens, double scale,
+                            int64_t window) {
+#if defined(__AVX512F__)
+  const DecodeFn fast = avx512_for<T>(query, kv_cache, out);
+  if (fast != nullptr) return fast(out, query, kv_cache, block_table, seq_lens, scale, window);
+#endif
+  decode_attention_portable<T>(out, query, kv_cache, block_table, seq_lens, scale, window);
+}
+
+}  // namespace
+
 void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
-                      at::Tensor block_table, at::Tensor seq_lens, double scale) {
+                      at::Tensor block_table, at::Tensor seq_lens, double scale,
+                      int64_t window) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "decode_attention: query and out must be float32");
-  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || kv_cache.scalar_type() == at::kFloat,
-              "decode_attention: kv_cache must be float32 or bfloat16");
-#if defined(__AVX512F__)
-  const DecodeFn fast = bf16 ? avx512_for<c10::BFloat16>(query, kv_cache, out)
-                             : avx512_for<float>(query, kv_cache, out);
-  if (fast != nullptr) return fast(out, query, kv_cache, block_table, seq_lens, scale);
-#endif
-  if (bf16)
-    return decode_attention_portable<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens,
-                                                    scale);
-  decode_attention_portable<float>(out, query, kv_cache, block_table, seq_lens, scale);
+  TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0 (0: none), got ", window);
+  const auto dtype = kv_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar,
+              "decode_attention: kv_cache must be float32, bfloat16 or int8");
+  const int64_t row = dtype == at::kChar ? tandem_kv_int8::row_elems(query.size(2)) : query.size(2);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(4) == row,
+              "decode_attention: cache rows of ", kv_cache.size(-1), " elements for head_dim ",
+              query.size(2), " (expected ", row, ")");
+  if (dtype == at::kBFloat16)
+    return decode_attention_typed<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens,
+                                                 scale, window);
+  if (dtype == at::kChar)
+    return decode_attention_typed<int8_t>(out, query, kv_cache, block_table, seq_lens, scale,
+                                          window);
+  decode_attention_typed<float>(out, query, kv_cache, block_table, seq_lens, scale, window);
 }

@@ -1,5 +1,5 @@
 // Paged causal attention for prefill chunks on CPU: float32 queries over a
-// float32 or bfloat16 cache (see kernels/torch_attention.py).
+// float32, bfloat16 or int8 cache (see kernels/torch_attention.py).
 //
 // torch's CPU flash attention, which the torch path calls once per
 // sequence, cuts the keys into blocks of 512: at prompt lengths of a few
@@ -24,6 +24,17 @@
 // (run_task_bf16): Q and P rounded to bfloat16, K and V read as they are,
 // sums in float32; 1.14-1.28x the float32 arithmetic's speed on the 64-request
 // prompts (benchmarks/cpu_attention_bench.py).
+//
+// A sliding window (window > 0; 0 is the whole context) starts each task at
+// the chunk of its first token's first in-window key and masks the keys
+// before each row's own window start: a task then reads its window plus its
+// tile, not the whole prefix (reading K/V the mask hides is wasted time).
+//
+// An int8 cache (kv_int8.h) is read in place too: each chunk's 16 rows are
+// converted and multiplied by their row's scale into the float32 scratch
+// rows the float32 arithmetic reads (as a bfloat16 cache's rows are widened
+// without AVX512_BF16), so the result is attention over the dequantized
+// rows, in float32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -37,6 +48,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "kv_int8.h"
 
 namespace {
 // allow_bf16_attention_products: process-wide, read once per call.
@@ -55,6 +67,10 @@ constexpr int kChunk = 16;                    // keys per softmax step
 constexpr int kBlockJ = 8;                    // keys per S^T register block
 constexpr int kBlockD = 8;                    // head dims per O^T register block
 constexpr float kMasked = -1e30f;             // finite: the build assumes no infinities
+// A hidden key's score: below kMasked, the running max a row starts with, so
+// a row whose keys in a chunk are all hidden (possible under a window: the
+// task starts at its first row's window) adds exp(kHidden - kMasked) = 0.
+constexpr float kHidden = -2e30f;
 
 // One task's view of the problem (pointers already at its sequence and head).
 template <typename T>
@@ -69,6 +85,7 @@ struct Task {
   int64_t block_size, row;  // cache rows per block; elements between rows
   int64_t tokens;         // query tokens in the tile
   int64_t first_pos;      // context position of the tile's first token
+  int64_t window;         // sliding window; 0: the whole causal context
   int group;
   float scale;
 };
@@ -112,6 +129,22 @@ inline void rows_of(const c10::BFloat16* first, int64_t row, int n, float* buf,
   }
 }
 
+// int8 rows: values converted and times the row's scale (q * scale, as
+// kernels/kv_int8.py dequantizes).
+template <int D>
+inline void rows_of(const int8_t* first, int64_t row, int n, float* buf, const float** out) {
+  for (int j = 0; j < n; ++j) {
+    const int8_t* src = first + j * row;
+    const __m512 scale = _mm512_set1_ps(tandem_kv_int8::row_scale<D>(src));
+    float* dst = buf + j * D;
+    for (int c = 0; c < D; c += 16) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c));
+      _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale));
+    }
+    out[j] = dst;
+  }
+}
+
 // S^T rows j0..j0+kBlockJ-1 of the chunk (key rows past n repeat the last:
 // computed, never used).
 template <int D>
@@ -142,18 +175,31 @@ inline float exp_or_zero(float x) {
   return x < -80.f ? 0.f : e;
 }
 
-// Online softmax over one chunk of keys at positions c0..c0+n-1, lane by
-// lane: st's first n rows become P^T (exp(s - m)), m/l/corr are updated;
-// rows past n are never read.
-inline void softmax_chunk(Scratch& s, int64_t c0, int n, bool masked) {
+// Hides the chunk's keys (positions c0..c0+n-1) that lie after a row's
+// position or, under a window, at or before its position - window.
+inline void mask_chunk(Scratch& s, int64_t c0, int n, int64_t window) {
   float* __restrict st = s.st;
-  if (masked)
-    for (int j = 0; j < n; ++j) {
-      const float key = static_cast<float>(c0 + j);
+  for (int j = 0; j < n; ++j) {
+    const float key = static_cast<float>(c0 + j);
+    if (window == 0) {
 #pragma omp simd
       for (int r = 0; r < kRows; ++r)
         if (key > s.pos[r]) st[j * kRows + r] = kMasked;
+    } else {
+      const float reach = static_cast<float>(window);
+#pragma omp simd
+      for (int r = 0; r < kRows; ++r)
+        if (key > s.pos[r] || key <= s.pos[r] - reach) st[j * kRows + r] = kHidden;
     }
+  }
+}
+
+// Online softmax over one chunk of keys at positions c0..c0+n-1, lane by
+// lane: st's first n rows become P^T (exp(s - m)), m/l/corr are updated;
+// rows past n are never read.
+inline void softmax_chunk(Scratch& s, int64_t c0, int n, bool masked, int64_t window) {
+  float* __restrict st = s.st;
+  if (masked) mask_chunk(s, c0, n, window);
   float mx[kRows];
 #pragma omp simd
   for (int r = 0; r < kRows; ++r) mx[r] = s.m[r];
@@ -244,19 +290,37 @@ inline const T* chunk_rows(const Task<T>& t, int64_t c0) {
   return t.k + (t.blocks[c0 / t.block_size] * t.block_size + c0 % t.block_size) * t.row;
 }
 
+// The first chunk a task reads: its first token's first in-window key's
+// (chunks before it are skipped unread), or 0 without a window.
+template <typename T>
+inline int64_t first_chunk(const Task<T>& t) {
+  if (t.window == 0) return 0;
+  const int64_t first_key = std::max<int64_t>(0, t.first_pos - t.window + 1);
+  return first_key - first_key % kChunk;
+}
+
+// Whether a chunk from c0 holds a key some row of the task must not see:
+// past the first row's position, or under a window at or before the last
+// row's window start.
+template <typename T>
+inline bool chunk_needs_mask(const Task<T>& t, int64_t c0) {
+  const int64_t last = t.first_pos + t.tokens - 1;
+  return c0 + kChunk - 1 > t.first_pos || (t.window > 0 && c0 <= last - t.window);
+}
+
 template <int D, typename T>
 void run_task(const Task<T>& t, Scratch& s) {
   start_task<D>(t, s);
   const int64_t last = t.first_pos + t.tokens - 1;  // the last key any row sees
   const float* k_rows[kChunk];
   const float* v_rows[kChunk];
-  for (int64_t c0 = 0; c0 <= last; c0 += kChunk) {
+  for (int64_t c0 = first_chunk(t); c0 <= last; c0 += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - c0));
     const T* k = chunk_rows(t, c0);
     rows_of<D>(k, t.row, n, s.kf, k_rows);
     rows_of<D>(k + t.v_off, t.row, n, s.vf, v_rows);
     for (int j0 = 0; j0 < n; j0 += kBlockJ) scores_block<D>(k_rows, j0, n, s.qt, s.st);
-    softmax_chunk(s, c0, n, c0 + kChunk - 1 > t.first_pos);
+    softmax_chunk(s, c0, n, chunk_needs_mask(t, c0), t.window);
     accumulate_values<D>(v_rows, n, s);
   }
   finish_task<D>(t, s);
@@ -354,11 +418,11 @@ void run_task_bf16(const Task<c10::BFloat16>& t, Scratch& s) {
     for (int r = 0; r < kRows; ++r)
       s.qtb[i * kRows + r] = bf16_pair(s.qt[2 * i * kRows + r], s.qt[(2 * i + 1) * kRows + r]);
   const int64_t last = t.first_pos + t.tokens - 1;
-  for (int64_t c0 = 0; c0 <= last; c0 += kChunk) {
+  for (int64_t c0 = first_chunk(t); c0 <= last; c0 += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - c0));
     const c10::BFloat16* k = chunk_rows(t, c0);
     for (int j0 = 0; j0 < n; j0 += kBlockJ) scores_block_bf16<D>(k, t.row, j0, n, s.qtb, s.st);
-    softmax_chunk(s, c0, n, c0 + kChunk - 1 > t.first_pos);
+    softmax_chunk(s, c0, n, chunk_needs_mask(t, c0), t.window);
     pair_chunk<D>(k + t.v_off, t.row, n, s);
     accumulate_values_bf16<D>(n, s);
   }
@@ -373,9 +437,12 @@ struct TaskIndex {
 template <int D, typename T>
 void prefill_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                               at::Tensor block_table, at::Tensor seq_lens,
-                              at::Tensor query_starts, at::Tensor query_lens, double scale) {
+                              at::Tensor query_starts, at::Tensor query_lens, double scale,
+                              int64_t window) {
   const int64_t P = seq_lens.size(0), H = query.size(1);
   const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
+  // Cache elements per (token, head) row: D, or D + 4 for int8 (the scale).
+  constexpr int64_t R = std::is_same_v<T, int8_t> ? tandem_kv_int8::row_elems(D) : D;
   const int group = static_cast<int>(H / HKV);
   const int64_t tile = kRows / group;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -384,9 +451,12 @@ void prefill_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_ca
   std::vector<TaskIndex> tasks;
   for (int64_t p = 0; p < P; ++p) {
     const int64_t q_len = q_lens[p], prefix = lens[p] - q_len;
-    for (int64_t t0 = 0; t0 < q_len; t0 += tile)
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
+      // Keys read: the tile's context, or at most its window and itself.
+      const int64_t seen = window > 0 ? std::min(prefix + t0, window) : prefix + t0;
       for (int64_t h = 0; h < HKV; ++h)
-        tasks.push_back({p, h, t0, std::min(tile, q_len - t0), prefix + t0 + tile});
+        tasks.push_back({p, h, t0, std::min(tile, q_len - t0), seen + tile});
+    }
   }
   // Longest first, taken from a shared counter: causal tiles differ in cost.
   std::stable_sort(tasks.begin(), tasks.end(),
@@ -412,13 +482,14 @@ void prefill_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_ca
                          o_base + row0 * out.stride(0) + head0 * out.stride(1),
                          out.stride(0),
                          out.stride(1),
-                         cache + ti.head * D,
-                         NB * BS * HKV * D,
+                         cache + ti.head * R,
+                         NB * BS * HKV * R,
                          bt + ti.seq * block_table.stride(0),
                          BS,
-                         HKV * D,
+                         HKV * R,
                          ti.tokens,
                          lens[ti.seq] - q_len + ti.first_token,
+                         window,
                          group,
                          static_cast<float>(scale)};
 #if defined(__AVX512BF16__)
@@ -434,7 +505,7 @@ void prefill_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_ca
 }
 
 using PrefillFn = void (*)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                           at::Tensor, at::Tensor, double);
+                           at::Tensor, at::Tensor, double, int64_t);
 
 template <typename T>
 PrefillFn prefill_for(int64_t head_dim) {
@@ -471,9 +542,10 @@ bool prefill_attention_bf16_products() {
 
 void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
-                       at::Tensor query_lens, double scale) {
+                       at::Tensor query_lens, double scale, int64_t window) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "prefill_attention: query and out must be float32");
+  TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.is_contiguous(),
               "prefill_attention: head rows must be contiguous, and the cache");
   for (const at::Tensor* t : {&block_table, &seq_lens, &query_starts, &query_lens})
@@ -502,16 +574,22 @@ void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                   " names block ", block, " of a ", kv_cache.size(1), "-block cache");
     }
   const int64_t H = query.size(1), HKV = kv_cache.size(3);
+  const int64_t row = kv_cache.scalar_type() == at::kChar
+                          ? tandem_kv_int8::row_elems(query.size(2))
+                          : query.size(2);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(4) == row, "prefill_attention: cache rows of ",
+              kv_cache.size(-1), " elements for head_dim ", query.size(2), " (expected ", row, ")");
   TORCH_CHECK(H % HKV == 0, "prefill_attention: ", H, " query heads over ", HKV, " KV heads");
   TORCH_CHECK(prefill_attention_applies(query.size(2), H / HKV, kv_cache.size(2)),
               "prefill_attention: no kernel for head_dim ", query.size(2), ", group ", H / HKV,
               ", block size ", kv_cache.size(2), " on this build");
 #if defined(__AVX512F__)
-  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || kv_cache.scalar_type() == at::kFloat,
-              "prefill_attention: kv_cache must be float32 or bfloat16");
-  const PrefillFn fn = bf16 ? prefill_for<c10::BFloat16>(query.size(2))
-                            : prefill_for<float>(query.size(2));
-  fn(out, query, kv_cache, block_table, seq_lens, query_starts, query_lens, scale);
+  const auto dtype = kv_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar,
+              "prefill_attention: kv_cache must be float32, bfloat16 or int8");
+  const PrefillFn fn = dtype == at::kBFloat16 ? prefill_for<c10::BFloat16>(query.size(2))
+                       : dtype == at::kChar   ? prefill_for<int8_t>(query.size(2))
+                                              : prefill_for<float>(query.size(2));
+  fn(out, query, kv_cache, block_table, seq_lens, query_starts, query_lens, scale, window);
 #endif
 }

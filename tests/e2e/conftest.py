@@ -63,6 +63,14 @@ def plain_llm() -> LLM:
     return LLM(max_model_len=512)
 
 
+@pytest.fixture(scope="session")
+def exact_llm() -> LLM:
+    """As ``plain_llm`` on the exact path (``exact=True``: float
+    activations, a float32 KV cache), for modules whose comparisons hold
+    only there (engine/numerics.py)."""
+    return LLM(max_model_len=512, exact=True)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_engines() -> Iterator[None]:
     """Each module's engines go with it, back to the OS: gigabytes of

@@ -1,4 +1,5 @@
-"""--kv-cache-dtype on the default model (float32 compute). bfloat16: twice
+"""--kv-cache-dtype on the default model (float32 compute, float activations:
+the bfloat16 cache alone against the exact path). bfloat16: twice
 the blocks in the same memory, the compiled decode stack still runs (rows
 rounded when written, widened when read; prefill chunks on AVX512_BF16 CPUs
 multiply them as bfloat16 pairs), and greedy outputs on 8 prompts equal the
@@ -31,12 +32,29 @@ def _generate(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def float32_cache() -> LLM:
-    return LLM(max_model_len=512, kv_cache_memory=MEMORY)
+    return LLM(max_model_len=512, kv_cache_memory=MEMORY, exact=True)
 
 
 @pytest.fixture(scope="module")
 def bfloat16_cache() -> LLM:
-    return LLM(max_model_len=512, kv_cache_memory=MEMORY, kv_cache_dtype="bfloat16")
+    return LLM(
+        max_model_len=512, kv_cache_memory=MEMORY, kv_cache_dtype="bfloat16", int8_activations=False
+    )
+
+
+def test_the_default_is_the_fast_path_and_exact_is_float(
+    plain_llm: LLM, float32_cache: LLM
+) -> None:
+    """No flags on the default model's GGUF blocks: int8 activations and a
+    bfloat16 cache; exact=True: float activations, a float32 cache."""
+    fast, exact = plain_llm.core.info.numerics, float32_cache.core.info.numerics
+    assert (fast.path, fast.activations, fast.kv_cache_dtype) == (
+        "fast (default)",
+        "int8",
+        "bfloat16",
+    )
+    assert (exact.path, exact.activations, exact.kv_cache_dtype) == ("exact", "float", "float32")
+    assert all(c.dtype == torch.bfloat16 for c in plain_llm.core.worker.runner.kv_caches)
 
 
 def test_twice_the_blocks_in_the_same_memory(float32_cache: LLM, bfloat16_cache: LLM) -> None:
@@ -66,7 +84,9 @@ def test_greedy_outputs_equal_the_float32_cache(float32_cache: LLM, bfloat16_cac
 
 
 def test_a_float16_cache_takes_the_torch_path(float32_cache: LLM) -> None:
-    llm = LLM(max_model_len=256, kv_cache_memory=MEMORY, kv_cache_dtype="float16")
+    llm = LLM(
+        max_model_len=256, kv_cache_memory=MEMORY, kv_cache_dtype="float16", int8_activations=False
+    )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     got = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     want = float32_cache.generate(PROMPTS[:2], params, use_tqdm=False)

@@ -1,8 +1,10 @@
 """Greedy outputs of the LLM API on tiny random models of each family added
-after Llama/Mistral/Qwen2 (Qwen3, Granite, Phi-3, SmolLM3: see
+after Llama/Mistral/Qwen2 (Qwen3, Granite, Phi-3, SmolLM3, Gemma 3 with a
+6-token window under its prompts: see
 tests/unit/engine/models/families.py) are token-identical to transformers'
 own model, in float32 over 32 tokens on 4 prompts: once with chunked
-prefill and prefix caching, once with a KV cache small enough to preempt."""
+prefill and prefix caching, once with a KV cache small enough to preempt.
+On the exact path, said explicitly (float weights run it by default anyway)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from kernels import cpu_kernels
 from tests.unit.engine.models.families import (
     TINY_SHAPE,
     TINY_VOCAB,
+    architecture_name,
     family_configs,
     randomize_weights,
 )
@@ -59,7 +62,7 @@ def family(
 ) -> tuple[Path, list[list[int]]]:
     """(saved model directory, transformers' greedy tokens for each prompt)."""
     config = _configs()[request.param]
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [architecture_name(config)]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
         config, attn_implementation="eager", dtype=torch.float32
@@ -90,7 +93,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_chunked_prefill_and_prefix_caching(family, prompts):
     path, expected = family
-    llm = LLM(str(path), enable_prefix_caching=True, max_num_batched_tokens=16)
+    llm = LLM(str(path), enable_prefix_caching=True, max_num_batched_tokens=16, exact=True)
     assert min(len(p) for p in prompts) > 16  # every prefill spans several steps
     assert _generate(llm, prompts[:1]) == expected[:1]  # warms the cache
     assert _generate(llm, prompts) == expected
@@ -101,14 +104,20 @@ def test_tiny_kv_cache_preempts_and_resumes(family, prompts):
     path, expected = family
     # 6 usable blocks of 16 tokens (one request's worth at max_model_len 64)
     # for four requests growing from 2 blocks to 4: they cannot all stay resident.
-    llm = LLM(str(path), enable_prefix_caching=False, max_model_len=64, num_blocks_override=7)
+    llm = LLM(
+        str(path),
+        enable_prefix_caching=False,
+        max_model_len=64,
+        num_blocks_override=7,
+        exact=True,
+    )
     assert _generate(llm, prompts) == expected
     assert llm.totals.num_preemptions > 0
 
 
 def test_decode_stack_only_for_plain_layers(family):
     path, _ = family
-    llm = LLM(str(path), enable_prefix_caching=False)
+    llm = LLM(str(path), enable_prefix_caching=False, exact=True)
     if cpu_kernels.load() is None:
         pytest.skip("no compiled CPU kernels here")
     model = llm.core.worker.loaded.model

@@ -1,6 +1,8 @@
 """Greedy outputs of the LLM API on the default model are token-identical to
 transformers' generate(), with chunked prefill, prefix caching and
-preemption each forced in turn."""
+preemption each forced in turn: on the exact path (``exact=True``: float
+activations, a float32 KV cache), which the default model's fast default
+(int8 activations, a bfloat16 cache; engine/numerics.py) is not."""
 
 from __future__ import annotations
 
@@ -41,20 +43,20 @@ def test_prompts_have_mixed_lengths(chat_prompts):
 
 
 def test_plain(chat_prompts, expected):
-    llm = LLM(enable_prefix_caching=False)
+    llm = LLM(enable_prefix_caching=False, exact=True)
     assert _generate(llm, chat_prompts) == expected
     assert llm.totals.num_preemptions == 0
 
 
 def test_chunked_prefill_forced(chat_prompts, expected):
     # A budget smaller than every prompt: each prefill spans several steps.
-    llm = LLM(enable_prefix_caching=False, max_num_batched_tokens=24)
+    llm = LLM(enable_prefix_caching=False, max_num_batched_tokens=24, exact=True)
     assert min(len(p) for p in chat_prompts) > 24
     assert _generate(llm, chat_prompts) == expected
 
 
 def test_prefix_caching_with_shared_system_prompt(chat_prompts, expected):
-    llm = LLM(enable_prefix_caching=True)
+    llm = LLM(enable_prefix_caching=True, exact=True)
     assert _generate(llm, chat_prompts[:1]) == expected[:1]  # warms the cache
     outs = llm.generate(chat_prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert [o.token_ids for o in outs] == expected
@@ -66,7 +68,7 @@ def test_tiny_kv_cache_preempts_and_resumes(chat_prompts, expected):
     # 20 usable blocks of 16 tokens for eight requests of 45-79 prompt tokens
     # plus 24 generated:
     # they cannot all stay resident, so some are preempted and recomputed.
-    llm = LLM(enable_prefix_caching=False, max_model_len=256, num_blocks_override=21)
+    llm = LLM(enable_prefix_caching=False, max_model_len=256, num_blocks_override=21, exact=True)
     assert llm.totals.num_preemptions == 0
     assert _generate(llm, chat_prompts) == expected
     assert llm.totals.num_preemptions > 0

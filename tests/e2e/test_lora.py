@@ -1,5 +1,6 @@
 """LoRA adapters on the default model against transformers + peft.
 
+On the exact path (``exact=True``), which peft's float32 reference is.
 Four adapters made with peft, once a session (tests/lora_adapters.py; ranks
 8 and 16, attention-only, MLP-only, all seven projections, rsLoRA scaling):
 Tandem's greedy output under each equals peft's generate() token for token;
@@ -47,7 +48,11 @@ def reference(
 
 def _loaded(config: LoRAConfig, adapters: dict[str, Path], async_scheduling: bool = False) -> LLM:
     llm = LLM(
-        max_model_len=256, kv_cache_memory=2**26, lora=config, async_scheduling=async_scheduling
+        max_model_len=256,
+        kv_cache_memory=2**26,
+        lora=config,
+        async_scheduling=async_scheduling,
+        exact=True,
     )
     for name, path in adapters.items():
         llm.load_lora(name, str(path))

@@ -1,7 +1,8 @@
 """Quantized weights on CPU against float32, on real text.
 
 * The default model in its native Q4_1 (+ Q8_0 embedding) blocks generates
-  what the float32 expansion of the same file generates, greedily.
+  what the float32 expansion of the same file generates, greedily, on the
+  exact path (float activations, float32 KV cache).
 * int8 per channel on an HF model directory (the default model's float32
   conversion) keeps logits and perplexity close to float32, and bf16
   weights keep perplexity close. The text is
@@ -11,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from engine.models.weight_plan import FLOAT_WEIGHTS, WeightPlan
 from engine.sampling_params import SamplingParams
 from kernels import cpu_kernels
 from kernels.backend import select_backend
+from tests.e2e.opticks import opticks_text
 from tests.unit.engine.models.paged import allocate, step
 
 MUST_MATCH = 32  # tokens every prompt must share with float32
@@ -44,7 +45,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_native_q4_1_generates_what_float32_generates(chat_prompts) -> None:
     runs = {}
     for quantization in ("none", "auto"):
-        llm = LLM(quantization=quantization, kv_cache_memory=2**26, max_model_len=512)
+        llm = LLM(quantization=quantization, kv_cache_memory=2**26, max_model_len=512, exact=True)
         runs[quantization] = (llm.core.info.weight_format, _greedy(llm, chat_prompts))
         del llm
     assert runs["none"][0] == "float32"
@@ -95,12 +96,7 @@ def test_int8_logits_stay_close_to_float32(models, chat_prompts) -> None:
 
 
 def _opticks(tokenizer) -> list[int]:
-    spec = importlib.util.find_spec("tvm_ffi")
-    assert spec is not None and spec.origin is not None, "apache-tvm-ffi (xgrammar's) is missing"
-    path = Path(spec.origin).parent / "3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"
-    text = path.read_text(encoding="utf-8")
-    start = text.index("Advertisement I")  # past the transcribers' header
-    ids: list[int] = tokenizer.encode(text[start:])
+    ids: list[int] = tokenizer.encode(opticks_text())
     assert len(ids) >= TEXT_TOKENS
     return ids[:TEXT_TOKENS]
 

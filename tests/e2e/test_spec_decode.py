@@ -1,7 +1,13 @@
 """Speculative decoding on the default model: greedy outputs are
 token-identical to the non-speculative ones with either proposer, under
 chunked prefill, preemption and prefix caching; stops inside an accepted
-run end exactly where the plain run ends; constrained requests stay valid."""
+run end exactly where the plain run ends; constrained requests stay valid.
+
+On the exact path (``exact=True``): on the default model's fast default
+(int8 activations, a bfloat16 KV cache) verifying k + 1 tokens in one
+forward is not bit-identical to decoding them one by one, so greedy
+outputs may part at a near tie (measured: one prompt of six from its 20th
+token)."""
 
 from __future__ import annotations
 
@@ -41,8 +47,8 @@ def _generate(
 
 
 @pytest.fixture(scope="module")
-def base(plain_llm: LLM) -> LLM:
-    return plain_llm
+def base(exact_llm: LLM) -> LLM:
+    return exact_llm
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +66,7 @@ def self_draft(default_model_path: Path) -> LLM:
         num_speculative_tokens=K,
         adaptive=False,
     )
-    return LLM(max_model_len=512, speculative=spec)
+    return LLM(max_model_len=512, speculative=spec, exact=True)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +102,11 @@ def test_ngram_greedy_identical_under_chunking_preemption_and_prefix_caching(
     # 18 blocks of 16 for six requests of 35-90 tokens: preemption; a
     # 48-token budget: long prompts are chunked; SHARED is a cached prefix.
     llm = LLM(
-        max_model_len=256, num_blocks_override=18, max_num_batched_tokens=48, speculative=spec
+        max_model_len=256,
+        num_blocks_override=18,
+        max_num_batched_tokens=48,
+        speculative=spec,
+        exact=True,
     )
     assert _generate(llm) == reference
     stats = llm.core.scheduler.spec_stats
@@ -121,7 +131,7 @@ def test_random_draft_accepts_little_changes_nothing(
     spec = SpeculativeConfig(
         method="draft_model", model=str(tiny_draft_path), num_speculative_tokens=2, adaptive=False
     )
-    llm = LLM(max_model_len=144, num_blocks_override=10, speculative=spec)
+    llm = LLM(max_model_len=144, num_blocks_override=10, speculative=spec, exact=True)
     assert _generate(llm, prompts=PROMPTS[:3]) == reference[:3]
     stats = llm.core.scheduler.spec_stats
     assert stats is not None and stats.num_drafts > 0
@@ -247,7 +257,11 @@ def test_grammars_with_drafts_end_at_the_grammar_and_never_the_engine(
         # 11 usable blocks of 16 for two ~120-token requests: preemption; a
         # 32-token budget: the prompts are chunked.
         llm = LLM(
-            max_model_len=144, num_blocks_override=12, max_num_batched_tokens=32, speculative=spec
+            max_model_len=144,
+            num_blocks_override=12,
+            max_num_batched_tokens=32,
+            speculative=spec,
+            exact=True,
         )
         for so, temperature in cases:
             params = SamplingParams(

@@ -4,7 +4,12 @@
         ... grpc.aio.insecure_channel(server.target) ...
 
 Each server is its own process running the default model; it is SIGTERMed
-(a drain) on exit and must exit with code 0. A stack of pods (prefill,
+(a drain) on exit and must exit with code 0. A `serve` runs the exact path
+(`--exact`) unless built with `exact=False`: the tests compare answers
+across servers, P/D legs, preemption and the offline engine, and only the
+exact path gives the same tokens however requests are chunked, batched or
+handed over (the default model's fast default, int8 activations and a
+bfloat16 KV cache, may part at a near tie: engine/numerics.py). A stack of pods (prefill,
 decode, router) starts at once with `serving(prefill, decode, router)`; a
 module's single-purpose servers start together with `launched(...)`.
 """
@@ -44,11 +49,13 @@ class ServerProcess:
         check_health: bool = True,
         metrics: bool = False,
         command: str = "serve",
+        exact: bool = True,
     ) -> None:
-        """`command`: the tandem subcommand ("serve", or "router")."""
+        """`command`: the tandem subcommand ("serve", or "router");
+        `exact`: a `serve` gets --exact (see above)."""
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
-        self.args = list(args or [])
+        self.args = (["--exact"] if exact and command == "serve" else []) + list(args or [])
         self.metrics_port: int | None = None
         if metrics:
             self.metrics_port = free_port()

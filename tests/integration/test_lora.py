@@ -117,6 +117,8 @@ def test_an_adapter_loaded_at_start_equals_peft(lora: LoraServer) -> None:
     assert adapted == lora.reference["qv8"]
     assert base == lora.reference[None] != adapted
     assert info.HasField("lora") and info.lora.max_loras == 2
+    # --exact (every test server's, as peft's float32 reference needs), as GetModelInfo says.
+    assert (info.numerics, info.activations, info.kv_cache_dtype) == ("exact", "float", "float32")
     assert [a.lora_name for a in info.lora_adapters] == ["qv8"]
 
 

@@ -57,9 +57,10 @@ def own() -> Iterator[ServerProcess]:
     IPv6 host, the queue bound (one seat, one waiting place), the API key,
     then a drain that ends it. Launched at the first of them; its start-up
     overlaps that test's wait only (one start instead of four on 2 cores).
-    It listens on ::1 only, so all four reach it over IPv6."""
+    It listens on ::1 only, so all four reach it over IPv6. The one test
+    server on the default numerics (no --exact): nothing compares its answers."""
     flags = ["--max-num-seqs", "1", "--max-waiting-requests", "1", "--api-key", KEY]
-    server = ServerProcess([*flags, "--host", "::1", "--drain-grace", "60"])
+    server = ServerProcess([*flags, "--host", "::1", "--drain-grace", "60"], exact=False)
     server.target = f"[::1]:{server.port}"
     with launched(server):
         server.wait_started()
@@ -68,7 +69,7 @@ def own() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM()
+    return LLM(exact=True)  # as the session's server (servers.py)
 
 
 def test_streamed_text_equals_offline_generate(server: ServerProcess, offline: LLM) -> None:
@@ -181,6 +182,17 @@ def _default_weight_format() -> str:
     return "q4_1+q8_0"
 
 
+def _default_numerics() -> tuple[str, str, str]:
+    """(numerics, activations, KV cache dtype) of the default model with no
+    flags: the fast path where it runs as GGUF blocks (engine/numerics.py)."""
+    if _default_weight_format() == "float32":
+        return EXACT
+    return "fast (default)", "int8", "bfloat16"
+
+
+EXACT = ("exact", "float", "float32")
+
+
 def test_model_info_status_tokenize_and_abort(server: ServerProcess) -> None:
     async def go() -> None:
         async with TandemClient(server.target) as client:
@@ -190,6 +202,8 @@ def test_model_info_status_tokenize_and_abort(server: ServerProcess) -> None:
             assert info.vocab_size == 49152 and info.block_size == 16 and info.role == "both"
             assert info.num_kv_blocks > 0 and info.dtype == "float32"
             assert info.weight_format == _default_weight_format()
+            # --exact, as every test server but `own` (servers.py).
+            assert (info.numerics, info.activations, info.kv_cache_dtype) == EXACT
             assert await client.tokenize("Hello") == [19556]
             # A long request, aborted by id from another call.
             call = client.generate_call(
@@ -463,6 +477,10 @@ def test_api_key_required_except_for_health(own: ServerProcess) -> None:
         async with TandemClient(own.target, api_key=KEY) as client:
             chunks = await _collect(client, text="hi", max_tokens=2)
             assert chunks[-1].usage.completion_tokens == 2
+            # No --exact: the default numerics, in model info and the start-up log.
+            model = await client.model_info()
+            assert (model.numerics, model.activations, model.kv_cache_dtype) == _default_numerics()
+            assert f"numerics: {model.numerics}: {model.activations} activations" in own.log()
 
     asyncio.run(go())
     # Health, asked without a key, stays open.

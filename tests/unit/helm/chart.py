@@ -125,8 +125,9 @@ OLDEST = next(
     if tuple(map(int, v.split(".")[:2])) >= (1, 27)
 )
 NEWEST = kubernetes_validate.utils.latest_version()
-# Custom resources: no Kubernetes schema; checked in test_wiring instead.
-CRDS = {"ServiceMonitor"}
+# Custom resources: no Kubernetes schema; checked in test_wiring (and the
+# InferencePool against its CRD's schema in test_sidecar) instead.
+CRDS = {"ServiceMonitor", "InferencePool"}
 
 
 def kubernetes_error(obj: Obj, version: str) -> str | None:

@@ -123,6 +123,7 @@ def over_bfloat16(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The reference for a kernel over a bfloat16 cache, and its tolerance.
     Rows widened to float32: the same rows widened first, float32 rounding
@@ -133,7 +134,7 @@ def over_bfloat16(
     (doubled here for the float32 sums)."""
     cache = kv_cache.float()
     if not products:
-        return reference.paged_attention(query, cache, meta, scale), 2e-5
+        return reference.paged_attention(query, cache, meta, scale, sliding_window), 2e-5
     rounded = (query * scale).to(torch.bfloat16).float()
     bound = 2**-8 * cache[1].abs().max().item() + 2e-5
-    return reference.paged_attention(rounded, cache, meta, 1.0), bound
+    return reference.paged_attention(rounded, cache, meta, 1.0, sliding_window), bound

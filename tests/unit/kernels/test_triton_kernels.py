@@ -137,11 +137,13 @@ def test_reshape_and_cache_matches_reference(report: dict[str, Any], name: str) 
 # --- compiling for a GPU that is not there ------------------------------------
 
 _SM90_VARIANTS = (
-    # (dtype, group, head_dim, max_query_len, split)
-    ("bf16", 4, 128, 1, True),
-    ("bf16", 4, 128, 512, False),
-    ("fp16", 1, 256, 64, False),
-    ("fp32", 3, 64, 1, False),
+    # (dtype, group, head_dim, max_query_len, split, sliding window)
+    ("bf16", 4, 128, 1, True, False),
+    ("bf16", 4, 128, 512, False, False),
+    ("fp16", 1, 256, 64, False, False),
+    ("fp32", 3, 64, 1, False, False),
+    ("bf16", 2, 128, 1, True, True),
+    ("bf16", 2, 256, 512, False, True),
 )
 
 
@@ -176,7 +178,7 @@ def compile_for_sm90() -> list[str]:
         return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target)
 
     lines = []
-    for dtype, group, head_dim, max_query_len, split in _SM90_VARIANTS:
+    for dtype, group, head_dim, max_query_len, split, windowed in _SM90_VARIANTS:
         group_pad = triton.next_power_of_2(group)
         cfg = ta._tile_config(max_query_len, group_pad, head_dim, dtype == "fp32")
         constexprs = {
@@ -187,6 +189,7 @@ def compile_for_sm90() -> list[str]:
             "HEAD_DIM": head_dim,
             "BLOCK_SIZE": 16,
             "SPLIT": split,
+            "WINDOWED": windowed,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
             "UPCAST_DOT": False,
         }
@@ -201,7 +204,10 @@ def compile_for_sm90() -> list[str]:
             "block_table_ptr": "*i32",
         }
         build(ta._paged_attention_kernel, ptr_types, constexprs)
-        lines.append(f"attention {dtype} g{group} d{head_dim} q{max_query_len} split={split}")
+        lines.append(
+            f"attention {dtype} g{group} d{head_dim} q{max_query_len} split={split} "
+            f"window={windowed}"
+        )
     build(
         ta._merge_splits_kernel,
         {"*": "*fp32", "out_ptr": "*bf16"},

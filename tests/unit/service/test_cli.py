@@ -46,13 +46,49 @@ def test_serve_defaults() -> None:
 
 def test_quantization_flags_reach_the_model_config() -> None:
     model = cli.engine_config_from_args(_serve_args()).model
-    assert (model.quantization, model.int8_activations) == ("auto", False)
+    # Unset: resolved for the weights when they load (engine/numerics.py).
+    assert (model.quantization, model.int8_activations) == ("auto", None)
+    assert (model.exact, model.kv_cache_dtype) == (False, "auto")
     for choice in ("none", "gguf", "int8"):
         model = cli.engine_config_from_args(_serve_args("--quantization", choice)).model
-        assert (model.quantization, model.int8_activations) == (choice, False)
+        assert (model.quantization, model.int8_activations) == (choice, None)
     args = _serve_args("--quantization", "int8", "--int8-activations")
     model = cli.engine_config_from_args(args).model
     assert (model.quantization, model.int8_activations) == ("int8", True)
+
+
+@pytest.mark.parametrize(
+    ("flags", "exact", "int8_activations"),
+    [
+        (["--exact"], True, None),
+        (["--int8-activations", "false"], False, False),
+        (["--int8-activations", "true"], False, True),
+        (["--exact", "--int8-activations", "off"], True, False),
+    ],
+)
+def test_exact_and_int8_activations_flags(
+    flags: list[str], exact: bool, int8_activations: bool | None
+) -> None:
+    model = cli.engine_config_from_args(_serve_args(*flags)).model
+    assert (model.exact, model.int8_activations) == (exact, int8_activations)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--int8-activations", "true"], "int8_activations=True is invalid: expected false"),
+        (["--kv-cache-dtype", "bfloat16"], "kv_cache_dtype='bfloat16' is invalid: expected 'auto'"),
+    ],
+)
+def test_exact_beside_a_lossy_setting_is_refused(flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        cli.engine_config_from_args(_serve_args("--exact", *flags))
+
+
+def test_a_bad_int8_activations_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _serve_args("--int8-activations", "maybe")
+    assert "'maybe' is not true or false" in capsys.readouterr().err
 
 
 def test_an_unknown_quantization_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,10 +101,11 @@ def test_bench_passes_the_quantization_flags_to_its_server() -> None:
     from service import bench
 
     args = cli._parser().parse_args(["bench"])
-    assert (args.quantization, args.int8_activations) == ("auto", False)
+    assert (args.quantization, args.exact, args.int8_activations) == ("auto", False, None)
     command = bench._server_command(args, 50099)
     assert command[command.index("--quantization") + 1] == "auto"
     assert "--int8-activations" not in command and "--model" not in command
+    assert "--exact" not in command
     args = cli._parser().parse_args(
         ["bench", "--model", "/m", "--quantization", "int8", "--int8-activations"]
     )
@@ -76,6 +113,10 @@ def test_bench_passes_the_quantization_flags_to_its_server() -> None:
     assert served.command == "serve" and served.port == 50099 and served.model == "/m"
     model = cli.engine_config_from_args(served).model
     assert (model.quantization, model.int8_activations) == ("int8", True)
+    args = cli._parser().parse_args(["bench", "--exact", "--int8-activations", "false"])
+    served = cli._parser().parse_args(bench._server_command(args, 50099)[3:])
+    model = cli.engine_config_from_args(served).model
+    assert (model.exact, model.int8_activations) == (True, False)
 
 
 @pytest.mark.parametrize(("text", "value"), [("2G", 2**31), ("1.5k", 1536), ("4096", 4096)])
@@ -473,6 +514,32 @@ def test_status_prints_the_weight_format(
     assert capsys.readouterr().out.splitlines()[0] == line
 
 
+@pytest.mark.parametrize(
+    ("numerics", "line"),
+    [
+        ("fast (default)", "numerics   fast (default): int8 activations, bfloat16 KV cache"),
+        ("", None),  # an older server says nothing
+    ],
+)
+def test_status_prints_which_path_runs(
+    numerics: str,
+    line: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    info = pb.ModelInfo(
+        model_name="m",
+        numerics=numerics,
+        activations="int8" if numerics else "",
+        kv_cache_dtype="bfloat16" if numerics else "",
+    )
+    monkeypatch.setattr(cli, "_client", lambda args: _StatusClient(pb.ServerStatus(), info))
+    args = cli._parser().parse_args(["status"])
+    assert args.run(args) == 0
+    lines = [s for s in capsys.readouterr().out.splitlines() if s.startswith("numerics")]
+    assert lines == ([line] if line else [])
+
+
 # --- LoRA --------------------------------------------------------------------------
 
 
@@ -506,6 +573,15 @@ def test_lora_modules_imply_enable_lora() -> None:
             ["--lora-modules", "a=/x", "a=/y"],
             "tandem serve: lora_modules: each name once, got ['a'] more than once",
         ),
+        (["--lora-port", "a=50061"], "tandem serve: lora_ports: LoRA is off"),
+        (
+            ["--enable-lora", "--lora-port", "a=50061", "--lora-port", "a=50062"],
+            "tandem serve: lora_ports: one port per adapter, got ['a'] more than once",
+        ),
+        (
+            ["--enable-lora", "--port", "50061", "--lora-port", "a=50061"],
+            "tandem serve: lora_ports: each port once and not --port's, got [50061]",
+        ),
     ],
 )
 def test_bad_lora_flags_exit_2_before_the_model_loads(
@@ -519,6 +595,14 @@ def test_a_lora_module_must_be_name_equals_path(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         _serve_args("--lora-modules", "just-a-path")
     assert "'just-a-path' is not NAME=PATH" in capsys.readouterr().err
+
+
+def test_lora_ports_are_name_equals_port(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _serve_args("--enable-lora", "--lora-port", "a=50061", "--lora-port", "b=0")
+    assert args.lora_port == [("a", 50061), ("b", 0)]
+    with pytest.raises(SystemExit):
+        _serve_args("--lora-port", "a=http")
+    assert "'a=http' is not NAME=PORT" in capsys.readouterr().err
 
 
 class _LoraClient(_RecordingClient):

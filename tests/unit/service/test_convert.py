@@ -29,6 +29,7 @@ from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.models.spec import ModelSpec
+from engine.numerics import Numerics
 from engine.stats import SpecDecodingStats
 from engine.structured_output.params import StructuredOutputParams
 from engine.worker.worker import WorkerInfo
@@ -494,6 +495,20 @@ def test_model_info_and_status_carry_the_weight_format() -> None:
     status = convert.server_status(EngineStatus(), weight_format="int8+float32")
     assert status.weight_format == "int8+float32"
     assert convert.server_status(EngineStatus()).weight_format == ""
+
+
+def test_model_info_says_which_numerics_run() -> None:
+    fast = Numerics(int8_activations=True, kv_cache_dtype="bfloat16", path="fast (default)")
+    info = WorkerInfo(Path("m"), "m", "LlamaForCausalLM", 100, 64, 8, 2, numerics=fast)
+    wire = convert.model_info(info, block_size=16, role="both", connector="", dtype="float32")
+    assert (wire.activations, wire.kv_cache_dtype, wire.numerics) == (
+        "int8",
+        "bfloat16",
+        "fast (default)",
+    )
+    exact = WorkerInfo(Path("m"), "m", "LlamaForCausalLM", 100, 64, 8, 2)  # float32 exact
+    wire = convert.model_info(exact, block_size=16, role="both", connector="", dtype="float32")
+    assert (wire.activations, wire.kv_cache_dtype, wire.numerics) == ("float", "float32", "exact")
 
 
 def test_lora_off_is_a_failed_precondition_for_loads() -> None:

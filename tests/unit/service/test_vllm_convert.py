@@ -92,6 +92,20 @@ def test_kv_events_become_the_protocols_batches() -> None:
     assert cleared.WhichOneof("data") == "cleared"
 
 
+def test_each_models_worker_sees_only_the_blocks_stored_under_its_model() -> None:
+    """The base model's port and each adapter's port (--lora-port): stored
+    blocks go to their own model's subscribers; removals and clears, which
+    name no model, to all."""
+    h1, h2 = (hashlib.sha256(bytes([i])).digest() for i in range(2))
+    base = BlockStored([h1], None, list(range(16)), 16)
+    adapted = BlockStored([h2], None, list(range(16)), 16, lora_id=1, lora_name="qv8")
+    batch = KvEventBatch(3, 1.0, [base, adapted, BlockRemoved([h1]), AllBlocksCleared()])
+    assert convert.events_of_model(batch, None).events == [base, *batch.events[2:]]
+    assert convert.events_of_model(batch, "qv8").events == [adapted, *batch.events[2:]]
+    assert convert.events_of_model(batch, "other").events == batch.events[2:]
+    assert convert.events_of_model(batch, "qv8").sequence == 3
+
+
 def test_a_sequence_start_has_no_parent() -> None:
     batch = KvEventBatch(1, 0.0, [BlockStored([b"\x01" * 32], None, [0] * 16, 16)])
     (event,) = convert.kv_event_batch(batch, 1).events
@@ -168,3 +182,19 @@ def test_vllms_extras_carry_over() -> None:
 def test_a_bad_extra_names_its_proto_field() -> None:
     with pytest.raises(InvalidRequestError, match=r"^sampling_params\.presence_penalty: "):
         convert.sampling_params(vpb.SamplingParams(presence_penalty=3.0))
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "dtype", "want"),
+    [
+        ("float32", "float32", "auto"),
+        ("bfloat16", "float32", "bfloat16"),
+        ("bfloat16", "bfloat16", "auto"),
+    ],
+)
+def test_the_kv_cache_dtype_is_spelled_as_vllms_flag(
+    cache_dtype: str, dtype: str, want: str
+) -> None:
+    """The resolved cache (bfloat16 on Tandem's fast default) as vLLM's
+    --kv-cache-dtype says it: "auto" is the model's dtype."""
+    assert convert.vllm_kv_cache_dtype(cache_dtype, dtype) == want

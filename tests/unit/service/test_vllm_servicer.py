@@ -31,14 +31,26 @@ Body = Callable[
 ]
 
 
-def serve(body: Body, *, role: str = "both", hold_kv: bool = False, attach: bool = True) -> Any:
-    """Runs ``body`` against a servicer on a real gRPC server and channel."""
+def serve(
+    body: Body,
+    *,
+    role: str = "both",
+    hold_kv: bool = False,
+    attach: bool = True,
+    lora_name: str | None = None,
+) -> Any:
+    """Runs ``body`` against a servicer on a real gRPC server and channel
+    (``lora_name``: an adapter port's servicer, service/adapter_ports.py)."""
 
     async def go() -> Any:
         core = ScriptedCore(hold_kv=hold_kv)
         engine = await start_engine(core)
         servicer = VllmEngineServicer(
-            new_input_pool(), role=role, kv_connector="", served_model_name="smol"
+            new_input_pool(),
+            role=role,
+            kv_connector="",
+            served_model_name="smol",
+            lora_name=lora_name,
         )
         if attach:
             servicer.attach(engine)
@@ -325,10 +337,28 @@ def test_model_server_and_load_facts() -> None:
     assert model.tokenizer_path == model.model_path and model.tokenizer_path
     assert server.kv_connector == "" and server.kv_role == ""
     assert server.block_size == 16 and server.model_dtype == "torch.float32"
+    assert server.kv_cache_dtype == "auto"  # the stand-in's cache is in the model's dtype
     assert server.max_num_seqs == 256
     (load,) = loads.loads
     assert load.num_running_reqs == 0 and load.max_running_requests == 256
     assert load.max_total_num_tokens == 7 * 16  # 8 blocks, one the null block
+
+
+def test_an_adapter_port_names_its_adapter_and_is_not_found_while_it_is_not_loaded() -> None:
+    """smg answers NOT_FOUND with HTTP 404 (vLLM's answer to an unknown
+    model) and the message naming the adapter; nothing reaches the engine."""
+
+    async def body(stub, servicer, core, engine) -> tuple[str, grpc.StatusCode, str, int]:
+        info = await stub.GetModelInfo(vpb.GetModelInfoRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(generate()))
+        return info.served_model_name, err.value.code(), err.value.details() or "", len(core.live)
+
+    name, code, details, live = serve(body, lora_name="qv8")
+    assert name == "qv8"
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert details.startswith("model 'qv8': the LoRA adapter is not loaded on this pod")
+    assert live == 0
 
 
 def test_the_tokenizer_bundle_is_a_zip_of_the_models_tokenizer_files() -> None:

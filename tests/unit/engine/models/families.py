@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    Gemma3TextConfig,
     GraniteConfig,
     Phi3Config,
     PretrainedConfig,
@@ -54,6 +55,21 @@ def family_configs(shape: dict[str, Any]) -> dict[str, PretrainedConfig]:
             pad_token_id=0,
             tie_word_embeddings=False,
         ),
+        # Layers 1 and 3 of 3 attend to their last 6 tokens, with their own
+        # RoPE base; QK-norm, GeGLU, sandwich norms, sqrt(hidden) embeddings.
+        "gemma3-sliding-window": Gemma3TextConfig(
+            **{**shape, "num_hidden_layers": 3},
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=6,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            query_pre_attn_scalar=24,
+            pad_token_id=0,
+            tie_word_embeddings=True,
+        ),
         # Layers 1 and 3 of 3 use RoPE, layer 2 goes without (1-based interval 2).
         "smollm3-no-rope-layers": SmolLM3Config(
             **{**shape, "num_hidden_layers": 3}, no_rope_layer_interval=2, pad_token_id=0
@@ -73,3 +89,11 @@ def randomize_weights(model: torch.nn.Module) -> None:
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+
+
+def architecture_name(config: PretrainedConfig) -> str:
+    """The HF model class a tiny config builds (Gemma 3's text config is
+    Gemma3TextConfig, its model Gemma3ForCausalLM)."""
+    if isinstance(config, Gemma3TextConfig):
+        return "Gemma3ForCausalLM"
+    return type(config).__name__.replace("Config", "ForCausalLM")

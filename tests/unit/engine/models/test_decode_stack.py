@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
     Phi3Config,
@@ -29,6 +30,7 @@ from kernels.layer_ops import (
     SMALL_LINEAR_ROWS,
     mkl_packing_available,
 )
+from tests.unit.engine.models.families import architecture_name
 from tests.unit.engine.models.paged import PagedSequences, allocate, step
 
 # Seconds each (the real model, the Triton interpreter, child processes or
@@ -77,13 +79,14 @@ def _configs_it_refuses() -> dict[str, PretrainedConfig]:
             pad_token_id=0,
         ),
         "smollm3-no-rope-layers": SmolLM3Config(**_SHAPE, no_rope_layer_interval=2, pad_token_id=0),
+        "gemma3-sandwich-norms": Gemma3TextConfig(**_SHAPE, pad_token_id=0),
     }
 
 
 @pytest.mark.parametrize("name", list(_configs_it_refuses()))
 def test_refused_for_layers_it_does_not_implement(name, tmp_path, caplog) -> None:
     config = _configs_it_refuses()[name]
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [architecture_name(config)]
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     hf.save_pretrained(tmp_path, safe_serialization=True)
     ops = select_backend(torch.device("cpu"), "torch")
@@ -97,7 +100,7 @@ def test_refused_for_layers_it_does_not_implement(name, tmp_path, caplog) -> Non
 @pytest.fixture(scope="module", params=list(_configs()))
 def model(request, tmp_path_factory) -> LoadedModel:
     config = _configs()[request.param]
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [architecture_name(config)]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     with torch.no_grad():

@@ -20,12 +20,14 @@ from transformers import (
     Qwen2Config,
 )
 
-from engine.models.llama import LlamaMLP, hf_parameter_names
+from engine.models.layers import LlamaMLP
 from engine.models.loader import LoadedModel, load_model
 from engine.models.spec import ModelSpec
+from engine.models.weight_names import hf_parameter_names
 from tests.unit.engine.models.families import (
     TINY_SHAPE,
     TINY_VOCAB,
+    architecture_name,
     family_configs,
     randomize_weights,
 )
@@ -71,7 +73,7 @@ def _configs() -> dict[str, PretrainedConfig]:
 def family(request, tmp_path_factory):
     """(HF model, saved directory) for one family."""
     config = _configs()[request.param]
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [architecture_name(config)]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
         config, attn_implementation="eager", dtype=torch.float32
@@ -167,12 +169,16 @@ def test_bfloat16_close_to_float32(family, tandem):
     chunks = [(i, 0, n) for i, n in enumerate(PROMPT_LENS)]
     ref = step(tandem.model, allocate(tandem.model, tokens), chunks)
     got = step(bf16.model, allocate(bf16.model, tokens, dtype=torch.bfloat16), chunks)
+    # Gemma's four norms a layer (weights near 2 here) and sqrt(hidden)
+    # embeddings amplify bf16 rounding: transformers' own Gemma 3 in bf16 is
+    # off by ~4% of the logit scale on these weights.
+    rel = 0.1 if tandem.spec.sandwich_norms else 0.05
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         assert g.dtype == torch.float32
         assert torch.isfinite(g).all()
         scale = r.abs().max().item()
         diff = (g - r).abs().max().item()
-        assert diff <= 0.05 * scale + 0.05, (
+        assert diff <= rel * scale + 0.05, (
             f"sequence {i}: bf16 off by {diff:.3f} (scale {scale:.2f})"
         )
 
@@ -182,17 +188,29 @@ def test_spec_reads_family_switches(tandem):
     arch = spec.architecture
     assert spec.attention_bias == (arch == "Qwen2ForCausalLM" or spec.o_proj_bias)
     if arch == "MistralForCausalLM":
-        assert spec.sliding_window == 4096
-        assert spec.max_model_len == min(spec.max_position_embeddings, 4096)
+        assert spec.layer_windows == (4096,) * spec.num_layers
+    elif arch == "Gemma3ForCausalLM":
+        assert spec.layer_windows == (6, None, 6)
+        assert (spec.rope_theta, spec.sliding_rope_theta) == (1_000_000.0, 10_000.0)
+        assert (spec.hidden_act, spec.norm_weight_offset, spec.sandwich_norms) == (
+            "gelu_tanh",
+            1.0,
+            True,
+        )
+        assert spec.embedding_multiplier == spec.hidden_size**0.5
+    else:
+        assert spec.sliding_window is None
     plain = arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
     assert spec.plain_llama_layers == plain
-    assert spec.qk_norm == (arch == "Qwen3ForCausalLM")
+    assert spec.qk_norm == (arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"))
     assert spec.fused_checkpoint_projections == (arch == "Phi3ForCausalLM")
     if arch == "Qwen3ForCausalLM":
         assert (spec.head_dim, spec.num_heads * spec.head_dim) == (24, 96)
     if arch == "GraniteForCausalLM":
         assert (spec.embedding_multiplier, spec.attention_scale) == (3.0, 0.2)
         assert (spec.residual_multiplier, spec.logits_divisor) == (0.5, 4.0)
+    elif arch == "Gemma3ForCausalLM":
+        assert spec.attention_scale == 24**-0.5  # query_pre_attn_scalar
     else:
         assert spec.attention_scale == spec.head_dim**-0.5
     assert spec.rotary_dim == (12 if arch == "Phi3ForCausalLM" else spec.head_dim)

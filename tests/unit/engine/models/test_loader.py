@@ -15,13 +15,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine.models import loader
-from engine.models.llama import (
-    Linear,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    WeightLoadError,
-    hf_parameter_names,
-)
+from engine.models.layers import Linear
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.loader import (
     DEFAULT_MODEL,
     ModelNotFoundError,
@@ -32,6 +27,7 @@ from engine.models.loader import (
 )
 from engine.models.registry import UnsupportedModelError, supported_architectures
 from engine.models.spec import SUPPORTED_ROPE_TYPES, ModelConfigError, ModelSpec
+from engine.models.weight_names import WeightLoadError, hf_parameter_names
 from kernels.layer_ops import mkl_packing_available
 from tests.unit.engine.models.paged import REFERENCE_OPS, allocate, step
 
@@ -69,6 +65,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     message = str(err.value)
     assert "GPT2LMHeadModel" in message
     supported = {
+        "Gemma3ForCausalLM",
         "GraniteForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",

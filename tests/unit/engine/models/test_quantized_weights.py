@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine.config import ConfigError
 from engine.models.gguf_weights import BlockRows
-from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM
+from engine.models.layers import Linear
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.loader import LoadedModel, load_model
 from engine.models.weight_plan import FLOAT_WEIGHTS, QuantizationName, WeightPlan, plan_weights
 from kernels import cpu_kernels
