@@ -96,7 +96,7 @@ redis:
 # fixtures need (e2e last: see pyproject's testpaths).
 test: lint typecheck model gemma kernels node redis
 	$(VENV)/bin/pytest -q -n 2 tests/unit
-	$(VENV)/bin/pytest -q tests/integration tests/e2e
+	$(VENV)/bin/pytest -q --durations=20 tests/integration tests/e2e
 
 # Starts `tandem serve` on the default model, streams a few answers through
 # `tandem generate`, prints a summary and stops the server (service/demo.py).
