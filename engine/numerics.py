@@ -30,7 +30,7 @@ class Numerics:
     given explicitly)."""
 
     int8_activations: bool
-    kv_cache_dtype: str  # 'float32', 'bfloat16' or 'float16'
+    kv_cache_dtype: str  # 'float32', 'bfloat16', 'float16' or 'int8'
     path: PathName
 
     @property

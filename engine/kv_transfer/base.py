@@ -63,7 +63,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "int8"
     # The weights' format in memory (``WorkerInfo.weight_format``, e.g.
     # "float32", "q4_1+q8_0"): the same tokens give different KV under
     # different weights, so blocks are shared only within one format. ""
@@ -73,8 +73,10 @@ class KVLayout:
 
     @property
     def elements_per_layer_half(self) -> int:
-        """Elements of K (or of V) of one block in one layer."""
-        return self.block_size * self.num_kv_heads * self.head_dim
+        """Elements of K (or of V) of one block in one layer: an int8
+        cache's rows carry their float32 scale as 4 more (kernels/kv_int8.py)."""
+        row = self.head_dim + 4 if self.dtype == "int8" else self.head_dim
+        return self.block_size * self.num_kv_heads * row
 
 
 @dataclass(frozen=True)

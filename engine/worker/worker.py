@@ -33,6 +33,9 @@ from kernels.backend import select_backend
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache's element types: the model's, and int8 with a scale per row
+# (kernels/kv_int8.py; CPU only).
+_CACHE_DTYPES = {**_DTYPES, "int8": torch.int8}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,7 +97,12 @@ class Worker:
         max_model_len = spec.max_position_embeddings
         if model_config.max_model_len is not None:
             max_model_len = min(max_model_len, model_config.max_model_len)
-        cache_dtype = _DTYPES[self.numerics.kv_cache_dtype]
+        cache_dtype = _CACHE_DTYPES[self.numerics.kv_cache_dtype]
+        if cache_dtype == torch.int8 and self.backend.name == "triton":
+            raise ConfigError(
+                "kv_cache_dtype='int8' is not supported by the Triton attention backend "
+                "(CUDA): expected 'auto', 'float32', 'bfloat16' or 'float16' there"
+            )
         shape = KVCacheShape(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, cache_config.block_size, cache_dtype
         )

@@ -75,9 +75,12 @@ def models(default_model_path: Path) -> dict[str, LoadedModel]:
     }
 
 
-def _logits(loaded: LoadedModel, tokens: list[list[int]]) -> list[torch.Tensor]:
-    """Full-sequence logits [len, vocab] of each token list, prefilled in one step."""
-    seqs = allocate(loaded.model, tokens)
+def _logits(
+    loaded: LoadedModel, tokens: list[list[int]], cache: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """Full-sequence logits [len, vocab] of each token list, prefilled in one
+    step over a KV cache of `cache`'s dtype."""
+    seqs = allocate(loaded.model, tokens, dtype=cache)
     with torch.inference_mode():
         return list(step(loaded.model, seqs, [(i, 0, len(t)) for i, t in enumerate(tokens)]))
 
@@ -101,10 +104,10 @@ def _opticks(tokenizer) -> list[int]:
     return ids[:TEXT_TOKENS]
 
 
-def _perplexity(loaded: LoadedModel, ids: list[int]) -> float:
+def _perplexity(loaded: LoadedModel, ids: list[int], cache: torch.dtype = torch.float32) -> float:
     windows = [ids[i : i + WINDOW] for i in range(0, len(ids), WINDOW)]
     nll, count = 0.0, 0
-    for window, logits in zip(windows, _logits(loaded, windows), strict=True):
+    for window, logits in zip(windows, _logits(loaded, windows, cache), strict=True):
         targets = torch.tensor(window[1:])
         nll += F.cross_entropy(logits[:-1].float(), targets, reduction="sum").item()
         count += len(targets)
@@ -125,3 +128,17 @@ def test_perplexity_within_two_percent(models, tokenizer, float32_perplexity, fm
     got = _perplexity(models[fmt], ids)
     print(f"perplexity on {len(ids)} tokens: float32 {float32_perplexity:.3f}, {fmt} {got:.3f}")
     assert abs(got - float32_perplexity) / float32_perplexity <= 0.02
+
+
+def test_an_int8_kv_cache_keeps_perplexity_within_one_percent(
+    models, tokenizer, float32_perplexity
+) -> None:
+    """Issue 44: the float32 weights over an int8 KV cache (a float32 scale
+    per token and head: kernels/kv_int8.py), read in place by the compiled
+    prefill kernel, against the same weights over a float32 cache."""
+    ids = _opticks(tokenizer)
+    got = _perplexity(models["float32"], ids, torch.int8)
+    print(
+        f"perplexity on {len(ids)} tokens: float32 cache {float32_perplexity:.3f}, int8 {got:.3f}"
+    )
+    assert abs(got - float32_perplexity) / float32_perplexity <= 0.01

@@ -45,6 +45,9 @@ def test_header_is_64_bytes_and_payload_size_follows_layout() -> None:
     assert codec.frame_bytes == HEADER_BYTES + codec.payload_bytes
     bf16 = make_codec(layout=dataclasses.replace(LAYOUT, dtype="bfloat16"))
     assert bf16.payload_bytes == codec.payload_bytes // 2
+    # int8: each row's 4 values and its float32 scale (kernels/kv_int8.py).
+    int8 = make_codec(layout=dataclasses.replace(LAYOUT, dtype="int8"))
+    assert int8.payload_bytes == 2 * 2 * 4 * 2 * (4 + 4)
 
 
 @pytest.mark.parametrize("as_view", [False, True])
@@ -137,10 +140,20 @@ def test_corrupted_checksum_field_is_rejected() -> None:
         make_codec(layout=dataclasses.replace(LAYOUT, num_kv_heads=4, head_dim=2)),
         make_codec(layout=dataclasses.replace(LAYOUT, dtype="bfloat16")),
         make_codec(layout=dataclasses.replace(LAYOUT, dtype="float16")),
+        make_codec(layout=dataclasses.replace(LAYOUT, dtype="int8")),
         # Same payload size and shape: KV computed under other weights.
         make_codec(layout=dataclasses.replace(LAYOUT, weight_format="q4_1+q8_0")),
     ],
-    ids=["model", "block_size", "heads", "same-size", "bfloat16", "float16", "weight_format"],
+    ids=[
+        "model",
+        "block_size",
+        "heads",
+        "same-size",
+        "bfloat16",
+        "float16",
+        "int8",
+        "weight_format",
+    ],
 )
 def test_frame_from_another_model_or_layout_is_rejected(other: BlockCodec) -> None:
     """A frame written for another model or layout is refused by this codec

@@ -17,14 +17,22 @@ NUM_BLOCKS = 10
 BLOCK_SIZE = 4
 HEADS = 2
 HEAD_DIM = 8
-DTYPES = [torch.float32, torch.bfloat16]
+# int8: rows of HEAD_DIM values and their 4-byte scale (kernels/kv_int8.py),
+# moved as bytes like any block.
+DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 
 
 def make_caches(dtype: torch.dtype, *, random: bool, seed: int = 0) -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+    row = HEAD_DIM + 4 if dtype == torch.int8 else HEAD_DIM
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, row)
     if not random:
         return [torch.zeros(shape, dtype=dtype) for _ in range(NUM_LAYERS)]
     gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.int8:
+        return [
+            torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+            for _ in range(NUM_LAYERS)
+        ]
     return [torch.randn(shape, generator=gen).to(dtype) for _ in range(NUM_LAYERS)]
 
 

@@ -14,6 +14,7 @@ import torch
 
 from engine.models.llama import LlamaForCausalLM
 from kernels import reference
+from kernels.kv_int8 import int8_row_bytes
 from kernels.metadata import AttentionMetadata
 
 
@@ -53,8 +54,10 @@ def allocate(
     for n in per_seq:
         blocks.append(ids[taken : taken + n])
         taken += n
+    # An int8 cache's rows carry their float32 scale (kernels/kv_int8.py).
+    row = int8_row_bytes(spec.head_dim) if dtype == torch.int8 else spec.head_dim
     caches = [
-        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype)
+        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, row, dtype=dtype)
         for _ in range(spec.num_layers)
     ]
     return PagedSequences(tokens, blocks, block_size, caches)

@@ -1,0 +1,89 @@
+"""P/D with an int8 KV cache (issue 44): prefill and decode pods that both
+keep int8 blocks (values and a float32 scale per row, kernels/kv_int8.py)
+hand them over the shared-memory connector as they are, and the router's
+answers equal a colocated int8 pod's. A decode pod whose cache is bfloat16
+never reads the int8 blocks (their keys name the cache dtype): it
+recomputes the prompt, and counts it."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from service.convert import struct_to_dict
+from service.gen.tandem.v1 import generation_pb2 as pb
+from tests.integration.servers import ServerProcess, launched, serving
+from tests.integration.test_pd import (
+    PROMPTS,
+    SMALL,
+    _check_parity,
+    _generate,
+    _generate_all,
+    _kv,
+    _leg,
+    _status,
+    _tokenize,
+    wait_router_sees_pods,
+)
+
+INT8 = ["--kv-cache-dtype", "int8", "--int8-activations", "false", *SMALL]
+
+
+@pytest.fixture(scope="module")
+def colocated() -> Iterator[ServerProcess]:
+    pod = ServerProcess(INT8, exact=False)
+    with launched(pod):
+        yield pod
+
+
+@pytest.fixture(scope="module")
+def int8_pd(colocated: ServerProcess) -> Iterator[tuple[str, str, str, str]]:
+    """(router, int8 prefill pod, int8 decode pod, bfloat16 decode pod), one shm pool."""
+    extra = {"pool_name": f"pd8-{uuid.uuid4().hex[:8]}", "capacity_bytes": 64 << 20}
+    producer, consumer = _kv("shm", "kv_producer", extra), _kv("shm", "kv_consumer", extra)
+    prefill = ServerProcess(["--role", "prefill", *INT8, *producer], exact=False)
+    decode = ServerProcess(["--role", "decode", *INT8, *consumer], exact=False)
+    bf16 = ["--kv-cache-dtype", "bfloat16", "--int8-activations", "false", *SMALL]
+    # It waits this long for blocks that never come (10 s by default), then recomputes.
+    impatient = _kv("shm", "kv_consumer", {**extra, "load_wait_seconds": 1.0})
+    other = ServerProcess(["--role", "decode", *bf16, *impatient], exact=False)
+    router = ServerProcess(
+        ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+        command="router",
+    )
+    with serving(prefill, decode, other, router):
+        wait_router_sees_pods(router.target)
+        yield router.target, prefill.target, decode.target, other.target
+
+
+def test_int8_blocks_hand_over_and_answers_equal_colocated(
+    int8_pd: tuple[str, str, str, str], colocated: ServerProcess
+) -> None:
+    router, _, decode, _ = int8_pd
+    want: list[pb.GenerateResponse] = asyncio.run(_generate_all(colocated.target, PROMPTS))
+    first = asyncio.run(_generate(router, PROMPTS[0]))
+    # The decode pod loaded the prompt's blocks, and recomputed none of it.
+    status = asyncio.run(_status(decode))
+    assert status.kv_connector_hits >= 16 * (first.usage.prompt_tokens // 16 - 1)
+    assert status.kv_recomputed_tokens == 0
+    got = asyncio.run(_generate_all(router, PROMPTS))
+    _check_parity([first], want[:1])
+    _check_parity(got, want)
+
+
+def test_a_decode_pod_with_another_cache_dtype_recomputes(
+    int8_pd: tuple[str, str, str, str], colocated: ServerProcess
+) -> None:
+    _, prefill, _, other = int8_pd
+    ids = asyncio.run(_tokenize(colocated.target, PROMPTS[3]))
+    first = asyncio.run(_leg(prefill, ids, 1, {"do_remote_decode": True}))
+    params = struct_to_dict(first.kv_transfer_params)
+    before = asyncio.run(_status(other))
+    done = asyncio.run(_leg(other, ids + list(first.token_ids), 4, params))
+    after = asyncio.run(_status(other))
+    assert len(done.token_ids) == 4  # it answered, from its own prefill
+    assert after.kv_connector_hits == before.kv_connector_hits  # read nothing
+    assert after.kv_recomputed_tokens > before.kv_recomputed_tokens
