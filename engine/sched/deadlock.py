@@ -12,6 +12,10 @@ wherever vLLM would go on the decisions stay vLLM's:
   pending, and it already did so at the same point, with no request getting
   a token since: vLLM restarts it forever. (The first time, it preempts
   itself as vLLM does: the restart may well get further.)
+* a livelock of several: requests take turns running alone (one slot), each
+  preempting itself at the same point as its last turn, with no request
+  getting a new token in between (each turn recomputes what it had): vLLM
+  cycles forever.
 
 Then the least urgent parked request gives its blocks back (what it loaded
 stays in the prefix cache), one at a time until the request in need fits.
@@ -37,9 +41,14 @@ class DeadlockBreaker:
         # The last request that preempted itself while running alone:
         # (request id, num_tokens, _num_output_steps, num_computed_tokens).
         self._lone_preemption: tuple[str, int, int, int] | None = None
+        # Where each request last preempted itself alone since the last step
+        # with a new token: request id -> num_computed_tokens.
+        self._lone_points: dict[str, int] = {}
 
     def step_had_output(self) -> None:
+        """Some request got a new token (or finished) this step: progress."""
         self._num_output_steps += 1
+        self._lone_points.clear()
 
     def unblock_head(
         self,
@@ -68,6 +77,30 @@ class DeadlockBreaker:
         succeeds; returns its blocks, or None (then it preempts itself)."""
         if self.kv_transfers.pending():
             return None
+        # Both checks run: each records this preemption.
+        again = self._turn_again(request)
+        if not self._same_point_again(request) and not again:
+            return None
+        why = f"{request.request_id}, running alone, would preempt itself again"
+        while self.kv_transfers.release_one_parked(waiting, None, why):
+            new_blocks = allocate()
+            if new_blocks is not None:
+                return new_blocks
+        return None
+
+    def _turn_again(self, request: Request) -> bool:
+        """Whether ``request`` preempted itself alone before at this point or
+        later, with no request getting a token since (several taking turns)."""
+        last = self._lone_points.get(request.request_id)
+        computed = request.num_computed_tokens
+        if last is None or computed > last:
+            self._lone_points[request.request_id] = computed
+            return False
+        return True
+
+    def _same_point_again(self, request: Request) -> bool:
+        """The lone request preempts itself where it did last time, no
+        request having had a token since."""
         mark = (
             request.request_id,
             request.num_tokens,
@@ -77,12 +110,7 @@ class DeadlockBreaker:
         last = self._lone_preemption
         if last is None or last[:3] != mark[:3] or last[3] < mark[3]:
             self._lone_preemption = mark  # a first time (or it got further)
-            return None
-        why = f"{request.request_id}, running alone, would preempt itself again"
-        while self.kv_transfers.release_one_parked(waiting, None, why):
-            new_blocks = allocate()
-            if new_blocks is not None:
-                # Known to be stuck: until a token comes, release at once.
-                self._lone_preemption = (*mark[:3], sys.maxsize)
-                return new_blocks
-        return None
+            return False
+        # Known to be stuck: until a token comes, release at once.
+        self._lone_preemption = (*mark[:3], sys.maxsize)
+        return True

@@ -126,7 +126,7 @@ class StepUpdate:
         if failed:
             self._end_failed_loads(failed, outputs)
         outputs.extend(s.admission.take_refused())
-        if outputs:
+        if any(o.new_token_ids or o.finish_reason is not None for o in outputs):
             s.deadlock_breaker.step_had_output()
         return self._package_outputs(outputs)
 

@@ -89,3 +89,38 @@ def test_a_lone_request_releases_until_it_fits() -> None:
     breaker.unblock_lone(request, parked, allocate)
     assert breaker.unblock_lone(request, parked, allocate) is not None
     assert kvm.num_blocks("r0") == kvm.num_blocks("r1") == 0
+
+
+def test_requests_taking_turns_to_preempt_themselves_are_a_livelock() -> None:
+    """Two requests share one slot and each preempts itself at the same
+    point as on its last turn, no token kept in between (found by
+    test_scheduler_properties: a 1-slot, 7-block trace with parked loads
+    cycled forever): the second round releases parked blocks."""
+    breaker, _, kvm, parked = parked_setup()
+    first = lone(kvm, breaker.kv_transfers.requests)
+    second = running(kvm, breaker.kv_transfers.requests, "r3", 12)
+    second.num_computed_tokens = 8
+
+    def allocate() -> KVCacheBlocks | None:
+        return KVCacheBlocks(())
+
+    assert breaker.unblock_lone(first, parked, allocate) is None  # as vLLM
+    assert breaker.unblock_lone(second, parked, allocate) is None  # as vLLM
+    assert kvm.num_blocks("r1") == 2
+    assert breaker.unblock_lone(first, parked, allocate) is not None  # the same again
+    assert kvm.num_blocks("r1") == 0
+
+
+def test_a_token_between_turns_is_progress() -> None:
+    breaker, _, kvm, parked = parked_setup()
+    first = lone(kvm, breaker.kv_transfers.requests)
+    second = running(kvm, breaker.kv_transfers.requests, "r3", 12)
+
+    def allocate() -> KVCacheBlocks | None:
+        return KVCacheBlocks(())
+
+    assert breaker.unblock_lone(first, parked, allocate) is None
+    assert breaker.unblock_lone(second, parked, allocate) is None
+    breaker.step_had_output()  # a token kept: the turns got somewhere
+    assert breaker.unblock_lone(first, parked, allocate) is None
+    assert kvm.num_blocks("r1") == 2

@@ -195,7 +195,9 @@ class Faults:
 
 def fault_output(sched: Scheduler, faults: Faults, pending: set[str]) -> KVConnectorOutput:
     rng = faults.rng
-    done = {r for r in pending if rng.random() < 0.6}
+    # Sorted: a set's order follows PYTHONHASHSEED, and a failing example
+    # must replay the same way in another process.
+    done = {r for r in sorted(pending) if rng.random() < 0.6}
     pending -= done
     invalid: set[int] = set()
     if faults.left and rng.random() < 0.3:
