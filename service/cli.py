@@ -664,8 +664,11 @@ async def _status(args: argparse.Namespace) -> int:
             f"numerics   {info.numerics}: {info.activations} activations, "
             f"{info.kv_cache_dtype} KV cache"
         )
+    # Block 0 is the null block: the others hold tokens.
+    holds = max(info.num_kv_blocks - 1, 0) * info.block_size
+    dtype = f", {info.kv_cache_dtype}" if info.kv_cache_dtype else ""
     print(
-        f"kv cache   {info.num_kv_blocks} blocks of {info.block_size}; "
+        f"kv cache   {info.num_kv_blocks} blocks of {info.block_size} ({holds} tokens{dtype}); "
         f"usage {status.kv_cache_usage:.1%}"
     )
     print(f"role       {info.role}; connector {info.kv_connector or 'none'}")

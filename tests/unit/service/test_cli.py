@@ -650,3 +650,14 @@ def test_status_shows_lora_when_it_is_on() -> None:
     adapters = [pb.LoraAdapter(lora_name=n) for n in ("b", "a")]
     assert cli._lora_line(config, adapters) == "lora       a, b (at most 2 per step, rank <= 16)"
     assert cli._lora_line(config, []).startswith("lora       none loaded")
+
+
+def test_status_prints_the_tokens_the_cache_holds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    info = pb.ModelInfo(model_name="m", num_kv_blocks=11, block_size=16, kv_cache_dtype="int8")
+    monkeypatch.setattr(cli, "_client", lambda args: _StatusClient(pb.ServerStatus(), info))
+    args = cli._parser().parse_args(["status"])
+    assert args.run(args) == 0
+    lines = [s for s in capsys.readouterr().out.splitlines() if s.startswith("kv cache")]
+    assert lines == ["kv cache   11 blocks of 16 (160 tokens, int8); usage 0.0%"]
