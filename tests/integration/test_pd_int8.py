@@ -1,7 +1,7 @@
 """P/D with an int8 KV cache (issue 44): prefill and decode pods that both
 keep int8 blocks (values and a float32 scale per row, kernels/kv_int8.py)
-hand them over the shared-memory connector as they are, and the router's
-answers equal a colocated int8 pod's. A decode pod whose cache is bfloat16
+hand them over the shared-memory connector and over Redis as they are, and
+the router's answers equal a colocated int8 pod's. A decode pod whose cache is bfloat16
 never reads the int8 blocks (their keys name the cache dtype): it
 recomputes the prompt, and counts it."""
 
@@ -15,6 +15,7 @@ import pytest
 
 from service.convert import struct_to_dict
 from service.gen.tandem.v1 import generation_pb2 as pb
+from tests.integration.redis_server import REDIS_SERVER, RedisServer
 from tests.integration.servers import ServerProcess, launched, serving
 from tests.integration.test_pd import (
     PROMPTS,
@@ -59,10 +60,39 @@ def int8_pd(colocated: ServerProcess) -> Iterator[tuple[str, str, str, str]]:
         yield router.target, prefill.target, decode.target, other.target
 
 
+@pytest.fixture(scope="module")
+def redis_int8_pd(colocated: ServerProcess) -> Iterator[tuple[str, str]]:
+    """(router, decode pod) of int8 pods over a Redis store."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not installed")
+    with RedisServer() as store:
+        extra = {"url": store.url, "key_prefix": f"i8{uuid.uuid4().hex[:6]}:"}
+        producer, consumer = _kv("redis", "kv_producer", extra), _kv("redis", "kv_consumer", extra)
+        prefill = ServerProcess(["--role", "prefill", *INT8, *producer], exact=False)
+        decode = ServerProcess(["--role", "decode", *INT8, *consumer], exact=False)
+        router = ServerProcess(
+            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+            command="router",
+        )
+        with serving(prefill, decode, router):
+            wait_router_sees_pods(router.target)
+            yield router.target, decode.target
+
+
 def test_int8_blocks_hand_over_and_answers_equal_colocated(
     int8_pd: tuple[str, str, str, str], colocated: ServerProcess
 ) -> None:
     router, _, decode, _ = int8_pd
+    _check_handover(router, decode, colocated)
+
+
+def test_int8_blocks_over_redis_equal_colocated(
+    redis_int8_pd: tuple[str, str], colocated: ServerProcess
+) -> None:
+    _check_handover(*redis_int8_pd, colocated)
+
+
+def _check_handover(router: str, decode: str, colocated: ServerProcess) -> None:
     want: list[pb.GenerateResponse] = asyncio.run(_generate_all(colocated.target, PROMPTS))
     first = asyncio.run(_generate(router, PROMPTS[0]))
     # The decode pod loaded the prompt's blocks, and recomputed none of it.
