@@ -6,6 +6,8 @@ gated MLP. Each takes its switches from `ModelSpec`; the decoder layers that
 wire them together, and the model, live in llama.py.
 """
 
+from __future__ import annotations
+
 import math
 from typing import Protocol
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.spec import ModelSpec, RopeScaling
+from kernels.backend import PagedAttention, ReshapeAndCache
 from kernels.layer_ops import (
     LayerOps,
     Packed,
@@ -22,29 +25,6 @@ from kernels.layer_ops import (
 from kernels.lora import LoRALayer
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedWeight, quant_linear_silu
-
-
-class ReshapeAndCache(Protocol):
-    def __call__(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        /,
-    ) -> None: ...
-
-
-class PagedAttention(Protocol):
-    def __call__(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        /,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor: ...
 
 
 class AttentionOps(Protocol):
@@ -197,6 +177,28 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
+    @classmethod
+    def for_layer(
+        cls,
+        spec: ModelSpec,
+        index: int,
+        ops: AttentionOps,
+        lops: LayerOps,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LlamaAttention:
+        """The attention of layer `index`: its RoPE (or none) and its window."""
+        return cls(
+            spec,
+            ops,
+            lops,
+            dtype=dtype,
+            device=device,
+            use_rope=spec.rope_layers[index],
+            window=spec.layer_windows[index],
+        )
+
     def __init__(
         self,
         spec: ModelSpec,

@@ -98,14 +98,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps, hidden = spec.rms_norm_eps, spec.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(
-            spec,
-            ops,
-            lops,
-            dtype=dtype,
-            device=device,
-            use_rope=spec.rope_layers[index],
-            window=spec.layer_windows[index],
+        self.self_attn = LlamaAttention.for_layer(
+            spec, index, ops, lops, dtype=dtype, device=device
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
         self.mlp = LlamaMLP(spec, lops, dtype=dtype, device=device)
@@ -156,14 +150,8 @@ class SandwichDecoderLayer(nn.Module):
             return RMSNorm(hidden, eps, lops, dtype=dtype, device=device)
 
         self.input_layernorm = norm()
-        self.self_attn = LlamaAttention(
-            spec,
-            ops,
-            lops,
-            dtype=dtype,
-            device=device,
-            use_rope=spec.rope_layers[index],
-            window=spec.layer_windows[index],
+        self.self_attn = LlamaAttention.for_layer(
+            spec, index, ops, lops, dtype=dtype, device=device
         )
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
