@@ -2,6 +2,10 @@
 plain run (drafts, n-gram k=3; asynchronous scheduling; a JSON schema; a LoRA
 adapter; a 32-token budget; a cache small enough to preempt). Prints how many
 of 16 greedy answers equal the plain engine's, and fails unless all do.
+Both run the exact path (`exact=True`): the fast CPU default (int8
+activations, a bfloat16 cache) is not batch- or chunk-invariant, so a
+32-token budget or drafts may part its answers at a near tie (measured
+14/16 on it, 2026-11-28).
 
     .venv/bin/python benchmarks/compose_check.py
 """
@@ -41,7 +45,7 @@ json_p = SamplingParams(
 
 
 def build(**kw: Any) -> LLM:
-    llm = LLM(max_model_len=256, lora=LoRAConfig(max_loras=2, max_lora_rank=16), **kw)
+    llm = LLM(max_model_len=256, lora=LoRAConfig(max_loras=2, max_lora_rank=16), exact=True, **kw)
     llm.load_lora("qv8", str(adapters["qv8"]))
     return llm
 
