@@ -164,7 +164,7 @@ class NixlConnector(KVConnectorBase):
         spec = RecvSpec(
             req_id,
             source,
-            local_ids=list(blocks.get_block_ids()[first:end]),
+            local_ids=blocks.get_block_ids()[0][first:end],  # one KV cache group
             remote_ids=list(source.block_ids[first:end]),
         )
         self._meta.recvs.append(spec)

@@ -220,7 +220,8 @@ class StoreConnector(KVConnectorBase):
         tracked.saved_blocks = first + count
         if count == 0:
             return
-        block_ids = blocks.get_block_ids()[first : first + count]
+        (all_ids,) = blocks.get_block_ids()  # connectors run with one KV cache group
+        block_ids = all_ids[first : first + count]
         remote = self._wants_remote_prefill(request)
         spec = LoadSpec(
             req_id,
@@ -253,16 +254,16 @@ class StoreConnector(KVConnectorBase):
         for new in so.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids)
+                (tracked.block_ids,) = (list(ids) for ids in new.block_ids)
         cached = so.scheduled_cached_reqs
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
             if req_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_ids or [])
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
-                tracked.block_ids.extend(new_ids)
+                tracked.block_ids.extend(new_ids[0])
 
     def _blocks_to_save(self, tracked: _Tracked, num_new: int) -> list[tuple[int, bytes]]:
         request = tracked.request

@@ -242,6 +242,9 @@ class CacheConfig:
     # --no-kv-events (the flag's default is the service's, not this one).
     enable_kv_events: bool = False
     num_blocks_override: int | None = None
+    # Per KV cache group, its layers' sliding window (None: full attention);
+    # set by the engine core from the model (engine.kv_cache.groups).
+    group_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         _require(
@@ -251,6 +254,12 @@ class CacheConfig:
             "a positive multiple of 8",
         )
         _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, ">= 2 (one is reserved)")
+        _require(
+            bool(self.group_windows) and all(w is None or w >= 1 for w in self.group_windows),
+            "group_windows",
+            self.group_windows,
+            "one entry per KV cache group, each None or >= 1",
+        )
         _require(
             self.num_blocks_override is None or self.num_blocks_override >= 2,
             "num_blocks_override",

@@ -64,7 +64,13 @@ class EngineCore:
         self.worker = _call_on(
             runner_thread,
             lambda: Worker(
-                config.model, config.cache, config.scheduler.max_num_seqs, spec, config.lora
+                config.model,
+                config.cache,
+                config.scheduler.max_num_seqs,
+                spec,
+                config.lora,
+                # A connector moves whole blocks: every layer's KV stays.
+                free_windowed_kv=kv is None and connector is None,
             ),
         )
         info = self.worker.info
@@ -75,7 +81,9 @@ class EngineCore:
             scheduler_config = replace(
                 scheduler_config, num_lookahead_tokens=spec.num_speculative_tokens
             )
-        cache_config = replace(config.cache, num_blocks=info.num_blocks)
+        cache_config = replace(
+            config.cache, num_blocks=info.num_blocks, group_windows=info.kv_group_windows
+        )
         self.config = replace(config, scheduler=scheduler_config, cache=cache_config)
         self.engine_id = uuid.uuid4().hex
         self.worker_connector: KVConnectorBase | None = None

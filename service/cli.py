@@ -664,12 +664,16 @@ async def _status(args: argparse.Namespace) -> int:
             f"numerics   {info.numerics}: {info.activations} activations, "
             f"{info.kv_cache_dtype} KV cache"
         )
-    # Block 0 is the null block: the others hold tokens.
-    holds = max(info.num_kv_blocks - 1, 0) * info.block_size
+    # Block 0 is the null block: the others hold tokens, each token a slot
+    # in every KV cache group (windowed groups free theirs past the window,
+    # so long contexts fit more than this).
+    groups = max(info.kv_cache_groups, 1)
+    holds = max(info.num_kv_blocks - 1, 0) * info.block_size // groups
     dtype = f", {info.kv_cache_dtype}" if info.kv_cache_dtype else ""
+    grouped = f" in {groups} groups, windowed ones freed past the window" if groups > 1 else ""
     print(
-        f"kv cache   {info.num_kv_blocks} blocks of {info.block_size} ({holds} tokens{dtype}); "
-        f"usage {status.kv_cache_usage:.1%}"
+        f"kv cache   {info.num_kv_blocks} blocks of {info.block_size} "
+        f"({holds} tokens{grouped}{dtype}); usage {status.kv_cache_usage:.1%}"
     )
     print(f"role       {info.role}; connector {info.kv_connector or 'none'}")
     print(f"requests   {status.num_running} running, {status.num_waiting} waiting")

@@ -229,6 +229,7 @@ def model_info(
         activations=info.numerics.activations,
         kv_cache_dtype=info.numerics.kv_cache_dtype,
         numerics=info.numerics.path,
+        kv_cache_groups=len(info.kv_group_windows),
     )
     if lora is not None:
         out.lora.CopyFrom(

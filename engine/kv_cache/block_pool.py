@@ -8,12 +8,25 @@ from typing import TYPE_CHECKING
 
 from engine.kv_cache.block import FreeBlockQueue, KVCacheBlock
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from engine.kv_cache.hashing import BlockHash
+from engine.kv_cache.hashing import HASH_BYTES, BlockHash
 
 if TYPE_CHECKING:
     from engine.request import Request
 
 logger = logging.getLogger(__name__)
+
+_GROUP_KEY_BYTES = 2
+
+
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of a block of KV cache group ``group``: the same
+    tokens in two groups are two blocks (different layers' KV). Group 0's
+    key is the block hash itself, the one KV events and routers see."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(_GROUP_KEY_BYTES, "little")
+
+
+def _is_group0_key(key: BlockHash) -> bool:
+    return len(key) != HASH_BYTES + _GROUP_KEY_BYTES
 
 
 class BlockHashToBlockMap:
@@ -86,8 +99,8 @@ class BlockPool:
         self.null_block.is_null = True
         self._events: list[KVCacheEvent] = []
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_blocks.get_one_block(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        return self.cached_blocks.get_one_block(group_key(block_hash, group))
 
     def cache_full_blocks(
         self,
@@ -96,9 +109,12 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
+        group: int = 0,
     ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] of ``request``
-        under the request's block hashes."""
+        (of KV cache group ``group``) under the request's block hashes. Null
+        blocks (a windowed group's, past the window) are skipped; only group
+        0's blocks make KV events."""
         if num_cached_blocks >= num_full_blocks:
             return
         hashes = request.block_hashes
@@ -110,9 +126,12 @@ class BlockPool:
         insert = self.cached_blocks.insert
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            block.block_hash = hashes[i]
-            insert(hashes[i], block)
-        if self.enable_kv_events:
+            if block.is_null:
+                continue
+            key = group_key(hashes[i], group)
+            block.block_hash = key
+            insert(key, block)
+        if self.enable_kv_events and group == 0:
             lora = request.lora_request
             self._events.append(
                 BlockStored(
@@ -147,23 +166,26 @@ class BlockPool:
         if self.cached_blocks.pop(block_hash, block.block_id) is None:
             return
         block.block_hash = None
-        if self.enable_kv_events:
+        if self.enable_kv_events and _is_group0_key(block_hash):
             self._events.append(BlockRemoved(block_hashes=[block_hash]))
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Take a reference on prefix-hit blocks, reviving free ones."""
+        """Take a reference on prefix-hit blocks, reviving free ones. The
+        null block is nobody's: it takes no reference."""
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; those reaching zero join the
         free queue in the given order (first = evicted first)."""
-        blocks = list(ordered_blocks)
+        blocks = [b for b in ordered_blocks if not b.is_null]
         for block in blocks:
             block.ref_cnt -= 1
-        self.free_queue.append_n([b for b in blocks if b.ref_cnt == 0 and not b.is_null])
+        self.free_queue.append_n([b for b in blocks if b.ref_cnt == 0])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refuses (returns False) while any

@@ -25,6 +25,8 @@ from typing import Protocol
 BlockHash = bytes
 """A 32-byte sha256 digest."""
 
+HASH_BYTES = 32
+
 NONE_HASH: BlockHash = hashlib.sha256(b"tandem.kv.block-hash.root.v1").digest()
 """The parent of the first block of every sequence."""
 

@@ -1,8 +1,11 @@
 """KVCacheManager: the scheduler's view of the paged KV cache.
 
 It maps requests to blocks, finds prefix-cache hits and caches full blocks.
-One KV cache group (every layer uses full attention with the same block
-table), so block ids are plain ``list[int]`` where vLLM has a tuple per group.
+A request holds one block list per KV cache group (``engine.kv_cache.groups``),
+all of the same length: entry ``i`` covers tokens ``i * block_size`` onward.
+A windowed group's entries left of its window are the null block: their
+blocks went back to the pool (still cached for prefix hits) once no token to
+come can attend to them.
 """
 
 from __future__ import annotations
@@ -13,48 +16,57 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, overload
 
 from engine.kv_cache.block import KVCacheBlock
-from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.block_pool import BlockPool, group_key
 from engine.kv_cache.events import KVCacheEvent
+from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.stats import PrefixCacheStats
 
 if TYPE_CHECKING:
     from engine.request import Request
 
+BlockIds = tuple[list[int], ...]
+"""A request's block ids, one list per KV cache group."""
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheBlocks:
-    """Blocks handed between the manager and the scheduler (read-only)."""
+    """Blocks handed between the manager and the scheduler (read-only), one
+    sequence per KV cache group."""
 
-    blocks: Sequence[KVCacheBlock]
+    blocks: tuple[Sequence[KVCacheBlock], ...]
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks([*self.blocks, *other.blocks])
+        pairs = zip(self.blocks, other.blocks, strict=True)
+        return KVCacheBlocks(tuple([*a, *b] for a, b in pairs))
 
     @overload
-    def get_block_ids(self, allow_none: Literal[False] = False) -> list[int]: ...
+    def get_block_ids(self, allow_none: Literal[False] = False) -> BlockIds: ...
 
     @overload
-    def get_block_ids(self, allow_none: bool) -> list[int] | None: ...
+    def get_block_ids(self, allow_none: bool) -> BlockIds | None: ...
 
-    def get_block_ids(self, allow_none: bool = False) -> list[int] | None:
-        """Block ids in order; with ``allow_none``, None when empty."""
-        if allow_none and not self.blocks:
+    def get_block_ids(self, allow_none: bool = False) -> BlockIds | None:
+        """Block ids in order, per group; with ``allow_none``, None when empty."""
+        if allow_none and not self.blocks[0]:
             return None
-        return [b.block_id for b in self.blocks]
-
-    def get_unhashed_block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks if b.block_hash is None]
+        return tuple([b.block_id for b in group] for group in self.blocks)
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        """Blocks per group."""
+        return len(self.blocks[0])
 
 
 class KVCacheManager:
     """Allocates and frees a request's blocks and serves prefix-cache hits.
 
     Methods mutate pool state and are called from the scheduler thread only.
-    ``allocate_slots`` returns None (and changes nothing) when the pool is
+    ``allocate_slots`` returns None (and allocates nothing) when the pool is
     too small; every other failure is a bug and raises.
+
+    ``group_windows``: per KV cache group, its layers' sliding window (None:
+    full attention). ``max_rollback``: how many computed tokens a step may
+    take back (rejected drafts); a windowed group keeps that many more
+    tokens' blocks behind its window.
     """
 
     def __init__(
@@ -65,18 +77,33 @@ class KVCacheManager:
         enable_caching: bool = True,
         enable_kv_events: bool = False,
         log_stats: bool = True,
+        group_windows: Sequence[int | None] = (None,),
+        max_rollback: int = 0,
     ) -> None:
+        if not group_windows:
+            raise ValueError("group_windows must name at least one KV cache group")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
+        # (group, tokens behind a position it keeps) for each windowed group.
+        self._windowed = [
+            (g, w - 1 + max_rollback) for g, w in enumerate(self.group_windows) if w is not None
+        ]
         # A defaultdict, as in vLLM: probing a request registers it, which
         # get_num_common_prefix_blocks counts.
-        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
+        self.req_to_blocks: defaultdict[str, tuple[list[KVCacheBlock], ...]] = defaultdict(
+            self._no_blocks
+        )
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-        self.empty_kv_cache_blocks = KVCacheBlocks(())
+        self.empty_kv_cache_blocks = KVCacheBlocks(((),) * self.num_groups)
+
+    def _no_blocks(self) -> tuple[list[KVCacheBlock], ...]:
+        return tuple([] for _ in range(self.num_groups))
 
     @property
     def usage(self) -> float:
@@ -86,28 +113,93 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Longest run of cached full blocks matching the request's prefix.
+        """The longest cached prefix of the request, as blocks per group.
 
         Never covers the last token: a full hit still computes one token so
-        the model produces logits. Does not take references (see
-        allocate_slots). Returns (blocks, number of hit tokens).
+        the model produces logits. A full-attention group needs every block
+        of the prefix cached, a windowed group only those its window reaches
+        from the prefix's end (the rest are the null block). Does not take
+        references (see allocate_slots). Returns (blocks, hit tokens).
         """
         if not self.enable_caching:
             return self.empty_kv_cache_blocks, 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        get = self.block_pool.cached_blocks.get_one_block
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = get(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+        hashes = request.block_hashes[:max_blocks]
+        num_hit = self._full_hit(hashes)
+        if self._windowed:
+            num_hit = self._windowed_hit(hashes, num_hit)
+        num_hit_tokens = num_hit * self.block_size
         if self.log_stats:
             self.prefix_cache_stats.record(
                 request.num_tokens, num_hit_tokens, request.num_preemptions > 0
             )
-        return (KVCacheBlocks(hits) if hits else self.empty_kv_cache_blocks), num_hit_tokens
+        if not num_hit:
+            return self.empty_kv_cache_blocks, 0
+        return KVCacheBlocks(self._hit_blocks(hashes, num_hit)), num_hit_tokens
+
+    def _full_hit(self, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks cached in every full-attention group."""
+        get = self.block_pool.cached_blocks.get_one_block
+        num_hit = len(hashes)
+        for g, window in enumerate(self.group_windows):
+            if window is not None:
+                continue
+            for i in range(num_hit):
+                if get(group_key(hashes[i], g)) is None:
+                    num_hit = i
+                    break
+        return num_hit
+
+    def _windowed_hit(self, hashes: Sequence[BlockHash], num_hit: int) -> int:
+        """The longest prefix of at most ``num_hit`` blocks whose end every
+        windowed group's cached blocks cover back to its window's start.
+        Shortening the prefix for one group can break another's cover, so
+        this repeats until no group shortens it."""
+        changed = True
+        while changed and num_hit:
+            changed = False
+            for g, _ in self._windowed:
+                n = self._window_cover(hashes, num_hit, g)
+                if n < num_hit:
+                    num_hit, changed = n, True
+        return num_hit
+
+    def _window_cover(self, hashes: Sequence[BlockHash], limit: int, group: int) -> int:
+        """The largest n <= limit with group ``group``'s blocks [n - k, n)
+        all cached, k being the blocks its window reaches back (or all
+        blocks before n, when n < k)."""
+        window = self.group_windows[group]
+        assert window is not None
+        need = -(-(window - 1) // self.block_size)
+        if need == 0:
+            return limit
+        get = self.block_pool.cached_blocks.get_one_block
+        run = 0
+        for i in range(limit - 1, -1, -1):
+            if get(group_key(hashes[i], group)) is None:
+                run = 0
+                continue
+            run += 1
+            if run >= need:
+                return i + run
+        return run  # the run reaching block 0, if any
+
+    def _hit_blocks(
+        self, hashes: Sequence[BlockHash], num_hit: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        get = self.block_pool.cached_blocks.get_one_block
+        null = self.block_pool.null_block
+        out: list[list[KVCacheBlock]] = []
+        for g, window in enumerate(self.group_windows):
+            first = 0 if window is None else max(0, (num_hit * self.block_size - window + 1))
+            first //= self.block_size
+            blocks = [null] * first
+            for i in range(first, num_hit):
+                block = get(group_key(hashes[i], g))
+                assert block is not None  # checked by _full_hit / _window_cover
+                blocks.append(block)
+            out.append(blocks)
+        return tuple(out)
 
     def allocate_slots(
         self,
@@ -123,7 +215,8 @@ class KVCacheManager:
         ``num_new_tokens`` includes externally loaded tokens but not the
         ``num_new_computed_tokens`` local prefix hits in
         ``new_computed_blocks``. Returns the newly allocated blocks, or None
-        if the pool cannot supply them (then nothing changed). Unless
+        if the pool cannot supply them (then nothing was allocated, though
+        blocks that left a window may have been freed). Unless
         ``delay_cache_blocks`` (KV still arriving from a connector), full
         blocks are registered in the prefix cache.
         """
@@ -139,38 +232,65 @@ class KVCacheManager:
             num_tokens_need_slot = self.max_model_len
         block_size = self.block_size
         req_blocks = self.req_to_blocks[request_id]
-        num_new_blocks = (num_tokens_need_slot + block_size - 1) // block_size - len(req_blocks)
+        if self._windowed and req_blocks[0]:
+            self._free_behind_windows(req_blocks, num_computed_tokens)
+        num_new_blocks = (num_tokens_need_slot + block_size - 1) // block_size - len(req_blocks[0])
         pool = self.block_pool
-        computed = new_computed_blocks.blocks if new_computed_blocks is not None else ()
-        if computed:
+        computed = new_computed_blocks.blocks if new_computed_blocks is not None else None
+        if computed is not None and computed[0]:
             # Reviving a free cached block takes it out of the free pool too.
-            num_new_blocks -= len(computed)
-            num_evictable = sum(1 for b in computed if b.ref_cnt == 0 and not b.is_null)
-            if num_new_blocks + num_evictable > pool.free_queue.num_free_blocks:
+            num_new_blocks -= len(computed[0])
+            num_evictable = sum(
+                1 for group in computed for b in group if b.ref_cnt == 0 and not b.is_null
+            )
+            if num_new_blocks * self.num_groups + num_evictable > pool.free_queue.num_free_blocks:
                 return None
-            if req_blocks or request_id in self.num_cached_block:
+            if req_blocks[0] or request_id in self.num_cached_block:
                 raise RuntimeError(f"request {request_id} got a prefix hit while holding blocks")
-            pool.touch(computed)
-            req_blocks.extend(computed)
-            self.num_cached_block[request_id] = len(computed)
-        elif num_new_blocks > pool.free_queue.num_free_blocks:
+            for held, hit in zip(req_blocks, computed, strict=True):
+                pool.touch(hit)
+                held.extend(hit)
+            self.num_cached_block[request_id] = len(computed[0])
+        elif num_new_blocks * self.num_groups > pool.free_queue.num_free_blocks:
             return None
+        new_blocks = self._extend(req_blocks, num_new_blocks)
         if self.enable_caching and not delay_cache_blocks:
             # Cache only final tokens: drafts may still be rejected.
             num_tokens = len(request.all_token_ids)
             num_full = (end if end < num_tokens else num_tokens) // block_size
-            if num_new_blocks > 0:
-                new_blocks = pool.get_new_blocks(num_new_blocks)
-                req_blocks.extend(new_blocks)
-                self._cache_full(request, req_blocks, num_full)
-                return KVCacheBlocks(new_blocks)
             if num_full > self.num_cached_block.get(request_id, 0):
                 self._cache_full(request, req_blocks, num_full)
-        elif num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            req_blocks.extend(new_blocks)
-            return KVCacheBlocks(new_blocks)
-        return self.empty_kv_cache_blocks
+        return new_blocks
+
+    def _extend(
+        self, req_blocks: tuple[list[KVCacheBlock], ...], num_new_blocks: int
+    ) -> KVCacheBlocks:
+        if num_new_blocks <= 0:
+            return self.empty_kv_cache_blocks
+        new = []
+        for held in req_blocks:
+            blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            held.extend(blocks)
+            new.append(blocks)
+        return KVCacheBlocks(tuple(new))
+
+    def _free_behind_windows(
+        self, req_blocks: tuple[list[KVCacheBlock], ...], num_computed_tokens: int
+    ) -> None:
+        """Free each windowed group's blocks that no token from
+        ``num_computed_tokens`` on can attend to, leaving the null block."""
+        null = self.block_pool.null_block
+        for g, keep in self._windowed:
+            blocks = req_blocks[g]
+            stop = min((num_computed_tokens - keep) // self.block_size, len(blocks))
+            freed = []
+            for i in range(stop - 1, -1, -1):
+                if blocks[i].is_null:
+                    break  # freed by an earlier step, with everything before it
+                freed.append(blocks[i])
+                blocks[i] = null
+            if freed:
+                self.block_pool.free_blocks(freed)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that ``num_computed_tokens`` fills."""
@@ -180,42 +300,53 @@ class KVCacheManager:
             request, self.req_to_blocks[request.request_id], num_computed_tokens // self.block_size
         )
 
-    def _cache_full(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:
+    def _cache_full(
+        self, request: Request, blocks: tuple[list[KVCacheBlock], ...], num_full: int
+    ) -> None:
         num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_cached >= num_full:
             return
-        self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full, self.block_size)
+        for g, group_blocks in enumerate(blocks):
+            self.block_pool.cache_full_blocks(
+                request, group_blocks, num_cached, num_full, self.block_size, g
+            )
         self.num_cached_block[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so that the tail of a
         sequence is evicted before its (more shareable) head."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
+        groups = self.req_to_blocks.pop(request.request_id, None)
+        for blocks in groups or ():
+            self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request.request_id, None)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         blocks = self.req_to_blocks[request_id]
-        return KVCacheBlocks(blocks) if blocks else self.empty_kv_cache_blocks
+        return KVCacheBlocks(blocks) if blocks[0] else self.empty_kv_cache_blocks
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks[request_id]]
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        return tuple([b.block_id for b in group] for group in self.req_to_blocks[request_id])
 
     def num_blocks(self, request_id: str) -> int:
-        """How many blocks the request holds. Unlike get_blocks, asking
-        does not register the request (see get_num_common_prefix_blocks)."""
+        """How many blocks (per group) the request holds. Unlike get_blocks,
+        asking does not register the request (see get_num_common_prefix_blocks)."""
         blocks = self.req_to_blocks.get(request_id)
-        return len(blocks) if blocks else 0
+        return len(blocks[0]) if blocks else 0
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds over every group, null blocks not counted."""
+        groups = self.req_to_blocks.get(request_id, ())
+        return sum(1 for blocks in groups for b in blocks if not b.is_null)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        """Leading blocks of the request shared by every request that holds
+        """Leading blocks of group 0 shared by every request that holds
         blocks (a hint for cascade attention)."""
         if not self.enable_caching:
             return 0  # as vLLM: only prefix-cached blocks can be common
         num_holders = len(self.req_to_blocks)
         count = 0
-        for block in self.req_to_blocks[running_request_id]:
-            if block.ref_cnt != num_holders:
+        for block in self.req_to_blocks[running_request_id][0]:
+            if block.is_null or block.ref_cnt != num_holders:
                 break
             count += 1
         return count

@@ -40,7 +40,7 @@ one without costs nothing extra.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -250,11 +250,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        layer_metas: Sequence[AttentionMetadata] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for the T new tokens.
 
         input_ids and positions are int64 [T]; kv_caches[i] is layer i's paged
         cache, into which this pass writes the new tokens' K/V at meta.slot_mapping.
+        ``layer_metas``: per layer, its KV cache group's metadata (its own
+        block table and slots; engine.kv_cache.groups); None: ``meta`` for all.
         """
         layers = self.model.layers
         if len(kv_caches) != len(layers):
@@ -266,7 +269,8 @@ class LlamaForCausalLM(nn.Module):
         residual = self.model.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             residual.mul_(self.spec.embedding_multiplier)
-        stack = self._decode_stack_for(meta, kv_caches)
+        # The compiled stack takes one block table.
+        stack = self._decode_stack_for(meta, kv_caches) if layer_metas is None else None
         if stack is not None:
             hidden: torch.Tensor = stack.forward(
                 residual,
@@ -285,9 +289,12 @@ class LlamaForCausalLM(nn.Module):
             sliding_rope = self.lops.rope_tables(*self.sliding_rope_cache, positions)
         delta = None
         windows = self.spec.layer_windows
-        for layer, kv_cache, window in zip(layers, kv_caches, windows, strict=True):
+        metas = layer_metas if layer_metas is not None else [meta] * len(layers)
+        for layer, kv_cache, window, layer_meta in zip(
+            layers, kv_caches, windows, metas, strict=True
+        ):
             layer_rope = rope if window is None else sliding_rope
-            delta = layer(residual, delta, layer_rope, kv_cache, meta)
+            delta = layer(residual, delta, layer_rope, kv_cache, layer_meta)
         norm = self.model.norm
         out: torch.Tensor = norm(residual) if delta is None else norm.add_forward(residual, delta)
         return out

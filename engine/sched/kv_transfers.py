@@ -65,6 +65,12 @@ class KVTransfers:
                 f"kv_load_failure_policy={failure_policy!r} is invalid: "
                 "expected 'recompute' or 'fail'"
             )
+        if connector is not None and kv_cache_manager.num_groups != 1:
+            # Connectors move whole blocks, every layer's KV: the engine
+            # keeps one KV cache group when one is configured.
+            raise ValueError(
+                f"a KV connector needs one KV cache group, got {kv_cache_manager.num_groups}"
+            )
         self.connector = connector
         self.kv_cache_manager = kv_cache_manager
         self.requests = requests
@@ -148,7 +154,7 @@ class KVTransfers:
         self._loading.pop(request.request_id, None)
         if self.connector is None:
             return False, None
-        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        (block_ids,) = self.kv_cache_manager.get_block_ids(request.request_id)
         return self.connector.request_finished(request, block_ids)
 
     def release_held(self, request_ids: Iterable[str]) -> None:
@@ -350,7 +356,7 @@ class KVTransfers:
         claimed: set[int] = set()  # invalid blocks some request recomputes
         for request in requests:
             req_id = request.request_id
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)
+            (block_ids,) = self.kv_cache_manager.get_block_ids(req_id)
             valid_tokens = self._valid_tokens(request)
             num_blocks = -(-valid_tokens // self.block_size)
             is_affected = claimed_one = False

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.kv_cache.manager import BlockIds
     from engine.kv_transfer.base import KVConnectorMetadata
     from engine.lora.request import LoRARequest
     from engine.request import Request
@@ -25,7 +26,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: BlockIds  # one list per KV cache group
     num_computed_tokens: int
     # P/D: the prompt's last this-many tokens are earlier legs' output.
     num_output_tokens_in_prompt: int = 0
@@ -35,7 +36,7 @@ class NewRequestData:
     lora_request: LoRARequest | None = None
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+    def from_request(cls, request: Request, block_ids: BlockIds) -> NewRequestData:
         return cls(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -56,13 +57,14 @@ class CachedRequestData:
     restarts with ``new_block_ids``. ``all_token_ids`` carries the full token
     list of requests that were not scheduled in the previous step (resumed,
     or skipped for a step), since the runner may not have their latest
-    sampled token. ``new_block_ids[i]`` is None when no block was added.
+    sampled token. ``new_block_ids[i]`` is None when no block was added,
+    else the added blocks of each KV cache group.
     """
 
     req_ids: list[str] = field(default_factory=list)
     resumed_req_ids: set[str] = field(default_factory=set)
     all_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    new_block_ids: list[BlockIds | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
     # Asynchronous scheduling: requests scheduled while their previous step

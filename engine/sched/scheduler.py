@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, ConfigError, SchedulerConfig
+from engine.kv_cache.groups import blocks_held
 from engine.kv_cache.hashing import BlockHasher
 from engine.kv_cache.manager import KVCacheManager
 from engine.outputs import (
@@ -92,7 +93,7 @@ class Scheduler:
         self.long_prefill_threshold = scheduler_config.effective_long_prefill_threshold
         self.num_lookahead_tokens = scheduler_config.num_lookahead_tokens
         self.policy = SchedulingPolicy(scheduler_config.policy)
-        self._check_cache_fits_one_request()
+        self._check_cache_fits_one_request(num_spec_tokens)
         self.log_stats = log_stats
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
@@ -101,6 +102,9 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching,
             enable_kv_events=cache_config.enable_kv_events,
             log_stats=log_stats,
+            group_windows=cache_config.group_windows,
+            # Rejected drafts take computed tokens back.
+            max_rollback=num_spec_tokens,
         )
         self.block_hasher = BlockHasher(cache_config.block_size)
         self.partial_prefills = (
@@ -138,14 +142,20 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
         self.adapters = AdapterBudget(max_loras)
 
-    def _check_cache_fits_one_request(self) -> None:
+    def _check_cache_fits_one_request(self, num_spec_tokens: int) -> None:
         # A request that cannot fit even alone would block the queue forever.
-        needed = -(-self.max_model_len // self.block_size)
-        if needed > self.cache_config.num_usable_blocks:
+        cache = self.cache_config
+        groups = cache.group_windows
+        chunk = self.max_num_scheduled_tokens + num_spec_tokens
+        needed = sum(
+            blocks_held(self.max_model_len, self.block_size, window, chunk) for window in groups
+        )
+        if needed > cache.num_usable_blocks:
+            across = f" across its {len(groups)} KV cache groups" if len(groups) > 1 else ""
             raise ConfigError(
-                f"num_blocks={self.cache_config.num_blocks} is invalid: one request of "
+                f"num_blocks={cache.num_blocks} is invalid: one request of "
                 f"max_model_len={self.max_model_len} tokens needs {needed} blocks of "
-                f"{self.block_size} plus the reserved null block"
+                f"{self.block_size}{across} plus the reserved null block"
             )
 
     # ------------------------------------------------------------------

@@ -56,8 +56,7 @@ class StepPlan:
                 # Skipped last step: the runner may lack its newest token;
                 # rewound: the runner holds a token that was voided.
                 data.all_token_ids[req_id] = req.all_token_ids.copy()
-            blocks = new_blocks[req_id].blocks
-            new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            new_block_ids.append(new_blocks[req_id].get_block_ids(allow_none=True))
             num_computed.append(req.num_computed_tokens)
             num_output.append(len(req.output_token_ids) + req.num_output_placeholders)
             if req.num_output_placeholders:

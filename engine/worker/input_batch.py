@@ -28,7 +28,7 @@ class CachedRequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV cache group
     num_computed_tokens: int
     # P/D: the prompt's last this-many tokens are output of an earlier leg
     # (Request.num_output_tokens_in_prompt); penalties count them as output.
@@ -53,6 +53,7 @@ class InputBatch:
     max_num_reqs: int
     max_model_len: int
     max_blocks_per_req: int
+    num_kv_groups: int = 1
     req_ids: list[str] = field(default_factory=list)
     req_id_to_index: dict[str, int] = field(default_factory=dict)
     states: list[CachedRequestState] = field(default_factory=list)
@@ -62,10 +63,20 @@ class InputBatch:
         self.token_ids: npt.NDArray[np.int64] = np.zeros((n, self.max_model_len), np.int64)
         self.num_tokens: npt.NDArray[np.int64] = np.zeros(n, np.int64)
         self.num_computed_tokens: npt.NDArray[np.int64] = np.zeros(n, np.int64)
-        self.block_table: npt.NDArray[np.int32] = np.zeros((n, self.max_blocks_per_req), np.int32)
+        # One block table per KV cache group; every group's row has the
+        # same number of entries (a windowed group's freed ones are stale).
+        self.block_tables: npt.NDArray[np.int32] = np.zeros(
+            (self.num_kv_groups, n, self.max_blocks_per_req), np.int32
+        )
         self.num_blocks: npt.NDArray[np.int64] = np.zeros(n, np.int64)
         # Per row, the position where output starts (see TokenHistory).
         self.output_start: npt.NDArray[np.int64] = np.zeros(n, np.int64)
+
+    @property
+    def block_table(self) -> npt.NDArray[np.int32]:
+        """Group 0's block table (every layer's, with one group)."""
+        table: npt.NDArray[np.int32] = self.block_tables[0]
+        return table
 
     @property
     def num_reqs(self) -> int:
@@ -105,7 +116,7 @@ class InputBatch:
         self.num_computed_tokens[dst] = self.num_computed_tokens[src]
         self.output_start[dst] = self.output_start[src]
         n_blk = int(self.num_blocks[src])
-        self.block_table[dst, :n_blk] = self.block_table[src, :n_blk]
+        self.block_tables[:, dst, :n_blk] = self.block_tables[:, src, :n_blk]
         self.num_blocks[dst] = n_blk
 
     def group_by_lora(self) -> None:
@@ -120,7 +131,7 @@ class InputBatch:
         width = int(self.num_tokens[:n].max())
         blocks = int(self.num_blocks[:n].max())
         self.token_ids[:n, :width] = self.token_ids[order, :width]
-        self.block_table[:n, :blocks] = self.block_table[order, :blocks]
+        self.block_tables[:, :n, :blocks] = self.block_tables[:, order, :blocks]
         per_row = (self.num_tokens, self.num_computed_tokens, self.num_blocks, self.output_start)
         for array in per_row:
             array[:n] = array[order]
@@ -148,11 +159,13 @@ class InputBatch:
         n = int(self.num_tokens[row])
         self.token_ids[row, n : n + len(drafts)] = drafts
 
-    def set_blocks(self, row: int, block_ids: list[int]) -> None:
-        self.block_table[row, : len(block_ids)] = block_ids
-        self.num_blocks[row] = len(block_ids)
+    def set_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            table[row, : len(ids)] = ids
+        self.num_blocks[row] = len(block_ids[0])
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
         start = int(self.num_blocks[row])
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            table[row, start : start + len(ids)] = ids
+        self.num_blocks[row] = start + len(block_ids[0])

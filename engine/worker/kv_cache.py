@@ -1,7 +1,10 @@
 """KV-cache tensors: how many blocks a memory budget holds, and allocating them.
 
 One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(K at index 0, V at 1), so a block id names the same slot in every layer.
+(K at index 0, V at 1), so a block id names the same slot in every layer;
+with several KV cache groups (``engine.kv_cache.groups``), one tensor per
+slot of a group, shared by the layers in that slot of every group (each
+group's blocks are its own, so they never meet).
 An int8 cache's rows are ``head_dim + 4`` bytes, the row's float32 scale
 last (``kernels.kv_int8``): a block holds its scales, and the budget counts
 them.
@@ -19,7 +22,7 @@ from kernels.kv_int8 import int8_row_bytes
 
 @dataclass(frozen=True)
 class KVCacheShape:
-    num_layers: int
+    num_layers: int  # the cache's tensors: layers, or layers per KV cache group
     num_kv_heads: int
     head_dim: int
     block_size: int
@@ -69,11 +72,19 @@ def num_blocks_for_budget(shape: KVCacheShape, budget_bytes: int) -> int:
 
 
 def allocate_kv_caches(
-    shape: KVCacheShape, num_blocks: int, device: torch.device
+    shape: KVCacheShape,
+    num_blocks: int,
+    device: torch.device,
+    layer_slot: tuple[int, ...] | None = None,
 ) -> list[torch.Tensor]:
+    """Each layer's cache tensor: ``shape.num_layers`` tensors, layer ``l``
+    getting tensor ``layer_slot[l]`` (None: one tensor per layer)."""
     # Zeroed, not empty: the null block and padded reads must be finite.
     # (An int8 cache's zero rows have scale 0.0: they read as zeros.)
-    return [
+    tensors = [
         torch.zeros(shape.layer_shape(num_blocks), dtype=shape.dtype, device=device)
         for _ in range(shape.num_layers)
     ]
+    if layer_slot is None:
+        return tensors
+    return [tensors[slot] for slot in layer_slot]

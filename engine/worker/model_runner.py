@@ -15,13 +15,15 @@ adapter and the step's segments set on the model while it runs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from engine.kv_cache.groups import KVCacheGroups
 from engine.kv_transfer.base import KVConnectorBase
 from engine.lora.slots import LoRASlots
 from engine.outputs import (
@@ -52,6 +54,7 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        layer_metas: Sequence[AttentionMetadata] | None = None,
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -63,7 +66,7 @@ class StepInputs:
 
     input_ids: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
-    slot_mapping: npt.NDArray[np.int64]
+    slot_mapping: npt.NDArray[np.int64]  # [KV cache groups, tokens]
     query_start_loc: npt.NDArray[np.int32]
     seq_lens: npt.NDArray[np.int32]
     # Rows (batch indices) that sample this step and the token rows whose
@@ -99,14 +102,18 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         device: torch.device,
+        kv_groups: KVCacheGroups | None = None,
     ) -> None:
+        """``kv_groups``: which block table each layer uses (None: one
+        table for every layer)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        self.kv_groups = kv_groups or KVCacheGroups.single(len(kv_caches))
         max_blocks = -(-max_model_len // block_size)
-        self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
+        self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks, self.kv_groups.num_groups)
         self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobsTracker()
         # The worker-role KV connector, if any (set by attach_connector).
@@ -123,6 +130,10 @@ class ModelRunner:
         self._plan = _DraftPlan({}, {})
         # LoRA adapters' device slots (set by attach_lora); None: LoRA off.
         self.lora: LoRASlots | None = None
+
+    @property
+    def _no_blocks(self) -> tuple[list[int], ...]:
+        return tuple([] for _ in range(self.kv_groups.num_groups))
 
     def attach_lora(self, slots: LoRASlots) -> None:
         self.lora = slots
@@ -212,7 +223,7 @@ class ModelRunner:
             num_prompt_tokens=len(new.prompt_token_ids),
             sampling_params=params,
             generator=generator,
-            block_ids=list(new.block_ids),
+            block_ids=tuple(list(ids) for ids in new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             num_output_tokens_in_prompt=new.num_output_tokens_in_prompt,
             lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
@@ -232,9 +243,10 @@ class ModelRunner:
                 state.num_computed_tokens -= rejected.get(req_id, 0)
             new_blocks = data.new_block_ids[i]
             if req_id in data.resumed_req_ids:
-                state.block_ids = list(new_blocks or [])
+                state.block_ids = tuple(list(ids) for ids in new_blocks or self._no_blocks)
             elif new_blocks:
-                state.block_ids.extend(new_blocks)
+                for held, ids in zip(state.block_ids, new_blocks, strict=True):
+                    held.extend(ids)
             all_tokens = data.all_token_ids.get(req_id)
             if all_tokens is not None:
                 state.token_ids = list(all_tokens)
@@ -266,8 +278,11 @@ class ModelRunner:
         computed = batch.num_computed_tokens[:n]
         positions = computed[req_idx] + offsets
         input_ids = batch.token_ids[req_idx, positions]
-        block_ids = batch.block_table[req_idx, positions // self.block_size]
-        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        block_ids = batch.block_tables[:, req_idx, positions // self.block_size]
+        # C order: each group's row goes to the device as one contiguous run.
+        slot_mapping = np.ascontiguousarray(
+            block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        )
         seq_lens = computed + num_sched
         # A row samples once its chunk reaches the last token it knows.
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:n])
@@ -296,14 +311,16 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
 
-    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+    def _attention_metadata(self, inputs: StepInputs) -> list[AttentionMetadata]:
+        """The step's attention metadata, one per KV cache group (they
+        differ only in block table and slot mapping)."""
         if inputs.drafts is not None and inputs.max_query_len <= 1 + self.num_spec_tokens:
             return self._token_rows_metadata(inputs)
         n = self.batch.num_reqs
         max_blocks = -(-inputs.max_seq_len // self.block_size)
         dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev, non_blocking=True),
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(inputs.slot_mapping[0]).to(dev, non_blocking=True),
             query_start_loc=torch.from_numpy(inputs.query_start_loc).to(dev, non_blocking=True),
             seq_lens=torch.from_numpy(inputs.seq_lens).to(dev, non_blocking=True),
             block_table=torch.from_numpy(self.batch.block_table[:n, :max_blocks]).to(
@@ -313,8 +330,9 @@ class ModelRunner:
             max_seq_len=inputs.max_seq_len,
             decode_only=inputs.max_query_len == 1,
         )
+        return self._per_group(meta, inputs, np.arange(n), max_blocks)
 
-    def _token_rows_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+    def _token_rows_metadata(self, inputs: StepInputs) -> list[AttentionMetadata]:
         """A verification step as a decode batch of one row per token: token
         ``j`` of a chunk attends to its context up to its own position, as
         in the chunk (all of a layer's KV is written before attention reads
@@ -326,8 +344,8 @@ class ModelRunner:
         max_blocks = -(-inputs.max_seq_len // self.block_size)
         table = self.batch.block_table[req_idx, :max_blocks]
         rows = inputs.positions.size
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev, non_blocking=True),
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(inputs.slot_mapping[0]).to(dev, non_blocking=True),
             query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=dev),
             seq_lens=torch.from_numpy((inputs.positions + 1).astype(np.int32)).to(dev),
             block_table=torch.from_numpy(table).to(dev, non_blocking=True),
@@ -335,6 +353,29 @@ class ModelRunner:
             max_seq_len=inputs.max_seq_len,
             decode_only=True,
         )
+        return self._per_group(meta, inputs, req_idx, max_blocks)
+
+    def _per_group(
+        self,
+        meta: AttentionMetadata,
+        inputs: StepInputs,
+        table_rows: npt.NDArray[np.int64],
+        max_blocks: int,
+    ) -> list[AttentionMetadata]:
+        """``meta`` (group 0's) and each further group's copy with its own
+        block table rows and slot mapping."""
+        metas = [meta]
+        dev = self.device
+        for g in range(1, self.kv_groups.num_groups):
+            table = self.batch.block_tables[g][table_rows, :max_blocks]
+            metas.append(
+                replace(
+                    meta,
+                    slot_mapping=torch.from_numpy(inputs.slot_mapping[g]).to(dev),
+                    block_table=torch.from_numpy(table).to(dev),
+                )
+            )
+        return metas
 
     # ------------------------------------------------------------------
     # The step
@@ -374,11 +415,11 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         inputs = self.prepare_inputs(so)
-        meta = self._attention_metadata(inputs)
+        metas = self._attention_metadata(inputs)
         dev = self.device
         input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
         positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
-        hidden = self._forward(input_ids, positions, meta, inputs)
+        hidden = self._forward(input_ids, positions, metas, inputs)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs, so)
         sampled: list[list[int]] = [[] for _ in range(self.batch.num_reqs)]
         logprobs = None
@@ -410,17 +451,20 @@ class ModelRunner:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        metas: list[AttentionMetadata],
         inputs: StepInputs,
     ) -> torch.Tensor:
         """The model's forward, with the step's LoRA rows set while it runs."""
+        layer_metas = None
+        if len(metas) > 1:
+            layer_metas = [metas[g] for g in self.kv_groups.layer_group]
         lora = self._lora_batch(inputs)
         if lora is None:
-            return self.model(input_ids, positions, self.kv_caches, meta)
+            return self.model(input_ids, positions, self.kv_caches, metas[0], layer_metas)
         assert self.lora is not None
         self.lora.state.batch = lora
         try:
-            return self.model(input_ids, positions, self.kv_caches, meta)
+            return self.model(input_ids, positions, self.kv_caches, metas[0], layer_metas)
         finally:
             self.lora.state.batch = None
 

@@ -11,6 +11,7 @@ from typing import cast
 import torch
 
 from engine.config import CacheConfig, ConfigError, LoRAConfig, ModelConfig, SpeculativeConfig
+from engine.kv_cache.groups import KVCacheGroups
 from engine.lora.slots import LoRASlots
 from engine.models.loader import LoadedModel, gguf_source, load_model, resolve_model
 from engine.models.spec import ModelSpec
@@ -65,6 +66,8 @@ class WorkerInfo:
     # Int8 or float activations, the KV cache's dtype, exact or fast
     # (engine/numerics.py), as resolved for the weights.
     numerics: Numerics = EXACT_FLOAT32
+    # Per KV cache group, its layers' window (None: full attention).
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -80,7 +83,11 @@ class Worker:
         max_num_seqs: int,
         speculative: SpeculativeConfig | None = None,
         lora: LoRAConfig | None = None,
+        free_windowed_kv: bool = True,
     ):
+        """``free_windowed_kv``: give sliding-window layers their own KV
+        cache groups, whose blocks are freed past the window (off when the
+        blocks must hold every layer: a KV connector, a draft model)."""
         torch.manual_seed(model_config.seed)
         self.device = resolve_device(model_config.device)
         self.backend = select_backend(self.device, model_config.attention_backend)
@@ -103,13 +110,22 @@ class Worker:
                 "kv_cache_dtype='int8' is not supported by the Triton attention backend "
                 "(CUDA): expected 'auto', 'float32', 'bfloat16' or 'float16' there"
             )
+        # A draft model reads the target's block table: one group.
+        draft_model = speculative is not None and speculative.method == "draft_model"
+        self.kv_groups = KVCacheGroups.plan(
+            spec.layer_windows, free_windowed_kv and not draft_model
+        )
         shape = KVCacheShape(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, cache_config.block_size, cache_dtype
+            self.kv_groups.layers_per_group,
+            spec.num_kv_heads,
+            spec.head_dim,
+            cache_config.block_size,
+            cache_dtype,
         )
         # A draft model loads before the budget is taken, and its KV cache
         # shares it: every block has the target's KV and the draft's.
         draft = None
-        if speculative is not None and speculative.method == "draft_model":
+        if speculative is not None and draft_model:
             draft = self._load_draft(speculative, model_config, spec, shape)
         budget = kv_cache_budget(
             self.device, model_config.kv_cache_memory, model_config.gpu_memory_utilization
@@ -119,15 +135,16 @@ class Worker:
             budget = budget * per_block // (per_block + draft[1].bytes_per_block)
         num_blocks = cache_config.num_blocks_override or num_blocks_for_budget(shape, budget)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB, %s) on %s, attention backend %s",
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %s) on %s, attention backend %s%s",
             num_blocks,
             cache_config.block_size,
             num_blocks * shape.bytes_per_block / 2**20,
             self.numerics.kv_cache_dtype,
             self.device,
             self.backend.name,
+            _describe_groups(self.kv_groups),
         )
-        kv_caches = allocate_kv_caches(shape, num_blocks, self.device)
+        kv_caches = allocate_kv_caches(shape, num_blocks, self.device, self.kv_groups.layer_slot)
         self.runner = ModelRunner(
             self.loaded.model,
             kv_caches,
@@ -135,6 +152,7 @@ class Worker:
             max_num_reqs=max_num_seqs,
             max_model_len=max_model_len,
             device=self.device,
+            kv_groups=self.kv_groups,
         )
         if lora_slots is not None:
             self.runner.attach_lora(lora_slots)
@@ -157,6 +175,7 @@ class Worker:
             spec=spec,
             lora=lora,
             numerics=self.numerics,
+            kv_group_windows=self.kv_groups.windows,
         )
 
     def _proposer(
@@ -237,3 +256,13 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+def _describe_groups(groups: KVCacheGroups) -> str:
+    if not groups.frees_windowed:
+        return ""
+    windowed = sum(w is not None for w in groups.windows)
+    return (
+        f"; {groups.num_groups} groups of {groups.layers_per_group} layers "
+        f"({windowed} windowed: their blocks are freed past the window)"
+    )

@@ -14,9 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GraniteConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, GraniteConfig, PreTrainedTokenizerBase
 
+from engine.config import SpeculativeConfig
+from engine.kv_cache.groups import KVCacheGroups, blocks_held
 from engine.llm import LLM
+from engine.models.spec import ModelSpec
 from engine.sampling_params import SamplingParams
 from kernels import cpu_kernels
 from tests.unit.engine.models.families import (
@@ -102,15 +105,22 @@ def test_chunked_prefill_and_prefix_caching(family, prompts):
 
 def test_tiny_kv_cache_preempts_and_resumes(family, prompts):
     path, expected = family
-    # 6 usable blocks of 16 tokens (one request's worth at max_model_len 64)
-    # for four requests growing from 2 blocks to 4: they cannot all stay resident.
+    # One request's worth of blocks at max_model_len 64 (4 blocks of 16 per
+    # full-attention group, at most 3 per windowed one: a 16-token chunk and
+    # the 5 tokens before it) for four requests growing from 2 blocks to 4
+    # per group: they cannot all stay resident.
+    config = AutoConfig.from_pretrained(path)
+    groups = KVCacheGroups.plan(ModelSpec.from_hf_config(config).layer_windows, True)
+    one_request = sum(blocks_held(64, 16, w, 16) for w in groups.windows)
     llm = LLM(
         str(path),
         enable_prefix_caching=False,
         max_model_len=64,
-        num_blocks_override=7,
+        max_num_batched_tokens=16,
+        num_blocks_override=1 + one_request,
         exact=True,
     )
+    assert llm.core.config.cache.group_windows == groups.windows
     assert _generate(llm, prompts) == expected
     assert llm.totals.num_preemptions > 0
 
@@ -124,3 +134,32 @@ def test_decode_stack_only_for_plain_layers(family):
     spec = model.spec
     runs_stack = spec.plain_llama_layers and spec.head_dim in cpu_kernels.HEAD_DIMS
     assert (model.decode_stack is not None) == runs_stack
+
+
+def test_windowed_layers_with_drafts_and_async_scheduling(family, prompts):
+    """Rejected drafts take computed tokens back and asynchronous steps run
+    ahead of the scheduler: a windowed group must still hold what its
+    layers read (the manager keeps the drafts' worth behind the window)."""
+    path, expected = family
+    windows = ModelSpec.from_hf_config(AutoConfig.from_pretrained(path)).layer_windows
+    if all(w is None for w in windows):
+        pytest.skip("no sliding-window layers")
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False
+    )
+    groups = KVCacheGroups.plan(windows, True)
+    # A cache so small that freed blocks are soon someone else's.
+    one_request = sum(blocks_held(64, 16, w, 16 + 3) for w in groups.windows)
+    llm = LLM(
+        str(path),
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        num_blocks_override=1 + one_request + 2,
+        speculative=spec,
+        async_scheduling=True,
+        exact=True,
+    )
+    assert llm.core.config.cache.group_windows == groups.windows
+    assert _generate(llm, prompts) == expected
+    stats = llm.core.scheduler.spec_stats
+    assert stats is not None and stats.num_draft_tokens > stats.num_accepted_tokens

@@ -107,7 +107,7 @@ def test_params_lacking_a_key_are_recomputed_naming_it(caplog: pytest.LogCapture
 
 
 def _blocks(*ids: int) -> KVCacheBlocks:
-    return KVCacheBlocks([KVCacheBlock(i) for i in ids])
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
 
 
 def _remote_params() -> KVTransferParams:

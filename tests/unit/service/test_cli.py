@@ -661,3 +661,17 @@ def test_status_prints_the_tokens_the_cache_holds(
     assert args.run(args) == 0
     lines = [s for s in capsys.readouterr().out.splitlines() if s.startswith("kv cache")]
     assert lines == ["kv cache   11 blocks of 16 (160 tokens, int8); usage 0.0%"]
+
+
+def test_status_counts_a_token_once_per_kv_cache_group(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    info = pb.ModelInfo(model_name="m", num_kv_blocks=13, block_size=16, kv_cache_groups=6)
+    monkeypatch.setattr(cli, "_client", lambda args: _StatusClient(pb.ServerStatus(), info))
+    args = cli._parser().parse_args(["status"])
+    assert args.run(args) == 0
+    lines = [s for s in capsys.readouterr().out.splitlines() if s.startswith("kv cache")]
+    assert lines == [
+        "kv cache   13 blocks of 16 (32 tokens in 6 groups, windowed ones freed past the window); "
+        "usage 0.0%"
+    ]

@@ -25,14 +25,14 @@ def test_allocate_caches_full_blocks_and_a_second_request_hits_them():
     r0 = request("r0", list(range(40)))
     assert kvm.get_computed_blocks(r0) == (kvm.empty_kv_cache_blocks, 0)
     new = kvm.allocate_slots(r0, 40)
-    assert new is not None and new.get_block_ids() == [1, 2, 3]
+    assert new is not None and new.get_block_ids() == ([1, 2, 3],)
     assert kvm.num_cached_block["r0"] == 2
     r1 = request("r1", [*range(32), 99, 98])
     hits, n = kvm.get_computed_blocks(r1)
-    assert (hits.get_block_ids(), n) == ([1, 2], 32)
+    assert (hits.get_block_ids(), n) == (([1, 2],), 32)
     new1 = kvm.allocate_slots(r1, 2, n, hits)
-    assert new1 is not None and new1.get_block_ids() == [4]
-    assert kvm.get_block_ids("r1") == [1, 2, 4]
+    assert new1 is not None and new1.get_block_ids() == ([4],)
+    assert kvm.get_block_ids("r1") == ([1, 2, 4],)
     assert kvm.get_num_common_prefix_blocks("r0") == 2
     stats = kvm.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (2, 74, 32)
@@ -52,7 +52,7 @@ def test_allocation_fails_cleanly_when_the_pool_is_short():
     kvm = manager(num_blocks=4)  # 3 usable
     r0 = request("r0", list(range(40)))
     assert kvm.allocate_slots(r0, 64) is None
-    assert kvm.get_num_free_blocks() == 3 and kvm.get_block_ids("r0") == []
+    assert kvm.get_num_free_blocks() == 3 and kvm.get_block_ids("r0") == ([],)
     assert kvm.allocate_slots(r0, 40) is not None
     assert kvm.usage == pytest.approx(1.0)
 

@@ -56,7 +56,7 @@ class FakeConnector(KVConnectorBase):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.allocs.append((request.request_id, blocks.get_block_ids(), num_external_tokens))
+        self.allocs.append((request.request_id, blocks.get_block_ids()[0], num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self.metas += 1

@@ -31,6 +31,7 @@ def make_scheduler(
     connector: object = None,
     kv_load_failure_policy: str = "recompute",
     max_loras: int = 0,
+    group_windows: tuple[int | None, ...] = (None,),
     **sched_kwargs: object,
 ) -> Scheduler:
     return Scheduler(
@@ -44,7 +45,10 @@ def make_scheduler(
             **sched_kwargs,  # type: ignore[arg-type]
         ),
         CacheConfig(
-            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=prefix_caching,
+            group_windows=group_windows,
         ),
         connector=connector,  # type: ignore[arg-type]
         kv_load_failure_policy=kv_load_failure_policy,

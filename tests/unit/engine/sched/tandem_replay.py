@@ -60,7 +60,7 @@ class ScriptedConnector(KVConnectorBase):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.script.allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
+        self.script.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return KVConnectorMetadata()

@@ -102,7 +102,7 @@ def test_a_load_counts_only_the_tokens_it_delivered() -> None:
 def test_a_load_that_lost_every_block_gives_them_back() -> None:
     transfers, kvm, requests = make_transfers()
     r0 = loading(transfers, kvm, requests, "r0", 50, 32)
-    first_block = kvm.get_block_ids("r0")[0]
+    first_block = kvm.get_block_ids("r0")[0][0]
     void = transfers.output_received(KVConnectorOutput(invalid_block_ids={first_block}), [], [r0])
     assert void == set()  # an async load has no tokens in this step
     assert r0.num_computed_tokens == 0
@@ -116,7 +116,7 @@ def test_a_lost_block_in_a_sync_load_rewinds_the_running_request() -> None:
     r0 = running(kvm, requests, "r0", 50)
     transfers.request_started("r0", 32)  # 32 tokens came from the connector
     r0.num_external_computed_tokens = 32
-    second_block = kvm.get_block_ids("r0")[1]
+    second_block = kvm.get_block_ids("r0")[0][1]
     void = transfers.output_received(KVConnectorOutput(invalid_block_ids={second_block}), [r0], [])
     assert void == {"r0"}
     assert r0.num_computed_tokens == 16 and r0.num_external_computed_tokens == 16
@@ -130,7 +130,7 @@ def test_a_lost_block_in_a_sync_load_rewinds_the_running_request() -> None:
 def test_fail_policy_fails_a_sync_load_at_once_and_an_async_one_when_it_ends() -> None:
     transfers, kvm, requests = make_transfers(policy="fail")
     r0 = loading(transfers, kvm, requests, "r0", 50, 32)
-    bad = kvm.get_block_ids("r0")[0]
+    bad = kvm.get_block_ids("r0")[0][0]
     transfers.output_received(KVConnectorOutput(invalid_block_ids={bad}), [], [r0])
     assert transfers.take_failed_loads(set()) == set()  # the transfer may still write
     transfers.completions(KVConnectorOutput(finished_recving={"r0"}))

@@ -13,7 +13,7 @@ def test_a_new_request_carries_its_sampling_and_an_earlier_legs_output() -> None
     options = RequestOptions(num_output_tokens_in_prompt=1)
     request = Request("r", [5, 6, 7], params, options=options)
     request.num_computed_tokens = 2
-    new = NewRequestData.from_request(request, [4])
+    new = NewRequestData.from_request(request, ([4],))
     assert new.sampling_params is params
     assert new.num_output_tokens_in_prompt == 1
-    assert (new.prompt_token_ids, new.block_ids, new.num_computed_tokens) == ([5, 6, 7], [4], 2)
+    assert (new.prompt_token_ids, new.block_ids, new.num_computed_tokens) == ([5, 6, 7], ([4],), 2)

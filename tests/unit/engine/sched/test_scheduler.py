@@ -23,14 +23,14 @@ def test_chunked_prefill_spans_steps_then_decodes():
     sched.add_request(make_request("r0", 150, max_tokens=2))
     s1 = step(sched)
     assert s1.scheduled == {"r0": 64}
-    assert s1.sched_out.scheduled_new_reqs[0].block_ids == [1, 2, 3, 4]
+    assert s1.sched_out.scheduled_new_reqs[0].block_ids == ([1, 2, 3, 4],)
     assert s1.outputs == []  # mid-prefill: nothing sampled
     s2 = step(sched)
     assert s2.scheduled == {"r0": 64}
-    assert s2.sched_out.scheduled_cached_reqs.new_block_ids == [[5, 6, 7, 8]]
+    assert s2.sched_out.scheduled_cached_reqs.new_block_ids == [([5, 6, 7, 8],)]
     s3 = step(sched)
     assert s3.scheduled == {"r0": 22}
-    assert s3.sched_out.scheduled_cached_reqs.new_block_ids == [[9, 10]]
+    assert s3.sched_out.scheduled_cached_reqs.new_block_ids == [([9, 10],)]
     assert s3.tokens("r0") == [default_token(sched.requests["r0"]) - 7]
     assert free_blocks(sched) == 99 - 10
     s4 = step(sched)
@@ -168,8 +168,8 @@ def test_prefix_hit_on_a_shared_prompt():
     s1 = step(sched)
     assert s1.scheduled == {"r0": 50, "r1": 10}
     new = {r.req_id: r for r in s1.sched_out.scheduled_new_reqs}
-    assert new["r0"].block_ids == [1, 2, 3, 4]
-    assert new["r1"].block_ids == [1, 2, 5]
+    assert new["r0"].block_ids == ([1, 2, 3, 4],)
+    assert new["r1"].block_ids == ([1, 2, 5],)
     assert new["r1"].num_computed_tokens == 32
     assert sched.requests["r1"].num_cached_tokens == 32
     assert [b.ref_cnt for b in sched.kv_cache_manager.block_pool.blocks[1:6]] == [2, 2, 1, 1, 1]
@@ -186,7 +186,7 @@ def test_full_prefix_hit_still_computes_the_last_token(prompt_len, expect_schedu
     sched.add_request(make_request("r1", prompt, max_tokens=1))
     s = step(sched)
     assert s.scheduled == {"r1": expect_scheduled}
-    assert sched.kv_cache_manager.get_block_ids("r1") == []  # finished and freed
+    assert sched.kv_cache_manager.get_block_ids("r1") == ([],)  # finished and freed
     assert s.outputs[0].num_cached_tokens == prompt_len - expect_scheduled
 
 

@@ -190,7 +190,7 @@ def test_async_load_that_failed_entirely_starts_over():
     s3 = step(sched)
     # The failed blocks were released and the prompt is computed afresh.
     assert s3.scheduled == {"r0": 50}
-    assert s3.sched_out.scheduled_new_reqs[0].block_ids == [3, 4, 5, 6]
+    assert s3.sched_out.scheduled_new_reqs[0].block_ids == ([3, 4, 5, 6],)
     assert free_blocks(sched) == 99 - 4
 
 

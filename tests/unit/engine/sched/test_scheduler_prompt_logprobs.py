@@ -20,7 +20,7 @@ def test_a_prompt_logprobs_request_reads_no_prefix_cache_but_fills_it():
     assert s1.scheduled == {"r1": 48}  # the whole prompt, though 32 tokens were cached
     assert s1.sched_out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert s1.outputs[0].num_cached_tokens == 0
-    r1_blocks = s1.sched_out.scheduled_new_reqs[0].block_ids
+    (r1_blocks,) = s1.sched_out.scheduled_new_reqs[0].block_ids
     assert not set(r1_blocks) & {b.block_id for b in cached}
 
     # What it computed is cached for others (beside r0's copy).

@@ -2,7 +2,8 @@
 
 Every step: the token budget and max_num_seqs hold, and block bookkeeping is
 exact (ref counts equal holders, only prefix-cached blocks are shared, the
-free queue holds exactly the unreferenced blocks). At the end: every block is
+free queue holds exactly the unreferenced blocks; with sliding-window KV
+cache groups, every block the next token can read is still held). At the end: every block is
 free and every request got exactly max_tokens tokens unless it stopped or
 was aborted. With a connector double that loads KV (sync or async) and
 randomly reports invalid blocks, outputs equal a failure-free run.
@@ -18,6 +19,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.kv_cache.groups import blocks_held
 from engine.outputs import KVConnectorOutput
 from engine.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
@@ -58,13 +60,19 @@ def spec_strategy(max_model_len: int) -> st.SearchStrategy[Spec]:
     ).filter(lambda s: len(s.prompt) <= max_model_len)
 
 
+WINDOWED_GROUPS = [(None, 8), (12,), (None, 20, 20)]
+
+
 @st.composite
-def traces(draw: st.DrawFn) -> tuple[dict[str, Any], list[Spec], list[tuple[int, int]]]:
+def traces(
+    draw: st.DrawFn, windowed: bool = False
+) -> tuple[dict[str, Any], list[Spec], list[tuple[int, int]]]:
     block_size = draw(st.sampled_from([8, 16]))
     max_model_len = draw(st.integers(24, 96))
     chunked = draw(st.booleans())
     budget = draw(st.integers(8, 160)) if chunked else draw(st.integers(max_model_len, 200))
-    min_blocks = -(-max_model_len // block_size) + 1
+    groups = draw(st.sampled_from(WINDOWED_GROUPS)) if windowed else (None,)
+    min_blocks = 1 + sum(blocks_held(max_model_len, block_size, w, budget) for w in groups)
     partial = draw(st.integers(1, 3)) if chunked else 1
     config = {
         "block_size": block_size,
@@ -78,6 +86,7 @@ def traces(draw: st.DrawFn) -> tuple[dict[str, Any], list[Spec], list[tuple[int,
         "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 8, 24])),
         "max_num_partial_prefills": partial,
         "max_long_partial_prefills": draw(st.integers(1, partial)),
+        "group_windows": groups,
     }
     specs = draw(st.lists(spec_strategy(max_model_len), min_size=1, max_size=10))
     aborts = draw(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9)), max_size=3))
@@ -98,12 +107,14 @@ def check_invariants(sched: Scheduler, scheduled: dict[str, int]) -> None:
     assert len(sched.running) <= cfg.max_num_seqs
     kvm = sched.kv_cache_manager
     holders: Counter[int] = Counter()
-    for req_id, blocks in kvm.req_to_blocks.items():
-        if blocks:
+    for req_id, groups in kvm.req_to_blocks.items():
+        if groups[0]:
             request = sched.requests[req_id]
             assert not request.is_finished(), f"{req_id} finished but holds blocks"
-        assert len(set(b.block_id for b in blocks)) == len(blocks)
-        holders.update(b.block_id for b in blocks)
+            check_window_held(request, groups, kvm.group_windows, kvm.block_size)
+        held = [b.block_id for blocks in groups for b in blocks if not b.is_null]
+        assert len(set(held)) == len(held)
+        holders.update(held)
     pool = kvm.block_pool
     free_ids = {b.block_id for b in pool.free_queue.get_all_free_blocks()}
     for block in pool.blocks[1:]:
@@ -112,6 +123,19 @@ def check_invariants(sched: Scheduler, scheduled: dict[str, int]) -> None:
             assert block.block_hash is not None, f"block {block.block_id} shared but not cached"
         assert (block.ref_cnt == 0) == (block.block_id in free_ids)
     assert pool.get_num_free_blocks() == len(free_ids)
+
+
+def check_window_held(
+    request: Request,
+    groups: tuple[list[Any], ...],
+    windows: tuple[int | None, ...],
+    block_size: int,
+) -> None:
+    """Every group holds a real block wherever the next token can read."""
+    for blocks, window in zip(groups, windows, strict=True):
+        reach = 0 if window is None else request.num_computed_tokens - (window - 1)
+        first = max(0, reach) // block_size
+        assert not any(b.is_null for b in blocks[first:]), (request.request_id, window)
 
 
 def arrive_and_abort(
@@ -202,7 +226,7 @@ def fault_output(sched: Scheduler, faults: Faults, pending: set[str]) -> KVConne
     invalid: set[int] = set()
     if faults.left and rng.random() < 0.3:
         faults.left -= 1
-        held = [b.block_id for bl in sched.kv_cache_manager.req_to_blocks.values() for b in bl]
+        held = [b.block_id for (bl,) in sched.kv_cache_manager.req_to_blocks.values() for b in bl]
         if held:
             invalid = set(rng.sample(held, k=min(len(held), rng.randint(1, 3))))
     return KVConnectorOutput(finished_recving=done, invalid_block_ids=invalid)
@@ -241,6 +265,20 @@ def test_random_traces_keep_every_invariant(trace):
             or len(req.output_token_ids) == spec.max_tokens
             or (req.num_tokens >= config["max_model_len"])
         )
+
+
+@PROPS
+@given(traces(windowed=True))
+def test_sliding_window_groups_keep_every_invariant(trace):
+    """As above with KV cache groups whose blocks leave a window: the same
+    tokens (the runner's model is not involved), every block freed in time
+    and none too early."""
+    config, specs, aborts = trace
+    requests, aborted = run_trace(config, specs, aborts)
+    for rid, req in requests.items():
+        if rid not in aborted:
+            spec = specs[int(rid[1:])]
+            assert req.output_token_ids == expected_outputs(spec, config["max_model_len"], rid)
 
 
 @PROPS

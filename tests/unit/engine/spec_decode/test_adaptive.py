@@ -85,7 +85,7 @@ def _state(rid: str, tokens: list[int]) -> CachedRequestState:
         num_prompt_tokens=len(tokens),
         sampling_params=SamplingParams(max_tokens=100),
         generator=None,
-        block_ids=[1],
+        block_ids=([1],),
         num_computed_tokens=len(tokens),
     )
 

@@ -14,7 +14,7 @@ def _state(rid: str, lora: int, tokens: list[int]) -> CachedRequestState:
         num_prompt_tokens=len(tokens),
         sampling_params=SamplingParams(),
         generator=None,
-        block_ids=[tokens[0], tokens[0] + 1],
+        block_ids=([tokens[0], tokens[0] + 1],),
         num_computed_tokens=len(tokens) - 1,
         lora_int_id=lora,
     )

@@ -24,7 +24,7 @@ class RecordingModel:
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], list[int], AttentionMetadata]] = []
 
-    def __call__(self, input_ids, positions, kv_caches, meta):
+    def __call__(self, input_ids, positions, kv_caches, meta, layer_metas=None):
         self.calls.append((input_ids.tolist(), positions.tolist(), meta))
         return input_ids.float()[:, None]
 
@@ -64,7 +64,8 @@ def cached(req_ids, computed, new_blocks, resumed=(), all_tokens=None) -> Cached
         req_ids=list(req_ids),
         resumed_req_ids=set(resumed),
         all_token_ids=all_tokens or {},
-        new_block_ids=list(new_blocks),
+        # Tests name one KV cache group's blocks.
+        new_block_ids=[(ids,) if ids is not None else None for ids in new_blocks],
         num_computed_tokens=list(computed),
         num_output_tokens=[0] * len(req_ids),
     )
@@ -72,8 +73,8 @@ def cached(req_ids, computed, new_blocks, resumed=(), all_tokens=None) -> Cached
 
 def test_mixed_batch_inputs_positions_slots_and_sampling_rows():
     runner, model = make_runner()
-    a = NewRequestData("a", [10, 11, 12, 13, 14, 15], greedy(), [7, 3], 0)
-    b = NewRequestData("b", [20, 21, 22], greedy(), [5], 0)
+    a = NewRequestData("a", [10, 11, 12, 13, 14, 15], greedy(), ([7, 3],), 0)
+    b = NewRequestData("b", [20, 21, 22], greedy(), ([5],), 0)
     # a computes a 4-token chunk (no sample), b its whole prompt (samples).
     out = runner.execute_model(step([a, b], scheduled={"a": 4, "b": 3}))
     ids, positions, meta = model.calls[-1]
@@ -102,9 +103,11 @@ def test_mixed_batch_inputs_positions_slots_and_sampling_rows():
 def test_new_blocks_finish_skip_and_resume():
     runner, model = make_runner()
     runner.execute_model(
-        step([NewRequestData("a", [1, 2, 3, 4], greedy(), [2], 0)], scheduled={"a": 4})
+        step([NewRequestData("a", [1, 2, 3, 4], greedy(), ([2],), 0)], scheduled={"a": 4})
     )
-    runner.execute_model(step([NewRequestData("b", [9, 9], greedy(), [6], 0)], scheduled={"b": 2}))
+    runner.execute_model(
+        step([NewRequestData("b", [9, 9], greedy(), ([6],), 0)], scheduled={"b": 2})
+    )
     # a was skipped last step: it is re-sent with all its tokens and a new block.
     runner.execute_model(
         step(
@@ -131,7 +134,7 @@ def test_new_blocks_finish_skip_and_resume():
 
 def test_removing_a_row_moves_the_last_into_the_hole():
     runner, _ = make_runner()
-    new = [NewRequestData(r, [i + 1] * 3, greedy(), [i + 1], 0) for i, r in enumerate("abc")]
+    new = [NewRequestData(r, [i + 1] * 3, greedy(), ([i + 1],), 0) for i, r in enumerate("abc")]
     runner.execute_model(step(new, scheduled={"a": 3, "b": 3, "c": 3}))
     runner.execute_model(
         step(
@@ -150,7 +153,7 @@ def test_removing_a_row_moves_the_last_into_the_hole():
 class FavouriteModel:
     """Logits favour token 7 (1.0), then 8 (0.5); every other token is 0."""
 
-    def __call__(self, input_ids, positions, kv_caches, meta):
+    def __call__(self, input_ids, positions, kv_caches, meta, layer_metas=None):
         return torch.zeros(input_ids.shape[0], 1)
 
     def compute_logits(self, hidden):
@@ -167,9 +170,9 @@ def test_penalties_count_the_runners_tokens_and_an_earlier_legs_output():
     )  # fmt: skip
     presence = SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=1.0)
     # b's 7 ends its prompt but is output of an earlier leg (P/D): penalized.
-    a = NewRequestData("a", [7, 7], presence, [1], 0)
-    b = NewRequestData("b", [3, 7], presence, [2], 0, num_output_tokens_in_prompt=1)
-    c = NewRequestData("c", [1, 2], greedy(), [3], 0)
+    a = NewRequestData("a", [7, 7], presence, ([1],), 0)
+    b = NewRequestData("b", [3, 7], presence, ([2],), 0, num_output_tokens_in_prompt=1)
+    c = NewRequestData("c", [1, 2], greedy(), ([3],), 0)
     out = runner.execute_model(step([a, c, b], scheduled={"a": 2, "b": 2, "c": 2}))
     assert out.sampled_token_ids == [[7], [7], [8]]  # a's prompt 7s are not output
     # a leaves: b moves into its row, and its output start moves with it.
@@ -221,7 +224,7 @@ def test_placeholder_drafts_run_only_the_drafts_proposed():
     runner, model = make_runner()
     proposer = ScriptedProposer()
     runner.attach_proposer(proposer, num_spec_tokens=3)
-    prompt = NewRequestData("a", [10, 11, 12], greedy(), [7, 3], 0)
+    prompt = NewRequestData("a", [10, 11, 12], greedy(), ([7, 3],), 0)
     proposer.next["a"] = [14, 99]
     assert runner.execute_model(step([prompt], scheduled={"a": 3})).sampled_token_ids == [[13]]
     # Planned: the in-flight token 13 and 3 placeholders. Run: 13, 14, 99;

@@ -28,8 +28,8 @@ def params(prompt_logprobs: int | None) -> SamplingParams:
 
 def test_each_chunk_gives_the_rows_of_the_tokens_after_its_positions():
     runner, _ = make_runner()
-    a = NewRequestData("a", [10, 11, 12, 20, 14, 15], params(1), [7, 3], 0)
-    b = NewRequestData("b", [20, 21, 22], params(None), [5], 0)
+    a = NewRequestData("a", [10, 11, 12, 20, 14, 15], params(1), ([7, 3],), 0)
+    b = NewRequestData("b", [20, 21, 22], params(None), ([5],), 0)
     out = runner.execute_model(step([a, b], scheduled={"a": 4, "b": 3}))
     assert list(out.prompt_logprobs_dict) == ["a"]  # b asked for none
     chunk = out.prompt_logprobs_dict["a"]
@@ -59,8 +59,8 @@ def test_each_chunk_gives_the_rows_of_the_tokens_after_its_positions():
 
 def test_zero_top_keeps_only_the_prompt_token_and_one_token_prompts_have_none():
     runner, _ = make_runner()
-    a = NewRequestData("a", [3, 4, 9], params(0), [1], 0)
-    b = NewRequestData("b", [5], params(3), [2], 0)
+    a = NewRequestData("a", [3, 4, 9], params(0), ([1],), 0)
+    b = NewRequestData("b", [5], params(3), ([2],), 0)
     out = runner.execute_model(step([a, b], scheduled={"a": 3, "b": 1}))
     assert list(out.prompt_logprobs_dict) == ["a"]
     lists = out.prompt_logprobs_dict["a"].logprobs
@@ -69,7 +69,7 @@ def test_zero_top_keeps_only_the_prompt_token_and_one_token_prompts_have_none():
 
 def test_a_request_preempted_mid_prefill_gives_its_rows_again():
     runner, _ = make_runner()
-    a = NewRequestData("a", [1, 2, 3, 4, 5], params(0), [1], 0)
+    a = NewRequestData("a", [1, 2, 3, 4, 5], params(0), ([1],), 0)
     out = runner.execute_model(step([a], scheduled={"a": 3}))
     assert out.prompt_logprobs_dict["a"].first_token == 1
     # Preempted, then resumed from scratch with new blocks.
@@ -82,7 +82,7 @@ def test_a_request_preempted_mid_prefill_gives_its_rows_again():
 
 def test_a_finished_request_is_forgotten():
     runner, _ = make_runner()
-    a = NewRequestData("a", [1, 2, 3, 4, 5], params(0), [1], 0)
+    a = NewRequestData("a", [1, 2, 3, 4, 5], params(0), ([1],), 0)
     runner.execute_model(step([a], scheduled={"a": 2}))
     assert runner.prompt_logprobs
     runner.execute_model(step(finished=["a"]))
@@ -101,7 +101,7 @@ def test_full_vocabulary_logits_exist_for_a_few_rows_at_a_time(monkeypatch):
 
     model.compute_logits = recording  # type: ignore[method-assign]
     prompt = [10, 11, 12, 20, 14, 15, 30]
-    a = NewRequestData("a", prompt, params(2), [1, 2], 0)
+    a = NewRequestData("a", prompt, params(2), ([1, 2],), 0)
     out = runner.execute_model(step([a], scheduled={"a": 7}))
     assert sizes == [2, 2, 2, 1]  # six prompt rows in passes of two, then the sample
     lists = out.prompt_logprobs_dict["a"].logprobs
