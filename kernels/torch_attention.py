@@ -60,12 +60,10 @@ from kernels import cpu_kernels, kv_int8
 from kernels.metadata import AttentionMetadata
 from kernels.reference import check_sliding_window
 
-# Caches the compiled decode stack (engine/models/llama.py) runs over: its
-# C++ cache write copies or narrows rows and does not quantize them.
-COMPILED_CACHE_DTYPES = (torch.float32, torch.bfloat16)
-# Caches the compiled kernels of this module read and write (queries and
-# keys float32): the int8 cache too, quantized by its own writer.
-KERNEL_CACHE_DTYPES = (*COMPILED_CACHE_DTYPES, torch.int8)
+# Caches the compiled kernels of this module and the compiled decode stack
+# (engine/models/llama.py) read and write (queries and keys float32): an
+# int8 cache's rows are quantized by its own writer (kv_int8.cpp).
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # Query rows per SDPA call of a windowed prefill chunk (at least; a tile is
 # as tall as the window when that is longer). A tile reads its rows' window
 # plus itself, so short tiles read less, but each call costs ~tens of us.

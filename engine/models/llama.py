@@ -78,7 +78,7 @@ from kernels.layer_ops import (
 from kernels.lora import LoRAState
 from kernels.metadata import AttentionMetadata
 from kernels.quant import QuantizedWeight, format_summary
-from kernels.torch_attention import COMPILED_CACHE_DTYPES
+from kernels.torch_attention import KERNEL_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
     def _decode_stack_for(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Any:
         """The compiled layer loop, when this step is a decode of at most
         ``stack.max_rows`` sequences (PACKED_LINEAR_MAX_ROWS with MKL-packed
-        weights, else SMALL_LINEAR_ROWS) over a float32 or bfloat16 cache. It runs the
+        weights, else SMALL_LINEAR_ROWS) over a float32, bfloat16 or int8 cache. It runs the
         kernels the layers below would, in the same order: same result."""
         stack = self.decode_stack
         if stack is None or not meta.decode_only or meta.num_tokens > stack.max_rows:
@@ -313,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lora_state.batch is not None:
             return None  # adapters apply in Linear.forward, which the stack skips
         cache = kv_caches[0]
-        if cache.dtype not in COMPILED_CACHE_DTYPES or not cache.is_contiguous():
+        if cache.dtype not in KERNEL_CACHE_DTYPES or not cache.is_contiguous():
             return None
         return stack
 

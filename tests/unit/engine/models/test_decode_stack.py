@@ -152,6 +152,31 @@ def test_matches_the_python_layers_bit_for_bit(model: LoadedModel, batch: int) -
             assert torch.equal(got, want), f"step {k}: KV caches differ"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_matches_the_python_layers_over_a_narrow_cache(
+    model: LoadedModel, dtype: torch.dtype, monkeypatch
+) -> None:
+    """bfloat16 rows are narrowed, int8 rows quantized with their scale, by
+    the stack's own cache write: bit for bit as the Python layers' writers."""
+    calls: list[int] = []
+    monkeypatch.setattr(model.model, "decode_stack", _Spy(_stack(model), calls))
+    lens = [5, 33, 17]
+    tokens = [[(7 * i + j) % VOCAB for j in range(n + 3)] for i, n in enumerate(lens)]
+    seqs = allocate(model.model, tokens, block_size=16, dtype=dtype, seed=1)
+    step(model.model, seqs, [(i, 0, n) for i, n in enumerate(lens)])
+    for k in range(2):
+        twin = PagedSequences(
+            seqs.tokens, seqs.blocks, seqs.block_size, copy.deepcopy(seqs.kv_caches)
+        )
+        fast = _decode(model, seqs, [n + k for n in lens], use_stack=True)
+        slow = _decode(model, twin, [n + k for n in lens], use_stack=False)
+        for got, want in zip(fast, slow, strict=True):
+            assert torch.equal(got, want), f"step {k}: logits differ"
+        for got, want in zip(seqs.kv_caches, twin.kv_caches, strict=True):
+            assert torch.equal(got, want), f"step {k}: KV caches differ"
+    assert calls == [3, 3]  # both decodes ran the stack
+
+
 def test_takes_decodes_up_to_packed_linear_max_rows_where_mkl_packs(model: LoadedModel) -> None:
     expected = PACKED_LINEAR_MAX_ROWS if mkl_packing_available() else SMALL_LINEAR_ROWS
     assert _stack(model).max_rows == expected
