@@ -151,9 +151,15 @@ class RMSNorm(nn.Module):
         return self.lops.add_rms_norm(residual, delta, self.weight, self.eps)
 
 
-def rope_inv_freq(theta: float, scaling: RopeScaling | None, dim: int) -> torch.Tensor:
-    """Per-pair rotation frequencies [dim / 2], float32, as HF computes them."""
+def rope_inv_freq(
+    theta: float, scaling: RopeScaling | None, dim: int, long: bool = False
+) -> torch.Tensor:
+    """Per-pair rotation frequencies [dim / 2], float32, as HF computes them
+    (longrope: the short factors, or with ``long`` the long ones)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if scaling is not None and scaling.rope_type == "longrope":
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor)
+        return 1.0 / (factors * theta**exponents)
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq

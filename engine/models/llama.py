@@ -228,13 +228,13 @@ class LlamaForCausalLM(nn.Module):
         # large positions. Indexed by position each step, never recomputed.
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        cos, sin = _rope_cache(spec, spec.rope_theta, spec.rope_scaling, device)
+        cos, sin = rope_cache(spec, spec.rope_theta, spec.rope_scaling, device)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
         # Gemma 3's windowed layers rotate with their own base.
         self.sliding_rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         if spec.sliding_rope_theta is not None:
-            self.sliding_rope_cache = _rope_cache(
+            self.sliding_rope_cache = rope_cache(
                 spec, spec.sliding_rope_theta, spec.sliding_rope_scaling, device
             )
         # The compiled layer loop for small decode steps, built once the
@@ -405,15 +405,27 @@ class LlamaForCausalLM(nn.Module):
         return format_summary(list(seen.values()))
 
 
-def _rope_cache(
+def rope_cache(
     spec: ModelSpec, theta: float, scaling: RopeScaling | None, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_position_embeddings, rotary_dim / 2] for one RoPE base."""
-    angles = torch.outer(
-        torch.arange(spec.max_position_embeddings, dtype=torch.float32),
-        rope_inv_freq(theta, scaling, spec.rotary_dim),
-    )
-    return angles.cos().to(device), angles.sin().to(device)
+    """cos and sin [max_position_embeddings, rotary_dim / 2] for one RoPE base.
+
+    LongRoPE (Phi-3/4 long context): positions inside the pretraining length
+    rotate by the short factors, those past it by the long ones, and cos and
+    sin are scaled by the attention factor. transformers instead switches a
+    whole sequence to the long factors once it outgrows the pretraining
+    length (recomputing its cache): the same for every sequence that fits
+    it; a longer one differs at its first positions. A position-indexed
+    table keeps a token's rotation independent of its batch and sequence."""
+    positions = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
+    angles = torch.outer(positions, rope_inv_freq(theta, scaling, spec.rotary_dim))
+    if scaling is None or scaling.rope_type != "longrope":
+        return angles.cos().to(device), angles.sin().to(device)
+    start = scaling.original_max_position_embeddings
+    long_freq = rope_inv_freq(theta, scaling, spec.rotary_dim, long=True)
+    angles[start:] = torch.outer(positions[start:], long_freq)
+    scale = scaling.attention_factor
+    return (angles.cos() * scale).to(device), (angles.sin() * scale).to(device)
 
 
 def build_decode_stack(model: LlamaForCausalLM) -> Any | None:

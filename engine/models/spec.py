@@ -8,6 +8,7 @@ time with a message naming it rather than as wrong logits later.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 # RoPE variants the model implements. "dynamic" (NTK) is deliberately absent:
 # its frequencies depend on the current sequence length, which breaks the
 # precomputed, position-indexed cos/sin cache a paged KV cache relies on.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 class ModelConfigError(ValueError):
@@ -33,6 +34,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3 / Phi-4-mini long context): per-frequency divisors for
+    # positions inside the pretraining length and past it, and the factor
+    # cos and sin are scaled by.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,14 @@ class ModelSpec:
                 f"sliding_window={min(w for w in self.layer_windows if w is not None)} is "
                 "invalid: expected at least 1"
             )
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != self.rotary_dim // 2:
+                    raise ModelConfigError(
+                        f"rope_parameters.{name} has {len(getattr(scaling, name))} entries: "
+                        f"expected rotary_dim / 2 = {self.rotary_dim // 2}"
+                    )
         if self.hidden_act not in HIDDEN_ACTS:
             raise ModelConfigError(
                 f"hidden_act={self.hidden_act!r} is not supported: expected one of "
@@ -256,26 +271,28 @@ def _rope(config: Any) -> tuple[float, RopeScaling | None, tuple[float, RopeScal
         scaling: Mapping[str, Any] = getattr(config, "rope_scaling", None) or {}
         local = getattr(config, "rope_local_base_freq", None)
         sliding_rope = (float(local), None) if local is not None else None
-        return theta, _rope_scaling(scaling), sliding_rope
+        return theta, _rope_scaling(scaling, config), sliding_rope
     return (*_theta_and_scaling(params, config), None)
 
 
 def _theta_and_scaling(params: Mapping[str, Any], config: Any) -> tuple[float, RopeScaling | None]:
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    return theta, _rope_scaling(params)
+    return theta, _rope_scaling(params, config)
 
 
-def _rope_scaling(scaling: Mapping[str, Any]) -> RopeScaling | None:
+def _rope_scaling(scaling: Mapping[str, Any], config: Any) -> RopeScaling | None:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in ("su", "yarn") and architecture_of(config) == "Phi3ForCausalLM":
+        rope_type = "longrope"  # Phi-3's older names for it, as transformers reads them
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        # Phi-3's long-context "su"/"longrope" scaling switches frequency sets
-        # with the sequence length, like "dynamic": refused for the same reason.
         raise ModelConfigError(
             f"RoPE type {rope_type!r} (the 'rope_type' of rope_scaling / rope_parameters) "
             f"is not supported: expected one of {SUPPORTED_ROPE_TYPES}"
         )
     if rope_type == "default":
         return None
+    if rope_type == "longrope":
+        return _longrope(scaling, config)
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=factor)
@@ -285,6 +302,32 @@ def _rope_scaling(scaling: Mapping[str, Any]) -> RopeScaling | None:
         low_freq_factor=float(scaling["low_freq_factor"]),
         high_freq_factor=float(scaling["high_freq_factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def _longrope(scaling: Mapping[str, Any], config: Any) -> RopeScaling:
+    """LongRoPE as transformers computes it: `factor` defaults to
+    max_position_embeddings over the pretraining length, the attention
+    factor to sqrt(1 + ln(factor) / ln(pretraining length))."""
+    original = int(
+        scaling.get(
+            "original_max_position_embeddings",
+            getattr(config, "original_max_position_embeddings", None)
+            or config.max_position_embeddings,
+        )
+    )
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else config.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        rope_type="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        short_factor=tuple(float(x) for x in scaling["short_factor"]),
+        long_factor=tuple(float(x) for x in scaling["long_factor"]),
+        attention_factor=float(attention),
     )
 
 

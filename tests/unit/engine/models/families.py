@@ -30,6 +30,11 @@ TINY_SHAPE: dict[str, Any] = dict(
 )
 
 
+# Per rotary frequency pair (rotary_dim 12: 6 pairs), as Phi-4-mini's lists.
+LONGROPE_SHORT = [1.0, 1.1, 1.3, 1.7, 2.2, 3.0]
+LONGROPE_LONG = [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]
+
+
 def family_configs(shape: dict[str, Any]) -> dict[str, PretrainedConfig]:
     """One config per family added after Llama/Mistral/Qwen2, each with its
     odd feature switched on."""
@@ -44,13 +49,19 @@ def family_configs(shape: dict[str, Any]) -> dict[str, PretrainedConfig]:
             logits_scaling=4.0,
             tie_word_embeddings=True,
         ),
-        # rotary_dim 12 of head_dim 16.
-        "phi3-partial-rotary": Phi3Config(
+        # Phi-4-mini's RoPE: rotary_dim 12 of head_dim 16, LongRoPE with
+        # short factors inside the 64-token pretraining length (every test
+        # sequence) and its attention factor (sqrt(1 + ln 2 / ln 64)).
+        "phi3-longrope-partial-rotary": Phi3Config(
             **shape,
+            original_max_position_embeddings=64,
             rope_parameters={
-                "rope_type": "default",
+                "rope_type": "longrope",
                 "rope_theta": 10000.0,
                 "partial_rotary_factor": 0.75,
+                "short_factor": LONGROPE_SHORT,
+                "long_factor": LONGROPE_LONG,
+                "original_max_position_embeddings": 64,
             },
             pad_token_id=0,
             tie_word_embeddings=False,

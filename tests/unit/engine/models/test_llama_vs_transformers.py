@@ -19,10 +19,12 @@ from transformers import (
     PretrainedConfig,
     Qwen2Config,
 )
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.models.layers import LlamaMLP
+from engine.models.llama import rope_cache
 from engine.models.loader import LoadedModel, load_model
-from engine.models.spec import ModelSpec
+from engine.models.spec import ModelConfigError, ModelSpec
 from engine.models.weight_names import hf_parameter_names
 from tests.unit.engine.models.families import (
     TINY_SHAPE,
@@ -218,3 +220,33 @@ def test_spec_reads_family_switches(tandem):
     assert spec.rope_layers == want_rope
     assert all(not p.requires_grad for p in tandem.model.parameters())
     assert not tandem.model.training
+
+
+def test_longrope_table_is_transformers_short_set_inside_and_long_set_past_pretraining():
+    """Phi-4-mini's LongRoPE: positions inside the pretraining length rotate
+    as transformers' short set, those past it as its long set (which it
+    picks for a whole sequence once the sequence outgrows that length),
+    both scaled by its attention factor."""
+    config = family_configs(TINY_SHAPE)["phi3-longrope-partial-rotary"]
+    config.architectures = [architecture_name(config)]
+    spec = ModelSpec.from_hf_config(config)
+    scaling = spec.rope_scaling
+    assert scaling is not None and scaling.rope_type == "longrope"
+    init = ROPE_INIT_FUNCTIONS["longrope"]
+    short, factor = init(config, torch.device("cpu"))
+    long, _ = init(config, torch.device("cpu"), seq_len=65)
+    assert scaling.attention_factor == pytest.approx(factor) and factor > 1.0
+    cos, sin = rope_cache(spec, spec.rope_theta, scaling, torch.device("cpu"))
+    positions = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
+    for rows, inv_freq in ((slice(0, 64), short), (slice(64, None), long)):
+        angles = torch.outer(positions, inv_freq.float())[rows]
+        torch.testing.assert_close(cos[rows], angles.cos() * factor, rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin[rows], angles.sin() * factor, rtol=0, atol=1e-6)
+
+
+def test_longrope_factors_must_cover_every_rotary_pair():
+    config = family_configs(TINY_SHAPE)["phi3-longrope-partial-rotary"]
+    config.architectures = [architecture_name(config)]
+    config.rope_parameters = {**config.rope_parameters, "short_factor": [1.0] * 5}
+    with pytest.raises(ModelConfigError, match="short_factor has 5 entries: expected"):
+        ModelSpec.from_hf_config(config)
