@@ -159,9 +159,12 @@ app.kubernetes.io/component: {{ .component }}
 kebab-case (maxNumSeqs: --max-num-seqs). The knobs and their defaults are
 declared once, in engine/config.py; values.schema.json lists the keys the
 chart takes, and tests/unit/helm/test_knobs.py checks both against the
-declaration. A bool is a switch (the flag alone when true); numbers are
-float64 in templates, so whole ones are printed through int64. */}}
+declaration. A bool is a switch (the flag alone when true), except that a
+knob with three states (unset, true, false: int8Activations) says false
+too; numbers are float64 in templates, so whole ones are printed through
+int64. */}}
 {{- $notFlags := list "port" "drainGraceSeconds" "terminationMarginSeconds" "extraArgs" }}
+{{- $threeState := list "int8Activations" }}
 {{- range $key := keys $e | sortAlpha }}
 {{- if not (has $key $notFlags) }}
 {{- $value := get $e $key }}
@@ -169,6 +172,8 @@ float64 in templates, so whole ones are printed through int64. */}}
 {{- if kindIs "bool" $value }}
 {{- if $value }}
 {{- $args = append $args $flag }}
+{{- else if has $key $threeState }}
+{{- $args = concat $args (list $flag "false") }}
 {{- end }}
 {{- else if and (kindIs "float64" $value) (eq $value (floor $value)) }}
 {{- $args = concat $args (list $flag (toString (int64 $value))) }}

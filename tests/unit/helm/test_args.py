@@ -129,11 +129,12 @@ def test_engine_values_reach_the_flags() -> None:
     assert decode.scheduler.enable_chunked_prefill
     assert decode.scheduler.max_num_batched_tokens == 1_000_000
     assert (prefill.scheduler.max_num_seqs, decode.scheduler.max_num_seqs) == (64, 512)
-    # A switch: the flag alone where true; a pool's false wins over engine's
-    # true, rendering no flag: --int8-activations is then unset (on for GGUF
-    # blocks on CPU unless --exact: engine/numerics.py).
-    assert prefill.model.int8_activations and decode.model.int8_activations is None
-    assert "--int8-activations" not in expanded_args(objects, pools["decode"][1])
+    # Three states: the flag alone where true; a pool's false wins over
+    # engine's true and says false (unset would mean on for GGUF blocks on
+    # CPU: engine/numerics.py).
+    assert prefill.model.int8_activations and decode.model.int8_activations is False
+    decode_args = expanded_args(objects, pools["decode"][1])
+    assert decode_args[decode_args.index("--int8-activations") + 1] == "false"
     assert "--int8-activations" in expanded_args(objects, pools["prefill"][1])
     assert (pools["prefill"][2].port, pools["decode"][2].port) == (50051, 50061)
     assert pools["decode"][2].log_level == "debug"
