@@ -64,6 +64,14 @@ _IN_GEMMA_LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3 keeps its checkpoint's fused projections: q/k/v in one tensor, and
+# gate and up in ffn_up (gate first, as in HF's gate_up_proj).
+_IN_PHI3_LAYER = {
+    **_IN_LAYER,
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
+_IN_LAYER_BY_ARCH = {"gemma3": _IN_GEMMA_LAYER, "phi3": _IN_PHI3_LAYER}
 # llama.cpp stores Gemma's norm weights plus one (its RMSNorm multiplies by
 # the weight, Gemma's by 1 + weight): the reader takes the one off again, as
 # transformers' GGUF loader does, so every source yields HF's values.
@@ -90,7 +98,7 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The HF parameter name of a GGUF tensor name, or None if unknown."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
-    in_layer = _IN_GEMMA_LAYER if architecture == "gemma3" else _IN_LAYER
+    in_layer = _IN_LAYER_BY_ARCH.get(architecture, _IN_LAYER)
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in in_layer:
         return f"model.layers.{parts[1]}.{in_layer[parts[2]]}.{parts[3]}"

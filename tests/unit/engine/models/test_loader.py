@@ -130,9 +130,9 @@ def _plain_config(**overrides) -> SimpleNamespace:
         _tiny_llama(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
         _tiny_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
         _plain_config(rope_parameters={"rope_type": "made-up", "rope_theta": 1e4}),
-        _plain_config(rope_theta=1e4, rope_scaling={"type": "longrope", "factor": 2.0}),
+        _plain_config(rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 2.0}),
     ],
-    ids=["yarn", "dynamic", "made-up", "legacy-longrope"],
+    ids=["yarn", "dynamic", "made-up", "legacy-yarn"],
 )
 def test_unknown_rope_type(config):
     with pytest.raises(ModelConfigError) as err:
@@ -370,13 +370,23 @@ def test_default_model_logits_match_transformers(converted, hf_gguf_model):
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-3)
 
 
-@pytest.mark.parametrize("rope_type", ["su", "longrope"])
-def test_phi3_long_context_rope_refused(rope_type):
+@pytest.mark.parametrize("rope_type", ["su", "yarn", "longrope"])
+def test_phi3_long_context_rope_is_longrope_under_any_of_its_names(rope_type):
     config = _plain_config(
         architectures=["Phi3ForCausalLM"],
+        max_position_embeddings=64,
+        original_max_position_embeddings=16,
         rope_scaling={"type": rope_type, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
     )
-    with pytest.raises(ModelConfigError, match=f"RoPE type '{rope_type}'.*'rope_type'"):
+    scaling = ModelSpec.from_hf_config(config).rope_scaling
+    assert scaling is not None and scaling.rope_type == "longrope"
+    assert (scaling.factor, scaling.original_max_position_embeddings) == (4.0, 16)
+    assert scaling.long_factor == (2.0,) * 4
+
+
+def test_longrope_without_its_factors_is_refused():
+    config = _plain_config(rope_scaling={"type": "longrope", "factor": 2.0})
+    with pytest.raises(ModelConfigError, match="longrope needs short_factor and long_factor"):
         ModelSpec.from_hf_config(config)
 
 
