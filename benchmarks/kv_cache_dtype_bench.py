@@ -5,8 +5,9 @@ requests (``--requests``) with prompts of ``--prompt`` random tokens, 128
 output tokens each (greedy, EOS ignored), on the default model. Both
 engines live in this process and run alternately (baseline, other,
 baseline, ...); the prefix cache is reset before each run. Reports decode
-tokens/s (the output tokens after the first, over the time after the first
-token) and the ratio per round. Float activations unless
+tokens/s (the requests over the median time of the runner's steps in which
+every request decodes: prefill and scheduling left out) and the ratio per
+round. Float activations unless
 ``--int8-activations`` (the default path's).
 
     .venv/bin/python benchmarks/kv_cache_dtype_bench.py --rounds 3
@@ -27,22 +28,34 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
 from engine.llm import LLM  # noqa: E402
+from engine.outputs import ModelRunnerOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sched.output import SchedulerOutput  # noqa: E402
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
-    """Decode tokens/s: the run's output tokens after the first, over its time
-    less that of a separate run to the first token (the prefill)."""
+    """Decode tokens/s: the requests over the median time of the model
+    runner's steps in which every request decodes one token (prefill steps,
+    and the scheduler's time, are left out)."""
     llm.core.scheduler.reset_prefix_cache()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    prefill = time.perf_counter() - start
-    llm.core.scheduler.reset_prefix_cache()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start - prefill
-    return sum(len(o.token_ids) - 1 for o in outs) / elapsed
+    worker = llm.core.worker
+    execute = worker.execute_model
+    times: list[float] = []
+
+    def timed(so: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        out = execute(so)
+        if so.total_num_scheduled_tokens == len(prompts) == len(so.num_scheduled_tokens):
+            times.append(time.perf_counter() - start)
+        return out
+
+    worker.execute_model = timed  # type: ignore[method-assign,assignment]
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del worker.execute_model  # the class's method again
+    return len(prompts) / statistics.median(times)
 
 
 def main() -> None:

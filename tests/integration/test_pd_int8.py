@@ -8,6 +8,7 @@ recomputes the prompt, and counts it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Iterator
 
@@ -41,8 +42,11 @@ def colocated() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def int8_pd(colocated: ServerProcess) -> Iterator[tuple[str, str, str, str]]:
-    """(router, int8 prefill pod, int8 decode pod, bfloat16 decode pod), one shm pool."""
+def stacks(colocated: ServerProcess) -> Iterator[dict[str, tuple[str, ...]]]:
+    """Both P/D stacks, their start-ups overlapping (``serving``): "shm" is
+    (router, int8 prefill pod, int8 decode pod, bfloat16 decode pod) over one
+    shared-memory pool, "redis" (router, int8 decode pod) of int8 pods over a
+    Redis store (absent without redis-server)."""
     extra = {"pool_name": f"pd8-{uuid.uuid4().hex[:8]}", "capacity_bytes": 64 << 20}
     producer, consumer = _kv("shm", "kv_producer", extra), _kv("shm", "kv_consumer", extra)
     prefill = ServerProcess(["--role", "prefill", *INT8, *producer], exact=False)
@@ -51,32 +55,49 @@ def int8_pd(colocated: ServerProcess) -> Iterator[tuple[str, str, str, str]]:
     # It waits this long for blocks that never come (10 s by default), then recomputes.
     impatient = _kv("shm", "kv_consumer", {**extra, "load_wait_seconds": 1.0})
     other = ServerProcess(["--role", "decode", *bf16, *impatient], exact=False)
-    router = ServerProcess(
+    router = _router(prefill, decode)
+    with contextlib.ExitStack() as stack:
+        servers = [prefill, decode, other, router]
+        found: dict[str, tuple[str, ...]] = {
+            "shm": (router.target, prefill.target, decode.target, other.target)
+        }
+        if REDIS_SERVER is not None:
+            store = stack.enter_context(RedisServer())
+            extra = {"url": store.url, "key_prefix": f"i8{uuid.uuid4().hex[:6]}:"}
+            r_producer = _kv("redis", "kv_producer", extra)
+            r_consumer = _kv("redis", "kv_consumer", extra)
+            r_prefill = ServerProcess(["--role", "prefill", *INT8, *r_producer], exact=False)
+            r_decode = ServerProcess(["--role", "decode", *INT8, *r_consumer], exact=False)
+            r_router = _router(r_prefill, r_decode)
+            servers += [r_prefill, r_decode, r_router]
+            found["redis"] = (r_router.target, r_decode.target)
+        stack.enter_context(serving(*servers))
+        for targets in found.values():
+            wait_router_sees_pods(targets[0])
+        yield found
+
+
+def _router(prefill: ServerProcess, decode: ServerProcess) -> ServerProcess:
+    return ServerProcess(
         ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
         command="router",
     )
-    with serving(prefill, decode, other, router):
-        wait_router_sees_pods(router.target)
-        yield router.target, prefill.target, decode.target, other.target
 
 
 @pytest.fixture(scope="module")
-def redis_int8_pd(colocated: ServerProcess) -> Iterator[tuple[str, str]]:
+def int8_pd(stacks: dict[str, tuple[str, ...]]) -> tuple[str, str, str, str]:
+    """(router, int8 prefill pod, int8 decode pod, bfloat16 decode pod), one shm pool."""
+    router, prefill, decode, other = stacks["shm"]
+    return router, prefill, decode, other
+
+
+@pytest.fixture(scope="module")
+def redis_int8_pd(stacks: dict[str, tuple[str, ...]]) -> tuple[str, str]:
     """(router, decode pod) of int8 pods over a Redis store."""
-    if REDIS_SERVER is None:
+    if "redis" not in stacks:
         pytest.skip("redis-server not installed")
-    with RedisServer() as store:
-        extra = {"url": store.url, "key_prefix": f"i8{uuid.uuid4().hex[:6]}:"}
-        producer, consumer = _kv("redis", "kv_producer", extra), _kv("redis", "kv_consumer", extra)
-        prefill = ServerProcess(["--role", "prefill", *INT8, *producer], exact=False)
-        decode = ServerProcess(["--role", "decode", *INT8, *consumer], exact=False)
-        router = ServerProcess(
-            ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
-            command="router",
-        )
-        with serving(prefill, decode, router):
-            wait_router_sees_pods(router.target)
-            yield router.target, decode.target
+    router, decode = stacks["redis"]
+    return router, decode
 
 
 def test_int8_blocks_hand_over_and_answers_equal_colocated(
