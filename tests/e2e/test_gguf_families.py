@@ -3,7 +3,8 @@ llama.cpp lays them out (tests/unit/engine/models/tiny_gguf.py: its metadata,
 tensor names, Q8_0 blocks for the 2-d weights, SmolLM2's tokenizer fields),
 loaded by `--model <file>.gguf`, run on the GGUF's blocks, generate what
 transformers generates from the same file (its own GGUF loader dequantizes
-them), greedy, 32 tokens on 4 prompts. Qwen3 has QK-norm; Phi-3 keeps its
+them: the directory Tandem's conversion keeps), greedy, 32 tokens on 4
+prompts. Qwen3 has QK-norm; Phi-3 keeps its
 fused q/k/v and gate/up in one tensor each (attn_qkv, ffn_up)."""
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ def test_greedy_output_equals_transformers_from_the_same_file(gguf_file: Path) -
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 17, 33, 60)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outputs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    hf: Any = AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
-    )
+    # transformers' float32 model from the directory Tandem's conversion
+    # keeps: the config and tensors its own GGUF loader read from the file
+    # (loading the GGUF again would parse it again, for the same values).
+    hf: Any = AutoModelForCausalLM.from_pretrained(resolve_model(str(gguf_file)))
     assert greedy_mismatches(hf.eval(), prompts, outputs) == []
 
 

@@ -22,6 +22,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from kernels import cpu_kernels
 from kernels.metadata import AttentionMetadata
 from tests.e2e.test_async_scheduling import PROMPTS
 
@@ -100,10 +101,11 @@ def test_greedy_outputs_equal_the_float32_cache(
     assert sum(g == w for g, w in zip(got, float32_outputs, strict=True)) >= 6
 
 
-def test_int8_holds_3_76_times_the_blocks_read_by_the_layer_loop(
+def test_int8_holds_3_76_times_the_blocks_and_decodes_in_the_compiled_stack(
     float32_cache: LLM, int8_cache: LLM
 ) -> None:
-    """64-value rows plus a 4-byte scale: 256 / 68 = 3.76x float32's blocks."""
+    """64-value rows plus a 4-byte scale: 256 / 68 = 3.76x float32's blocks;
+    the compiled decode stack quantizes its rows into the cache itself."""
     numerics = int8_cache.core.info.numerics
     assert (numerics.kv_cache_dtype, numerics.path) == ("int8", "fast")
     caches = int8_cache.core.worker.runner.kv_caches
@@ -112,7 +114,8 @@ def test_int8_holds_3_76_times_the_blocks_read_by_the_layer_loop(
     assert abs(i8 / f32 - 256 / 68) < 0.05
     decode = cast(AttentionMetadata, SimpleNamespace(decode_only=True, num_tokens=1))
     model = int8_cache.core.worker.loaded.model
-    assert model._decode_stack_for(decode, caches) is None  # the stack writes float rows only
+    stack = model._decode_stack_for(decode, caches)
+    assert (stack is not None) == (cpu_kernels.load() is not None)
 
 
 def test_int8_greedy_outputs_mostly_equal_the_float32_cache(

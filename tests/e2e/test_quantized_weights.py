@@ -104,41 +104,57 @@ def _opticks(tokenizer) -> list[int]:
     return ids[:TEXT_TOKENS]
 
 
-def _perplexity(loaded: LoadedModel, ids: list[int], cache: torch.dtype = torch.float32) -> float:
+def _window_nll(
+    loaded: LoadedModel, ids: list[int], cache: torch.dtype = torch.float32
+) -> list[tuple[float, int]]:
+    """(summed negative log-likelihood, tokens scored) of each window."""
     windows = [ids[i : i + WINDOW] for i in range(0, len(ids), WINDOW)]
-    nll, count = 0.0, 0
+    out = []
     for window, logits in zip(windows, _logits(loaded, windows, cache), strict=True):
         targets = torch.tensor(window[1:])
-        nll += F.cross_entropy(logits[:-1].float(), targets, reduction="sum").item()
-        count += len(targets)
+        nll = F.cross_entropy(logits[:-1].float(), targets, reduction="sum").item()
+        out.append((nll, len(targets)))
+    return out
+
+
+def _perplexity(windows: list[tuple[float, int]]) -> float:
+    nll = sum(n for n, _ in windows)
+    count = sum(c for _, c in windows)
     return float(torch.exp(torch.tensor(nll / count)))
 
 
 @pytest.fixture(scope="module")
-def float32_perplexity(models, tokenizer) -> float:
-    return _perplexity(models["float32"], _opticks(tokenizer))
+def float32_windows(models, tokenizer) -> list[tuple[float, int]]:
+    return _window_nll(models["float32"], _opticks(tokenizer))
+
+
+# The weight formats are scored on the text's first half (2,048 tokens: two
+# windows), as issue 22 set them; the int8 KV cache on all 4,096, as issue
+# 44 asks. Measured against float32 on the first half (2026-11-28): int8
+# weights -0.05%, bf16 -0.02% (on 4,096: +0.09%, -0.01%).
+WEIGHT_WINDOWS = 2
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
-def test_perplexity_within_two_percent(models, tokenizer, float32_perplexity, fmt: str) -> None:
+def test_perplexity_within_two_percent(models, tokenizer, float32_windows, fmt: str) -> None:
     """bf16: where the CPU has AVX512_BF16 these 1,024-token windows also
     round the inputs to bfloat16 (kernels/quant.py)."""
     assert models[fmt].weight_format == fmt
-    ids = _opticks(tokenizer)
-    got = _perplexity(models[fmt], ids)
-    print(f"perplexity on {len(ids)} tokens: float32 {float32_perplexity:.3f}, {fmt} {got:.3f}")
-    assert abs(got - float32_perplexity) / float32_perplexity <= 0.02
+    ids = _opticks(tokenizer)[: WEIGHT_WINDOWS * WINDOW]
+    got = _perplexity(_window_nll(models[fmt], ids))
+    want = _perplexity(float32_windows[:WEIGHT_WINDOWS])
+    print(f"perplexity on {len(ids)} tokens: float32 {want:.3f}, {fmt} {got:.3f}")
+    assert abs(got - want) / want <= 0.02
 
 
 def test_an_int8_kv_cache_keeps_perplexity_within_one_percent(
-    models, tokenizer, float32_perplexity
+    models, tokenizer, float32_windows
 ) -> None:
     """Issue 44: the float32 weights over an int8 KV cache (a float32 scale
     per token and head: kernels/kv_int8.py), read in place by the compiled
     prefill kernel, against the same weights over a float32 cache."""
     ids = _opticks(tokenizer)
-    got = _perplexity(models["float32"], ids, torch.int8)
-    print(
-        f"perplexity on {len(ids)} tokens: float32 cache {float32_perplexity:.3f}, int8 {got:.3f}"
-    )
-    assert abs(got - float32_perplexity) / float32_perplexity <= 0.01
+    got = _perplexity(_window_nll(models["float32"], ids, torch.int8))
+    want = _perplexity(float32_windows)
+    print(f"perplexity on {len(ids)} tokens: float32 cache {want:.3f}, int8 {got:.3f}")
+    assert abs(got - want) / want <= 0.01

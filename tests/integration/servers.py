@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,10 +34,39 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nothing listens on, below the kernel's ephemeral
+    range: a port the kernel hands out (bind to 0) can be taken by some
+    process's outgoing connection before the server binds it (a fresh clone
+    saw "Address already in use"), while ports below the range are only
+    ever taken on purpose."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10_000, low)
+        if port in _HANDED_OUT:  # chosen for a server that has not bound it yet
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # a crowded range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, 10_001)
 
 
 class ServerProcess:
