@@ -253,7 +253,11 @@ class KVCacheManager:
             self.num_cached_block[request_id] = len(computed[0])
         elif num_new_blocks * self.num_groups > pool.free_queue.num_free_blocks:
             return None
-        new_blocks = self._extend(req_blocks, num_new_blocks)
+        new_blocks = (
+            self._extend(req_blocks, num_new_blocks)
+            if num_new_blocks > 0
+            else self.empty_kv_cache_blocks
+        )
         if self.enable_caching and not delay_cache_blocks:
             # Cache only final tokens: drafts may still be rejected.
             num_tokens = len(request.all_token_ids)
@@ -265,8 +269,6 @@ class KVCacheManager:
     def _extend(
         self, req_blocks: tuple[list[KVCacheBlock], ...], num_new_blocks: int
     ) -> KVCacheBlocks:
-        if num_new_blocks <= 0:
-            return self.empty_kv_cache_blocks
         new = []
         for held in req_blocks:
             blocks = self.block_pool.get_new_blocks(num_new_blocks)

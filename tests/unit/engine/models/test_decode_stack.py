@@ -128,6 +128,23 @@ def _decode(model: LoadedModel, seqs: PagedSequences, lens: list[int], use_stack
         model.model.decode_stack = stack
 
 
+def _assert_decodes_match(
+    model: LoadedModel, seqs: PagedSequences, lens: list[int], steps: int
+) -> None:
+    """`steps` decodes with the stack and, on a copy of the caches, without:
+    logits and KV caches equal bit for bit after each."""
+    for k in range(steps):
+        twin = PagedSequences(
+            seqs.tokens, seqs.blocks, seqs.block_size, copy.deepcopy(seqs.kv_caches)
+        )
+        fast = _decode(model, seqs, [n + k for n in lens], use_stack=True)
+        slow = _decode(model, twin, [n + k for n in lens], use_stack=False)
+        for got, want in zip(fast, slow, strict=True):
+            assert torch.equal(got, want), f"step {k}: logits differ"
+        for got, want in zip(seqs.kv_caches, twin.kv_caches, strict=True):
+            assert torch.equal(got, want), f"step {k}: KV caches differ"
+
+
 # Up to SMALL_LINEAR_ROWS the stack's linears are small_linear; above, MKL's
 # packed linear (where torch has MKL), as in the Python layers.
 @pytest.mark.parametrize("batch", [1, 3, SMALL_LINEAR_ROWS, SMALL_LINEAR_ROWS + 1, 37])
@@ -140,16 +157,7 @@ def test_matches_the_python_layers_bit_for_bit(model: LoadedModel, batch: int) -
     tokens = [[rng.randrange(VOCAB) for _ in range(n + 3)] for n in lens]
     seqs = allocate(model.model, tokens, block_size=16, seed=batch)
     step(model.model, seqs, [(i, 0, n) for i, n in enumerate(lens)])  # prefill
-    for k in range(3):
-        twin = PagedSequences(
-            seqs.tokens, seqs.blocks, seqs.block_size, copy.deepcopy(seqs.kv_caches)
-        )
-        fast = _decode(model, seqs, [n + k for n in lens], use_stack=True)
-        slow = _decode(model, twin, [n + k for n in lens], use_stack=False)
-        for got, want in zip(fast, slow, strict=True):
-            assert torch.equal(got, want), f"step {k}: logits differ"
-        for got, want in zip(seqs.kv_caches, twin.kv_caches, strict=True):
-            assert torch.equal(got, want), f"step {k}: KV caches differ"
+    _assert_decodes_match(model, seqs, lens, steps=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
@@ -164,16 +172,7 @@ def test_matches_the_python_layers_over_a_narrow_cache(
     tokens = [[(7 * i + j) % VOCAB for j in range(n + 3)] for i, n in enumerate(lens)]
     seqs = allocate(model.model, tokens, block_size=16, dtype=dtype, seed=1)
     step(model.model, seqs, [(i, 0, n) for i, n in enumerate(lens)])
-    for k in range(2):
-        twin = PagedSequences(
-            seqs.tokens, seqs.blocks, seqs.block_size, copy.deepcopy(seqs.kv_caches)
-        )
-        fast = _decode(model, seqs, [n + k for n in lens], use_stack=True)
-        slow = _decode(model, twin, [n + k for n in lens], use_stack=False)
-        for got, want in zip(fast, slow, strict=True):
-            assert torch.equal(got, want), f"step {k}: logits differ"
-        for got, want in zip(seqs.kv_caches, twin.kv_caches, strict=True):
-            assert torch.equal(got, want), f"step {k}: KV caches differ"
+    _assert_decodes_match(model, seqs, lens, steps=2)
     assert calls == [3, 3]  # both decodes ran the stack
 
 
