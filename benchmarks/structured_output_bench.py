@@ -212,7 +212,7 @@ def bench_engine(rounds: int) -> None:
     fill_ms: list[float] = []
     apply_ms: list[float] = []
     original_fill = StructuredOutputManager.grammar_bitmask
-    original_apply = apply_mod.apply_grammar_bitmask
+    original_apply = apply_mod.apply_device_bitmask
 
     def timed_fill(self: StructuredOutputManager, requests: Any, drafts: Any = None) -> Any:
         start = time.perf_counter()
@@ -226,7 +226,7 @@ def bench_engine(rounds: int) -> None:
         apply_ms.append((time.perf_counter() - start) * 1000)
 
     StructuredOutputManager.grammar_bitmask = timed_fill  # type: ignore[method-assign]
-    setattr(apply_mod, "apply_grammar_bitmask", timed_apply)  # noqa: B010 (mypy: a wrapper)
+    setattr(apply_mod, "apply_device_bitmask", timed_apply)  # noqa: B010 (mypy: a wrapper)
 
     llm = LLM(max_num_seqs=64, max_model_len=512)
     topics = ["a river", "a city", "a song", "a tool", "a garden", "a storm", "a ship", "a bridge"]

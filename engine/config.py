@@ -68,6 +68,9 @@ class KnobField:
     type: type
     default: Any
     choices: tuple[str, ...]
+    # A tuple field (``tuple[int, ...]``): the flag takes one or more values
+    # of ``type``, the chart a list.
+    many: bool = False
 
     @property
     def flag(self) -> str:
@@ -93,16 +96,21 @@ class KnobField:
 
     def value(self, given: Any) -> Any:
         """The field's value for what the flag's attribute holds."""
+        if self.many:
+            return tuple(given)
         return not given if self.negated else given
 
 
-def _value_type(hint: Any) -> tuple[type, tuple[str, ...]]:
-    """(int|float|bool|str, Literal choices) of a field's type hint."""
+def _value_type(hint: Any) -> tuple[type, tuple[str, ...], bool]:
+    """(int|float|bool|str, Literal choices, whether a tuple of them) of a
+    field's type hint."""
     if get_origin(hint) in (Union, types.UnionType):
         (hint,) = [a for a in get_args(hint) if a is not type(None)]
     if get_origin(hint) is Literal:
-        return str, tuple(get_args(hint))
-    return hint, ()
+        return str, tuple(get_args(hint)), False
+    if get_origin(hint) is tuple:
+        return get_args(hint)[0], (), True
+    return hint, (), False
 
 
 def section_knobs(section: str, cls: type) -> list[KnobField]:
@@ -111,8 +119,8 @@ def section_knobs(section: str, cls: type) -> list[KnobField]:
     out = []
     for f in fields(cls):
         if (k := f.metadata.get(_KNOB)) is not None:
-            kind, literal = _value_type(hints[f.name])
-            out.append(KnobField(section, f.name, k, kind, f.default, k.choices or literal))
+            kind, literal, many = _value_type(hints[f.name])
+            out.append(KnobField(section, f.name, k, kind, f.default, k.choices or literal, many))
     return out
 
 
@@ -354,8 +362,25 @@ class ModelConfig:
         choices=KV_CACHE_DTYPES,
     )
     seed: int = knob(0, "seed for unseeded sampling")
+    # CUDA graphs for decode steps (engine/worker/cuda_graphs.py); vLLM's names.
+    enforce_eager: bool = knob(
+        False, "run every step eagerly on CUDA: no CUDA graphs for decode steps"
+    )
+    cuda_graph_sizes: tuple[int, ...] | None = knob(
+        None,
+        "decode batch sizes (token rows) captured as CUDA graphs; one value caps the "
+        "default list, several are the list",
+        unset="1, 2, 4, then steps of 8 up to max-num-seqs x (1 + speculative tokens), at most 512",
+    )
 
     def __post_init__(self) -> None:
+        _require(
+            self.cuda_graph_sizes is None
+            or (len(self.cuda_graph_sizes) > 0 and all(n >= 1 for n in self.cuda_graph_sizes)),
+            "cuda_graph_sizes",
+            self.cuda_graph_sizes,
+            "one or more batch sizes, each >= 1",
+        )
         _require(
             self.dtype in ("float32", "bfloat16", "float16"),
             "dtype",

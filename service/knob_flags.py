@@ -35,6 +35,10 @@ def add_knob_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup, k: KnobF
     if k.type is bool:
         p.add_argument(k.flag, action="store_true", default=None if override else False, help=help)
         return
+    if k.many:
+        # Unset (None) until given; the field's default then applies.
+        p.add_argument(k.flag, nargs="+", type=k.type, default=None, metavar="N", help=help)
+        return
     p.add_argument(
         k.flag,
         type=parse_size if k.knob.size else k.type,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +38,13 @@ from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutp
 from engine.spec_decode.proposer import ProposeInputs, Proposer
 from engine.spec_decode.rejection import DraftRows
 from engine.structured_output.manager import GrammarBitmask
+from engine.worker.cuda_graphs import (
+    DecodeGraphs,
+    DecodeRows,
+    Forward,
+    GraphCapture,
+    StaticInputs,
+)
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.penalties import TokenHistory
 from engine.worker.prompt_logprobs import PromptLogprobsTracker
@@ -45,6 +52,10 @@ from engine.worker.sampler import Sampler, SamplingTensors
 from engine.worker.spec_verify import verify_drafts
 from kernels.lora import LoRABatch, LoRASegment
 from kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    # Imported when a constrained request samples: it loads xgrammar.
+    from engine.structured_output.apply import DeviceBitmask
 
 
 class CausalLM(Protocol):
@@ -58,6 +69,44 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class HostIds:
+    """The step's one device-to-host copy, the sampled ids: into pinned
+    memory without blocking, then one wait on an event for that copy alone
+    (``tolist()`` would copy into pageable memory, staged and slower)."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.buffer = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
+            self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+    def read(self, ids: torch.Tensor) -> list[int]:
+        if not self.cuda or ids.numel() > self.buffer.numel():
+            values: list[int] = ids.tolist()
+            return values
+        host = self.buffer[: ids.numel()]
+        host.copy_(ids, non_blocking=True)
+        self.copied.record()
+        self.copied.synchronize()
+        out: list[int] = host.tolist()
+        return out
+
+
+def forward_over(
+    model: CausalLM, kv_caches: list[torch.Tensor], layer_group: Sequence[int]
+) -> Forward:
+    """``forward(input_ids, positions, metas)``: the model over these caches,
+    ``metas`` one per KV cache group (``layer_group[l]``: layer l's)."""
+
+    def forward(
+        input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]
+    ) -> torch.Tensor:
+        layer_metas = [metas[g] for g in layer_group] if len(metas) > 1 else None
+        return model(input_ids, positions, kv_caches, metas[0], layer_metas)
+
+    return forward
 
 
 @dataclass(frozen=True)
@@ -112,6 +161,7 @@ class ModelRunner:
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_groups = kv_groups or KVCacheGroups.single(len(kv_caches))
+        self._run_model = forward_over(model, kv_caches, self.kv_groups.layer_group)
         max_blocks = -(-max_model_len // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks, self.kv_groups.num_groups)
         self.sampler = Sampler()
@@ -130,6 +180,10 @@ class ModelRunner:
         self._plan = _DraftPlan({}, {})
         # LoRA adapters' device slots (set by attach_lora); None: LoRA off.
         self.lora: LoRASlots | None = None
+        self._host_ids = HostIds(max_num_reqs, device)
+        # Captured decode forwards (attach_graphs); None: every step eager.
+        self.graphs: DecodeGraphs | None = None
+        self.max_model_len = max_model_len
 
     @property
     def _no_blocks(self) -> tuple[list[int], ...]:
@@ -137,6 +191,16 @@ class ModelRunner:
 
     def attach_lora(self, slots: LoRASlots) -> None:
         self.lora = slots
+
+    def attach_graphs(self, capture: GraphCapture, sizes: Sequence[int]) -> None:
+        """Captures the decode forward at each size (engine/worker/cuda_graphs.py);
+        from then on, steps of decode rows that fit one replay it."""
+        groups, width = self.batch.num_kv_groups, self.batch.max_blocks_per_req
+        inputs = StaticInputs(max(sizes), groups, width, self.device)
+        graphs = DecodeGraphs(self._run_model, sizes, inputs, self.max_model_len)
+        with torch.inference_mode():
+            graphs.capture_all(capture)
+        self.graphs = graphs
 
     def attach_proposer(self, proposer: Proposer, num_spec_tokens: int) -> None:
         self.proposer = proposer
@@ -311,10 +375,17 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
 
+    def _as_token_rows(self, inputs: StepInputs) -> bool:
+        """Whether the step runs as decode rows, one per token: a decode,
+        or a verification of drafts (``_token_rows_metadata``)."""
+        if inputs.max_query_len == 1:
+            return True
+        return inputs.drafts is not None and inputs.max_query_len <= 1 + self.num_spec_tokens
+
     def _attention_metadata(self, inputs: StepInputs) -> list[AttentionMetadata]:
         """The step's attention metadata, one per KV cache group (they
         differ only in block table and slot mapping)."""
-        if inputs.drafts is not None and inputs.max_query_len <= 1 + self.num_spec_tokens:
+        if inputs.max_query_len > 1 and self._as_token_rows(inputs):
             return self._token_rows_metadata(inputs)
         n = self.batch.num_reqs
         max_blocks = -(-inputs.max_seq_len // self.block_size)
@@ -415,21 +486,34 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         inputs = self.prepare_inputs(so)
-        metas = self._attention_metadata(inputs)
         dev = self.device
-        input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
-        positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
-        hidden = self._forward(input_ids, positions, metas, inputs)
+        # Before the forward is queued: building them copies to the device,
+        # which on CUDA would otherwise wait for the forward to finish.
+        sampling = None
+        if inputs.sample_rows.size and inputs.drafts is None:
+            sampling = self._sampling_tensors(inputs.sample_rows)
+        grammar = None
+        if so.grammar_bitmask is not None and inputs.sample_rows.size:
+            grammar = self._grammar_mask(inputs, so.grammar_bitmask)
+        lora = self._lora_batch(inputs)
+        hidden = self._replay(inputs) if lora is None else None
+        if hidden is None:
+            metas = self._attention_metadata(inputs)
+            input_ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
+            positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
+            hidden = self._forward(input_ids, positions, metas, lora)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs, so)
         sampled: list[list[int]] = [[] for _ in range(self.batch.num_reqs)]
         logprobs = None
         if inputs.sample_rows.size:
             logits_idx = torch.from_numpy(inputs.logits_indices).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_idx])
-            if so.grammar_bitmask is not None:
-                self._apply_grammar(logits, inputs, so.grammar_bitmask)
-            if inputs.drafts is None:
-                sampled, logprobs = self._sample(logits, inputs.sample_rows, sampled)
+            if grammar is not None:
+                from engine.structured_output.apply import apply_device_bitmask
+
+                apply_device_bitmask(logits, grammar)
+            if sampling is not None:
+                sampled, logprobs = self._sample(logits, sampling, inputs.sample_rows, sampled)
             else:
                 sampled, logprobs = self._verify(logits, inputs, sampled)
             if self._plan.placeholders:
@@ -447,24 +531,35 @@ class ModelRunner:
             num_verified_drafts={r: len(plan.drafts[r]) for r in plan.placeholders} or None,
         )
 
+    def _replay(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's hidden states from a captured graph, or None when it
+        is not decode rows or no graph holds them (it then runs eagerly)."""
+        if self.graphs is None or not self._as_token_rows(inputs):
+            return None
+        lens = np.diff(inputs.query_start_loc)
+        rows = DecodeRows(
+            input_ids=inputs.input_ids,
+            positions=inputs.positions,
+            slot_mapping=inputs.slot_mapping,
+            table_rows=np.repeat(np.arange(lens.size), lens),
+            max_blocks=-(-inputs.max_seq_len // self.block_size),
+        )
+        return self.graphs.run(rows, self.batch)
+
     def _forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metas: list[AttentionMetadata],
-        inputs: StepInputs,
+        lora: LoRABatch | None,
     ) -> torch.Tensor:
         """The model's forward, with the step's LoRA rows set while it runs."""
-        layer_metas = None
-        if len(metas) > 1:
-            layer_metas = [metas[g] for g in self.kv_groups.layer_group]
-        lora = self._lora_batch(inputs)
         if lora is None:
-            return self.model(input_ids, positions, self.kv_caches, metas[0], layer_metas)
+            return self._run_model(input_ids, positions, metas)
         assert self.lora is not None
         self.lora.state.batch = lora
         try:
-            return self.model(input_ids, positions, self.kv_caches, metas[0], layer_metas)
+            return self._run_model(input_ids, positions, metas)
         finally:
             self.lora.state.batch = None
 
@@ -502,21 +597,21 @@ class ModelRunner:
             self.model.compute_logits,
         )
 
-    def _apply_grammar(
-        self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarBitmask
-    ) -> None:
-        """Structured output: forbidden tokens of the constrained rows to
-        -inf before the sampler sees them (so greedy, temperature, top-k/p
-        all choose among allowed tokens, and logprobs show the mask). A row
-        verifying drafts has a mask per position."""
+    def _grammar_mask(self, inputs: StepInputs, grammar: GrammarBitmask) -> DeviceBitmask | None:
+        """Structured output: the step's mask rows against its logits rows,
+        on the device before the forward is queued. The sampler then sees
+        forbidden tokens of the constrained rows at -inf (so greedy,
+        temperature, top-k/p all choose among allowed tokens, and logprobs
+        show the mask). A row verifying drafts has a mask per position."""
         # Here, not at the top: xgrammar loads once a constrained request samples.
-        from engine.structured_output.apply import apply_grammar_bitmask
+        from engine.structured_output.apply import device_bitmask
 
         req_ids = self.batch.req_ids
         rows = inputs.sample_rows.tolist()
         starts = range(len(rows)) if inputs.drafts is None else inputs.drafts.starts
         first_row = {req_ids[r]: s for r, s in zip(rows, starts, strict=True)}
-        apply_grammar_bitmask(logits, grammar, first_row)
+        num_rows = len(rows) if inputs.drafts is None else inputs.drafts.num_logits_rows
+        return device_bitmask(grammar, first_row, num_rows, self.device)
 
     def _verify(
         self, logits: torch.Tensor, inputs: StepInputs, sampled: list[list[int]]
@@ -555,22 +650,27 @@ class ModelRunner:
         drafts = self.proposer.propose(ProposeInputs(batch, sample_rows, caps))
         self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
 
+    def _sampling_tensors(self, sample_rows: npt.NDArray[np.int64]) -> SamplingTensors:
+        batch = self.batch
+        states = [batch.states[r] for r in sample_rows.tolist()]
+        # Views of the batch (no copy): read only when a row has a penalty.
+        history = TokenHistory(batch.token_ids, batch.num_tokens, batch.output_start, sample_rows)
+        return SamplingTensors.from_params(
+            [s.sampling_params for s in states], [s.generator for s in states], self.device, history
+        )
+
     def _sample(
         self,
         logits: torch.Tensor,
+        tensors: SamplingTensors,
         sample_rows: npt.NDArray[np.int64],
         sampled: list[list[int]],
     ) -> tuple[list[list[int]], LogprobsLists | None]:
         batch = self.batch
         rows = sample_rows.tolist()
         states = [batch.states[r] for r in rows]
-        # Views of the batch (no copy): read only when a row has a penalty.
-        history = TokenHistory(batch.token_ids, batch.num_tokens, batch.output_start, sample_rows)
-        tensors = SamplingTensors.from_params(
-            [s.sampling_params for s in states], [s.generator for s in states], self.device, history
-        )
         result = self.sampler(logits, tensors)
-        token_ids = result.sampled.tolist()
+        token_ids = self._host_ids.read(result.sampled)
         for row, state, token_id in zip(rows, states, token_ids, strict=True):
             sampled[row] = [token_id]
             state.token_ids.append(token_id)

@@ -3,6 +3,7 @@ and owns the model runner. One worker per device."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,19 @@ from engine.sched.output import SchedulerOutput
 from engine.spec_decode.adaptive import AdaptiveProposer, measure_step_cost
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.proposer import NgramLookup, Proposer
+from engine.worker.cuda_graphs import (
+    CudaGraphCapture,
+    DecodeGraphs,
+    StaticInputs,
+    capture_sizes,
+)
 from engine.worker.kv_cache import (
     KVCacheShape,
     allocate_kv_caches,
     kv_cache_budget,
     num_blocks_for_budget,
 )
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, forward_over
 from kernels.backend import select_backend
 
 logger = logging.getLogger(__name__)
@@ -130,6 +137,12 @@ class Worker:
         budget = kv_cache_budget(
             self.device, model_config.kv_cache_memory, model_config.gpu_memory_utilization
         )
+        graph_sizes = self._graph_sizes(model_config, max_num_seqs, speculative)
+        if graph_sizes and model_config.kv_cache_memory is None:
+            # The graphs' memory is not the cache's: measured, then left out.
+            reserve = self._graph_memory(shape, graph_sizes, cache_config.block_size, max_model_len)
+            logger.info("CUDA graphs: %.1f MiB for %d sizes", reserve / 2**20, len(graph_sizes))
+            budget -= reserve
         if draft is not None:
             per_block = shape.bytes_per_block
             budget = budget * per_block // (per_block + draft[1].bytes_per_block)
@@ -156,6 +169,9 @@ class Worker:
         )
         if lora_slots is not None:
             self.runner.attach_lora(lora_slots)
+        if graph_sizes:
+            self.runner.attach_graphs(CudaGraphCapture(), graph_sizes)
+            logger.info("CUDA graphs captured for decode steps of %s rows", graph_sizes)
         if speculative is not None:
             proposer = self._proposer(speculative, draft, num_blocks, cache_config.block_size)
             if speculative.adaptive:
@@ -177,6 +193,47 @@ class Worker:
             numerics=self.numerics,
             kv_group_windows=self.kv_groups.windows,
         )
+
+    def _graph_sizes(
+        self, config: ModelConfig, max_num_seqs: int, speculative: SpeculativeConfig | None
+    ) -> tuple[int, ...]:
+        """The decode sizes to capture as CUDA graphs; none off CUDA or with
+        ``enforce_eager``. A step verifying k drafts has k + 1 rows a request."""
+        if self.device.type != "cuda" or config.enforce_eager:
+            return ()
+        if self.backend.name != "triton":
+            # The torch backend plans each batch on the host (and caches the
+            # plan by metadata identity): nothing a graph could replay.
+            logger.info("CUDA graphs off: they need the triton attention backend")
+            return ()
+        k = speculative.num_speculative_tokens if speculative is not None else 0
+        return capture_sizes(max_num_seqs * (1 + k), config.cuda_graph_sizes)
+
+    def _graph_memory(
+        self, shape: KVCacheShape, sizes: tuple[int, ...], block_size: int, max_model_len: int
+    ) -> int:
+        """Bytes the decode graphs take: captured once over a two-block KV
+        cache (their memory does not depend on the cache's size), measured,
+        and released."""
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self._capture_over_tiny_cache(shape, sizes, block_size, max_model_len)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        gc.collect()  # the graphs and the tiny cache, gone with the call above
+        torch.cuda.empty_cache()
+        return max(0, int(used))
+
+    def _capture_over_tiny_cache(
+        self, shape: KVCacheShape, sizes: tuple[int, ...], block_size: int, max_model_len: int
+    ) -> None:
+        caches = allocate_kv_caches(shape, 2, self.device, self.kv_groups.layer_slot)
+        max_blocks = -(-max_model_len // block_size)
+        inputs = StaticInputs(max(sizes), self.kv_groups.num_groups, max_blocks, self.device)
+        forward = forward_over(self.loaded.model, caches, self.kv_groups.layer_group)
+        graphs = DecodeGraphs(forward, sizes, inputs, max_model_len)
+        with torch.inference_mode():
+            graphs.capture_all(CudaGraphCapture())
+        torch.cuda.synchronize(self.device)
 
     def _proposer(
         self,

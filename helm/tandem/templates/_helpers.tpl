@@ -161,8 +161,8 @@ declared once, in engine/config.py; values.schema.json lists the keys the
 chart takes, and tests/unit/helm/test_knobs.py checks both against the
 declaration. A bool is a switch (the flag alone when true), except that a
 knob with three states (unset, true, false: int8Activations) says false
-too; numbers are float64 in templates, so whole ones are printed through
-int64. */}}
+too; a list is the flag followed by its values; numbers are float64 in
+templates, so whole ones are printed through int64. */}}
 {{- $notFlags := list "port" "drainGraceSeconds" "terminationMarginSeconds" "extraArgs" }}
 {{- $threeState := list "int8Activations" }}
 {{- range $key := keys $e | sortAlpha }}
@@ -174,6 +174,12 @@ int64. */}}
 {{- $args = append $args $flag }}
 {{- else if has $key $threeState }}
 {{- $args = concat $args (list $flag "false") }}
+{{- end }}
+{{- else if kindIs "slice" $value }}
+{{- /* A list (cudaGraphSizes): the flag, then each value. */}}
+{{- $args = append $args $flag }}
+{{- range $value }}
+{{- $args = append $args (toString (int64 .)) }}
 {{- end }}
 {{- else if and (kindIs "float64" $value) (eq $value (floor $value)) }}
 {{- $args = concat $args (list $flag (toString (int64 $value))) }}

@@ -54,6 +54,8 @@ def _sample(k: KnobField) -> tuple[Any, Any]:
     """A value other than the default, as a chart value and as the field's."""
     if k.type is bool:
         return (not k.default, not k.default) if not k.negated else (True, False)
+    if k.many:
+        return [8, 24], (8, 24)
     if k.choices:
         choice = next(c for c in k.choices if c != k.default)
         return choice, choice
@@ -123,6 +125,9 @@ def test_the_schema_has_the_declared_types_and_choices() -> None:
             for text in ("2G", "512M", "1048576"):
                 jsonschema.validate(text, prop)
                 assert parse_size(text) > 0
+        elif k.many:
+            assert prop["type"] == "array", key
+            assert prop["items"]["type"] == kinds[k.type], key
         else:
             assert prop["type"] == kinds[k.type], key
         if k.default is not None:

@@ -55,6 +55,8 @@ def _argv(k: KnobField) -> tuple[list[str], Any]:
     """Flags that set ``k`` to a value other than its default, and that value."""
     if k.type is bool:
         return [k.flag], not k.default
+    if k.many:
+        return [k.flag, "8", "24"], (8, 24)
     if k.choices:
         choice = next(c for c in k.choices if c != k.default)
         return [k.flag, choice], choice
