@@ -12,8 +12,8 @@ the null block (where padding rows write).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -100,7 +100,7 @@ def _runner(llm: LLM) -> ModelRunner:
     return llm.core.worker.runner
 
 
-def _pair(path: Path, **options: object) -> Iterator[tuple[LLM, LLM]]:
+def _pair(path: Path, **options: Any) -> tuple[LLM, LLM]:
     """(engine with graphs of SIZES, twin without), same options. The
     reference attention reads the metadata's tensors on every call, as the
     Triton kernels do (the torch backend caches a plan per metadata object:
@@ -109,7 +109,7 @@ def _pair(path: Path, **options: object) -> Iterator[tuple[LLM, LLM]]:
     graphs = LLM(str(path), **options)
     _runner(graphs).attach_graphs(EagerCapture(), SIZES)
     eager = LLM(str(path), **options)
-    yield graphs, eager
+    return graphs, eager
 
 
 def _assert_same_caches_outside_the_null_block(a: LLM, b: LLM) -> None:
@@ -127,7 +127,7 @@ def test_replayed_steps_equal_eager_steps_at_every_size(
 ) -> None:
     """Six requests finishing one after another: decode steps of 6 rows
     down to 1, every size of the list replayed, with padding at 3 and 5."""
-    (graphs, eager) = next(_pair(tiny_models[model], enable_prefix_caching=False))
+    graphs, eager = _pair(tiny_models[model], enable_prefix_caching=False)
     prompts = _prompts(6)
     params = _greedy([2 + i for i in range(6)])
     want = [o.token_ids for o in eager.generate(prompts, params)]
@@ -140,7 +140,7 @@ def test_replayed_steps_equal_eager_steps_at_every_size(
 
 
 def test_more_rows_than_the_largest_graph_run_eagerly(tiny_models: dict[str, Path]) -> None:
-    (graphs, eager) = next(_pair(tiny_models["llama"], enable_prefix_caching=False))
+    graphs, eager = _pair(tiny_models["llama"], enable_prefix_caching=False)
     prompts = _prompts(7, seed=1)
     params = _greedy([4] * 7)
     want = [o.token_ids for o in eager.generate(prompts, params)]
@@ -158,7 +158,7 @@ def test_draft_verification_rows_replay_too(tiny_models: dict[str, Path]) -> Non
     spec = SpeculativeConfig(
         method="ngram", num_speculative_tokens=2, prompt_lookup_max=2, adaptive=False
     )
-    (graphs, eager) = next(_pair(tiny_models["llama"], speculative=spec))
+    graphs, eager = _pair(tiny_models["llama"], speculative=spec)
     prompts = [p * 3 for p in _prompts(2, seed=2)]
     params = _greedy([24, 24])
     want = [o.token_ids for o in eager.generate(prompts, params)]
@@ -173,7 +173,7 @@ def test_steps_with_lora_rows_run_eagerly(tiny_models: dict[str, Path], tmp_path
     adapters = make_adapters(
         tiny_models["llama"], tmp_path, (AdapterSpec("qv4", 4, ("q_proj", "v_proj"), 8),)
     )
-    (graphs, eager) = next(_pair(tiny_models["llama"], lora=LoRAConfig(max_lora_rank=8)))
+    graphs, eager = _pair(tiny_models["llama"], lora=LoRAConfig(max_lora_rank=8))
     for llm in (graphs, eager):
         llm.load_lora("qv4", str(adapters["qv4"]))
     prompts = _prompts(3, seed=3)
