@@ -105,7 +105,12 @@ def _pair(path: Path, **options: Any) -> tuple[LLM, LLM]:
     reference attention reads the metadata's tensors on every call, as the
     Triton kernels do (the torch backend caches a plan per metadata object:
     graphs are off with it)."""
-    options = {"exact": True, "attention_backend": "reference", **options}
+    options = {
+        "exact": True,
+        "attention_backend": "reference",
+        "kv_cache_memory": 1 << 22,  # not the CPU's 2 GiB: the caches are compared
+        **options,
+    }
     graphs = LLM(str(path), **options)
     _runner(graphs).attach_graphs(EagerCapture(), SIZES)
     eager = LLM(str(path), **options)
