@@ -8,6 +8,7 @@ device's peak.
     python benchmarks/attention_bench.py                  # CUDA: triton, bf16
     python benchmarks/attention_bench.py --quick
     python benchmarks/attention_bench.py --backend torch  # CPU: small, float32
+    python benchmarks/attention_bench.py --prefill        # CUDA: prefill vs SDPA flash
 
 On CUDA: Llama-8B-like heads (32 query, 8 KV, head_dim 128), block size 16,
 bfloat16, batches 1..256 and contexts 512..8192; CUDA events around each
@@ -18,11 +19,20 @@ abs difference from the reference on one ragged batch.
 On CPU: the default model's heads (9 query, 3 KV, head_dim 64), float32,
 small shapes, `time.perf_counter`; the reference backend is timed alongside
 for scale. Nothing here is asserted.
+
+`--prefill` (CUDA only; on CPU it says so and exits 0) times causal prefill
+instead: one fresh prompt of 1k, 2k, 4k and 8k tokens (Llama-8B heads, bf16,
+block 16, the paged cache holding exactly the prompt) through Tandem's Triton
+`paged_attention` and through `torch.nn.functional.scaled_dot_product_attention`
+(`is_causal=True, enable_gqa=True`, its flash kernel) on the same q/k/v,
+interleaved call by call; it prints medians with min/max and the ratio
+sdpa_time / tandem_time (the target: at least 0.8).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -166,6 +176,129 @@ def correctness_check(backend: AttentionBackend, setup: Setup, device: torch.dev
     print(f"{backend.name} vs reference, 4 decodes up to 1000 tokens: max abs diff {diff:.3e}")
 
 
+PREFILL_LENGTHS = (1024, 2048, 4096, 8192)
+PREFILL_TARGET = 0.8  # sdpa_time / tandem_time at least this
+
+
+@dataclass
+class PrefillCase:
+    query: torch.Tensor  # [n, num_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata
+    # The same q/k/v laid out for SDPA: [1, heads, n, head_dim].
+    sdpa_q: torch.Tensor
+    sdpa_k: torch.Tensor
+    sdpa_v: torch.Tensor
+
+
+def make_prefill_case(setup: Setup, n: int, device: torch.device) -> PrefillCase:
+    """One fresh prefill of `n` tokens: its K/V written to shuffled blocks of
+    a cache holding exactly the prompt."""
+    gen = torch.Generator().manual_seed(n)
+    heads, kv_heads, dim, bs = setup.num_heads, setup.num_kv_heads, setup.head_dim, setup.block_size
+    query = torch.randn(n, heads, dim, generator=gen).to(device, setup.dtype)
+    key, value = torch.randn(2, n, kv_heads, dim, generator=gen).to(device, setup.dtype)
+    num_blocks = -(-n // bs)
+    blocks = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    positions = torch.arange(n)
+    slots = (blocks[positions // bs].long() * bs + positions % bs).to(device)
+    kv_cache = torch.zeros(2, num_blocks, bs, kv_heads, dim, dtype=setup.dtype, device=device)
+    flat = kv_cache.view(2, num_blocks * bs, kv_heads, dim)
+    flat[0, slots], flat[1, slots] = key, value
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_table=blocks[None].to(device),
+        max_query_len=n,
+        max_seq_len=n,
+    )
+
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, 1).unsqueeze(0).contiguous()
+
+    return PrefillCase(
+        query, kv_cache, meta, heads_first(query), heads_first(key), heads_first(value)
+    )
+
+
+def time_interleaved(fns: list[Callable[[], object]], iters: int) -> list[list[float]]:
+    """Seconds per call of each of `fns`, called in turn (A, B, A, B, ...) so
+    clock and thermal drift fall on all alike; L2 flushed before each call."""
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    for _ in range(3):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, out in zip(fns, times, strict=True):
+            flush.zero_()
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(float(start.elapsed_time(end)) / 1e3)
+    return times
+
+
+def run_prefill(iters: int) -> None:
+    """Causal prefill: Tandem's Triton kernel against SDPA's flash kernel."""
+    if not torch.cuda.is_available():
+        print("--prefill times CUDA kernels (Triton against SDPA's flash); no CUDA device here")
+        return
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels import triton_attention
+
+    device = torch.device("cuda")
+    setup = cuda_setup(quick=False)
+    scale = setup.head_dim**-0.5
+    print(
+        f"prefill on {torch.cuda.get_device_name(device)}: heads {setup.num_heads}/"
+        f"{setup.num_kv_heads}, head_dim {setup.head_dim}, block {setup.block_size}, "
+        f"{setup.dtype}, {iters} interleaved calls each; ms as median [min, max]"
+    )
+
+    def sdpa(c: PrefillCase) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            c.sdpa_q, c.sdpa_k, c.sdpa_v, is_causal=True, scale=scale, enable_gqa=True
+        )
+
+    print(
+        f"{'tokens':>6} {'tandem ms':>24} {'sdpa ms':>24} {'tandem TFLOP/s':>14} "
+        f"{'sdpa/tandem':>11} {'max abs diff':>12}"
+    )
+    for n in PREFILL_LENGTHS:
+        c = make_prefill_case(setup, n, device)
+
+        def tandem(c: PrefillCase = c) -> torch.Tensor:
+            return triton_attention.paged_attention(c.query, c.kv_cache, c.meta, scale)
+
+        # SDPA's flash kernel only: an error rather than a silent fallback.
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            want = sdpa(c)[0].transpose(0, 1)
+            diff = (tandem().float() - want.float()).abs().max().item()
+            tandem_s, sdpa_s = time_interleaved([tandem, functools.partial(sdpa, c)], iters)
+        med_t, med_s = statistics.median(tandem_s), statistics.median(sdpa_s)
+        flops = 2 * n * n * setup.num_heads * setup.head_dim  # causal: half of 4*n^2*H*D
+        ratio = med_s / med_t
+        print(
+            f"{n:>6} {_ms(tandem_s):>24} {_ms(sdpa_s):>24} {flops / med_t / 1e12:>14.1f} "
+            f"{ratio:>10.2f}{'' if ratio >= PREFILL_TARGET else '!'} {diff:>12.3e}",
+            flush=True,
+        )
+        del c
+        torch.cuda.empty_cache()
+    print(f"(! marks a ratio under the target {PREFILL_TARGET})")
+
+
+def _ms(times: list[float]) -> str:
+    return f"{statistics.median(times) * 1e3:.3f} [{min(times) * 1e3:.3f}, {max(times) * 1e3:.3f}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", help="torch, triton or reference (default: device's)")
@@ -177,9 +310,17 @@ def main() -> None:
         type=int,
         help="torch intra-op threads on CPU (1 is steadier on a busy machine)",
     )
+    parser.add_argument(
+        "--prefill",
+        action="store_true",
+        help="CUDA: time causal prefill (1k-8k tokens) against SDPA's flash kernel",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.prefill:
+        run_prefill(args.iters)
+        return
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = select_backend(device, args.backend)

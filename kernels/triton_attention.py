@@ -15,7 +15,26 @@ softmax in float32.
 
 Long decodes with few sequences would leave most of a GPU idle with one
 program per (sequence, KV head), so the KV range can also be split across
-programs whose partial results a second small kernel merges.
+programs whose partial results a second small kernel merges. The host
+chooses only how many splits (from the grid size against the SM count and
+from `meta.max_seq_len`, the longest range any sequence may have); each
+program then divides *its own* sequence's KV range evenly among them, in
+whole `BLOCK_N` steps. A split past the end of a short range runs no step
+and leaves max -inf / sum 0, which the merge weights as 0.
+
+That is what makes the split launch safe to freeze in a CUDA graph. A decode
+graph is captured once per padded batch size with `meta.max_seq_len` set to
+the model's limit (`max_model_len`), and replayed with every later step's
+real lengths: the grid, the split count and every scalar argument are those
+of the capture. Were the split length one batch-wide value derived from
+`max_seq_len` (32 splits of a 32768-token limit: 1024 positions each), a
+5000-token sequence would keep 5 of its 32 programs busy and leave the rest
+idle, a short one all in split 0: correct, but serial. Split per sequence, a
+replayed sequence of any length spreads over all the splits, so the
+capture's split count (chosen for the longest possible range) stays
+efficient for long sequences and costs short ones only a few empty programs
+and a small merge. `_choose_splits` looks at the batch's shape alone, never
+at device lengths, so capture and replay agree on it.
 
 Under a sliding window (semantics in `kernels.reference`) each program's KV
 range starts at the first in-window block of its tile's first token, and
@@ -116,7 +135,6 @@ def _paged_attention_kernel(
     block_table_ptr,
     qk_scale,
     num_splits,
-    split_len,
     window,
     stride_query_t,
     stride_query_h,
@@ -142,8 +160,12 @@ def _paged_attention_kernel(
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    if SPLIT:
+        q_tile = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+    else:
+        q_tile = tl.program_id(2)
+        split = 0
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -173,16 +195,25 @@ def _paged_attention_kernel(
         # worth keeping (it is the bigger operand and the tensor-core type).
         q = q.to(k_cache_ptr.dtype.element_ty)
 
-        # The tile's last real token sees the most context; this split owns
-        # [kv_lo, kv_hi) of it, counted from kv_base: 0, or under a window
-        # the block of the tile's first token's first in-window key.
+        # The tile's KV range is [kv_base, kv_end): its last real token sees
+        # the most context, and kv_base is 0 or, under a window, the block of
+        # the tile's first token's first in-window key.
         kv_end = ctx_start + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
         kv_base = 0
         if WINDOWED:
             first_key = tl.maximum(ctx_start + q_tile * BLOCK_Q - window + 1, 0)
             kv_base = first_key - first_key % BLOCK_SIZE
-        kv_lo = kv_base + split * split_len
-        kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+        if SPLIT:
+            # This split owns [kv_lo, kv_hi): this tile's own range divided
+            # evenly (whole BLOCK_N steps, so only the last step is ragged),
+            # whatever the batch's max_seq_len. A split past a short range
+            # runs no step and stores max -inf / sum 0, which merges as weight 0.
+            split_len = tl.cdiv(tl.cdiv(kv_end - kv_base, num_splits), BLOCK_N) * BLOCK_N
+            kv_lo = kv_base + split * split_len
+            kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+        else:
+            kv_lo = kv_base
+            kv_hi = kv_end
 
         row_max = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -374,15 +405,22 @@ def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-def _choose_splits(query: torch.Tensor, kv_span: int, programs: int, block_n: int) -> int:
+def _choose_splits(
+    device: torch.device, num_seqs: int, num_kv_heads: int, q_tiles: int, kv_span: int, block_n: int
+) -> int:
     """Split the KV range when the grid is too small to fill the GPU and the
     ranges (`kv_span` positions at most) are long enough for the merge to
-    pay off."""
-    if query.device.type != "cuda":
+    pay off.
+
+    A pure function of the batch's shape (sequences, KV heads, query tiles,
+    and `kv_span`, itself from `max_seq_len` and the window), never of
+    per-sequence lengths on the device: a CUDA graph captured for a shape
+    and replayed for another batch of that shape launches the same count.
+    """
+    if device.type != "cuda":
         return 1
-    index = query.device.index
-    sm_count = _sm_count(torch.cuda.current_device() if index is None else index)
-    wanted = _cdiv(2 * sm_count, programs)
+    sm_count = _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+    wanted = _cdiv(2 * sm_count, num_seqs * num_kv_heads * q_tiles)
     worthwhile = kv_span // max(_MIN_SPLIT_LEN, block_n)
     return max(1, min(wanted, worthwhile, _MAX_SPLITS))
 
@@ -436,12 +474,12 @@ def paged_attention(
     )
     kv_span = _kv_span(meta, window, cfg.block_q, block_size)
     splits = num_kv_splits or _choose_splits(
-        query, kv_span, meta.num_seqs * num_kv_heads * q_tiles, cfg.block_n
+        query.device, meta.num_seqs, num_kv_heads, q_tiles, kv_span, cfg.block_n
     )
-    # Whole BLOCK_N steps per split, so only a sequence's tail step is ragged.
-    split_len = _cdiv(_cdiv(kv_span, splits), cfg.block_n)
-    split_len *= cfg.block_n
-    splits = _cdiv(kv_span, split_len)
+    # The kernel divides each tile's own KV range among the splits; no range
+    # is longer than kv_span, so splits beyond one BLOCK_N step of it would
+    # always be empty.
+    splits = max(1, min(splits, _cdiv(kv_span, cfg.block_n)))
 
     if splits > 1:
         target = query.new_empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32)
@@ -468,7 +506,6 @@ def paged_attention(
         meta.block_table,
         scale * _LOG2E,
         splits,
-        split_len,
         window or 0,
         query.stride(0),
         query.stride(1),

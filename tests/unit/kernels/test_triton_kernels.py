@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from kernels.metadata import AttentionMetadata
 from tests.unit.kernels.batches import SHAPES, Shape, make_batch, new_kv_rows
 from tests.unit.kernels.triton_child import child_result, ptxas_available, start_child
 
@@ -41,6 +42,13 @@ class AttentionCase:
     strided_query: bool = False
     # A float32 model over a cache of `dtype` (--kv-cache-dtype); None: the same.
     query_dtype: torch.dtype | None = None
+    sliding_window: int | None = None
+    # CUDA-graph-style metadata: `max_seq_len` as the model's limit, far
+    # beyond every real sequence (block tables widened to it with the null
+    # block), and `graph_padding` padding decodes (seq_len 1, every block the
+    # null block, slot 0) after the real sequences. None / 0: the batch's own.
+    graph_max_seq_len: int | None = None
+    graph_padding: int = 0
 
 
 ATTENTION_CASES = (
@@ -63,9 +71,88 @@ ATTENTION_CASES = (
         tol=3e-2,
         query_dtype=torch.float32,
     ),
+    # Few long decodes, what splits are for: each sequence's own range is
+    # divided evenly, every split has work, the last a ragged tail.
+    *(
+        AttentionCase(
+            f"long-b{len(lens)}-split{splits}",
+            Shape((1,) * len(lens), lens, 8, 2, 64, 16),
+            splits=splits,
+        )
+        for lens in ((3001,), (1999, 3900))
+        for splits in (8, 16)
+    ),
+    # A replayed CUDA graph: max_seq_len is the model's limit, every real
+    # sequence far shorter. Each is split over its own range; the shortest
+    # leave later splits empty (max -inf, sum 0: merged with weight 0).
+    AttentionCase(
+        "graph-meta-split8",
+        Shape((1, 1, 1, 1), (30, 97, 181, 300), 8, 2, 64, 16),
+        splits=8,
+        graph_max_seq_len=4096,
+    ),
+    # Under a window (contexts shorter and longer than it, and a prefill
+    # chunk of several tiles): each tile splits its own in-window range.
+    AttentionCase(
+        "graph-meta-window-split8",
+        Shape((1, 20, 1, 1), (30, 97, 181, 300), 8, 2, 64, 16),
+        splits=8,
+        sliding_window=64,
+        graph_max_seq_len=4096,
+    ),
+    # A padded decode batch: padding rows read the null block only, and the
+    # real rows are unaffected (split and unsplit).
+    AttentionCase(
+        "graph-padding-split8",
+        Shape((1, 1, 1), (45, 130, 260), 8, 2, 64, 16),
+        splits=8,
+        graph_max_seq_len=4096,
+        graph_padding=5,
+    ),
+    AttentionCase("graph-padding", Shape((1, 1), (45, 260), 6, 2, 128, 32), graph_padding=3),
 )
 
 RESHAPE_CASES = ("fp32", "strided-key", "bf16", "negative-slot")
+
+
+def _as_graph_batch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    max_seq_len: int,
+    padding: int,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The batch as a replayed decode CUDA graph sees it: a null block 0 (as
+    the block pool's, holding a padding token's garbage) that no sequence
+    owns, block tables as wide as `max_seq_len` with the null block past each
+    sequence, `max_seq_len` for metadata, and `padding` padding sequences of
+    one new token at slot 0 whose block-table rows are all the null block."""
+    gen = torch.Generator().manual_seed(11)
+    _, _, block_size, kv_heads, dim = kv_cache.shape
+    null = 100 * torch.randn(2, 1, block_size, kv_heads, dim, generator=gen)
+    kv_cache = torch.cat([null.to(kv_cache.dtype), kv_cache], dim=1)
+    num_seqs, width = meta.block_table.shape
+    block_table = torch.zeros(
+        num_seqs + padding, max(width, -(-max_seq_len // block_size)), dtype=torch.int32
+    )
+    owned = torch.where(meta.block_table >= 0, meta.block_table + 1, 0)
+    block_table[:num_seqs, :width] = owned
+    pad_query = torch.randn(padding, *query.shape[1:], generator=gen).to(query.dtype)
+    starts = meta.query_start_loc
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(
+            [meta.slot_mapping + block_size, torch.zeros(padding, dtype=torch.int64)]
+        ),
+        query_start_loc=torch.cat([starts, starts[-1] + torch.arange(1, padding + 1)]).to(
+            torch.int32
+        ),
+        seq_lens=torch.cat([meta.seq_lens, torch.ones(padding, dtype=torch.int32)]),
+        block_table=block_table,
+        max_query_len=meta.max_query_len,
+        max_seq_len=max_seq_len,
+        decode_only=meta.decode_only,
+    )
+    return torch.cat([query, pad_query]), kv_cache, meta
 
 
 def _attention_error(case: AttentionCase) -> float:
@@ -74,17 +161,24 @@ def _attention_error(case: AttentionCase) -> float:
     pad, fill = (2**30, float("nan")) if case.poisoned else (-1, 0.0)
     batch = make_batch(case.shape, dtype=case.dtype, seed=5, block_table_pad=pad, unused_fill=fill)
     scale = case.shape.head_dim**-0.5
-    query, cache = batch.query, batch.kv_cache
+    query, cache, meta = batch.query, batch.kv_cache, batch.meta
     if case.query_dtype is not None:
         query, cache = query.to(case.query_dtype), cache.to(case.query_dtype)
-    want = reference.paged_attention(query, cache, batch.meta, scale)
+    want = reference.paged_attention(query, cache, meta, scale, case.sliding_window)
     if case.strided_query:
         query = torch.cat([query, torch.zeros_like(query)], dim=1)[:, : query.shape[1]]
+    kv_cache = batch.kv_cache
+    if case.graph_max_seq_len is not None or case.graph_padding:
+        max_seq_len = case.graph_max_seq_len or meta.max_seq_len
+        query, kv_cache, meta = _as_graph_batch(
+            query, kv_cache, meta, max_seq_len, case.graph_padding
+        )
     got = triton_attention.paged_attention(
-        query, batch.kv_cache, batch.meta, scale, num_kv_splits=case.splits
+        query, kv_cache, meta, scale, case.sliding_window, num_kv_splits=case.splits
     )
-    assert got.dtype == (case.query_dtype or case.dtype) and got.shape == want.shape
-    return (got.float() - want.float()).abs().max().item()
+    assert got.dtype == (case.query_dtype or case.dtype) and got.shape == query.shape
+    # Padding rows' outputs are nobody's: only the real tokens are compared.
+    return (got[: want.shape[0]].float() - want.float()).abs().max().item()
 
 
 def _reshape_mismatches(name: str) -> int:
