@@ -9,6 +9,7 @@ device's peak.
     python benchmarks/attention_bench.py --quick
     python benchmarks/attention_bench.py --backend torch  # CPU: small, float32
     python benchmarks/attention_bench.py --prefill        # CUDA: prefill vs SDPA flash
+    python benchmarks/attention_bench.py --fp8            # CUDA: decode over fp8 vs bf16 caches
 
 On CUDA: Llama-8B-like heads (32 query, 8 KV, head_dim 128), block size 16,
 bfloat16, batches 1..256 and contexts 512..8192; CUDA events around each
@@ -295,6 +296,51 @@ def run_prefill(iters: int) -> None:
     print(f"(! marks a ratio under the target {PREFILL_TARGET})")
 
 
+# Decode shapes for the fp8 cache against bfloat16 (issue target: 1.6x at 64 x 4k).
+FP8_SHAPES = ((1, 4096), (64, 4096), (64, 8192))
+
+
+def run_fp8(iters: int) -> None:
+    """Decode attention over an fp8 (e4m3) cache against the same over a
+    bfloat16 one: half the bytes to read."""
+    if not torch.cuda.is_available():
+        print("--fp8 times CUDA kernels (Triton over fp8 and bfloat16 caches); no CUDA device here")
+        return
+    from kernels import triton_attention
+
+    device = torch.device("cuda")
+    setup = cuda_setup(quick=False)
+    scale = setup.head_dim**-0.5
+    print(
+        f"decode over fp8 vs bfloat16 caches on {torch.cuda.get_device_name(device)}: heads "
+        f"{setup.num_heads}/{setup.num_kv_heads}, head_dim {setup.head_dim}, block "
+        f"{setup.block_size}, {iters} interleaved calls each; us as median [min, max]"
+    )
+    print(f"{'batch':>5} {'context':>7} {'bf16 us':>26} {'fp8 us':>26} {'bf16/fp8':>8}")
+    for batch, context in FP8_SHAPES:
+        b = make_decode_batch(setup, batch, context, device)
+        fp8_cache = b.kv_cache.to(torch.float8_e4m3fn)
+
+        def bf16(b: DecodeBatch = b) -> torch.Tensor:
+            return triton_attention.paged_attention(b.query, b.kv_cache, b.meta, scale)
+
+        def fp8(b: DecodeBatch = b, cache: torch.Tensor = fp8_cache) -> torch.Tensor:
+            return triton_attention.paged_attention(b.query, cache, b.meta, scale)
+
+        bf16_s, fp8_s = time_interleaved([bf16, fp8], iters)
+        ratio = statistics.median(bf16_s) / statistics.median(fp8_s)
+        print(
+            f"{batch:>5} {context:>7} {_us(bf16_s):>26} {_us(fp8_s):>26} {ratio:>7.2f}x",
+            flush=True,
+        )
+        del b, fp8_cache
+        torch.cuda.empty_cache()
+
+
+def _us(times: list[float]) -> str:
+    return f"{statistics.median(times) * 1e6:.1f} [{min(times) * 1e6:.1f}, {max(times) * 1e6:.1f}]"
+
+
 def _ms(times: list[float]) -> str:
     return f"{statistics.median(times) * 1e3:.3f} [{min(times) * 1e3:.3f}, {max(times) * 1e3:.3f}]"
 
@@ -315,11 +361,19 @@ def main() -> None:
         action="store_true",
         help="CUDA: time causal prefill (1k-8k tokens) against SDPA's flash kernel",
     )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="CUDA: decode over an fp8 cache against a bfloat16 one (1 and 64 x 4k-8k)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.prefill:
         run_prefill(args.iters)
+        return
+    if args.fp8:
+        run_fp8(args.iters)
         return
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

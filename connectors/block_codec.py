@@ -73,7 +73,7 @@ _HEADER = struct.Struct("<4sIQQ16s16sQ")  # the body, then its xxh3-64
 _SEAL = struct.Struct("<Q")
 HEADER_BYTES = _HEADER.size  # 64: payloads stay aligned for the copies' views
 _BODY_BYTES = _BODY.size
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
 
 
 class FrameError(ValueError):

@@ -283,7 +283,8 @@ class CacheConfig:
 DTypeName = Literal["float32", "bfloat16", "float16"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "bf16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+# fp8 is vLLM's alias of fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8")
 # kernels.backend.BACKEND_NAMES (not imported: it brings torch); None: the device's default.
 ATTENTION_BACKENDS = ("torch", "triton", "reference")
 
@@ -358,7 +359,8 @@ class ModelConfig:
         "auto",
         "the KV cache's element type; auto: bfloat16 for GGUF blocks on CPU unless --exact, "
         "else the model's --dtype (bfloat16 holds twice the tokens of float32 in the same "
-        "memory; int8, CPU only, 3.8x with a float32 scale per row)",
+        "memory; int8, CPU only, 3.8x with a float32 scale per row; fp8_e4m3 or fp8, "
+        "CUDA only, 2x bfloat16's, values at scale 1.0)",
         choices=KV_CACHE_DTYPES,
     )
     seed: int = knob(0, "seed for unseeded sampling")
@@ -392,7 +394,7 @@ class ModelConfig:
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             "kv_cache_dtype",
             self.kv_cache_dtype,
-            "'auto', 'float32', 'bfloat16', 'float16' or 'int8'",
+            "'auto', 'float32', 'bfloat16', 'float16', 'int8', 'fp8_e4m3' or 'fp8'",
         )
         _require(
             self.quantization in QUANTIZATIONS,

@@ -30,7 +30,7 @@ class Numerics:
     given explicitly)."""
 
     int8_activations: bool
-    kv_cache_dtype: str  # 'float32', 'bfloat16', 'float16' or 'int8'
+    kv_cache_dtype: str  # 'float32', 'bfloat16', 'float16', 'int8' or 'fp8_e4m3'
     path: PathName
 
     @property
@@ -60,6 +60,8 @@ def resolve_numerics(config: ModelConfig, gguf_blocks: bool) -> Numerics:
     kv = config.kv_cache_dtype
     if kv == "auto":
         kv = "bfloat16" if fast else config.dtype
+    elif kv == "fp8":
+        kv = "fp8_e4m3"  # vLLM's alias: one name in block keys and reports
     return Numerics(int8, kv, _path_name(config, int8, kv, fast))
 
 

@@ -45,8 +45,15 @@ bandwidth). Splits then divide that window-sized range, not the context.
 The kernels also run under Triton's CPU interpreter (`TRITON_INTERPRET=1`
 set before triton is imported), which is how the unit tests check them.
 
-An int8 KV cache (`kernels.kv_int8`, the CPU's quantized cache) is refused
-with a ValueError: the GPU's quantized cache is to be fp8, not this format.
+The GPU's quantized cache is fp8 (e4m3, `torch.float8_e4m3fn`): one byte a
+value, half of bfloat16's, so a decode step reads half the KV bytes. Values
+are stored at scale 1.0, clamped to +-448: vLLM's default where no
+calibrated scales come with the checkpoint (a scale per tensor computed at
+write time would change the meaning of what is already cached; one from a
+calibration pass is not offered). The attention kernel loads the fp8 rows
+and widens them to bfloat16 in registers; no dequantized copy of the cache
+exists. An int8 KV cache (`kernels.kv_int8`, the CPU's quantized cache) is
+refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -81,6 +88,23 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def to_cache(x, CACHE_TYPE: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``x`` as the cache stores it. An fp8 (e4m3) cache keeps values at scale
+    1.0, clamped to its range (+-448); in Triton's CPU interpreter, whose
+    float32-to-fp8 conversion drops the carry when rounding up crosses a
+    power of two (1.96 becomes 1.0), float32 is first rounded to fp8's 3
+    mantissa bits, nearest-even, so the conversion only has exact values
+    to convert (the GPU's conversion rounds the same way itself)."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        if INTERPRETED:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(CACHE_TYPE)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,
     value_ptr,
@@ -98,6 +122,8 @@ def _reshape_and_cache_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -118,8 +144,9 @@ def _reshape_and_cache_kernel(
         value_src = token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :]
         key = tl.load(key_ptr + key_src, mask=mask)
         value = tl.load(value_ptr + value_src, mask=mask)
-        tl.store(k_cache_ptr + dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        cache_type = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, to_cache(key, cache_type, FP8, INTERPRETED), mask=mask)
+        tl.store(v_cache_ptr + dst, to_cache(value, cache_type, FP8, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -155,6 +182,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     WINDOWED: tl.constexpr,
+    FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -193,7 +221,11 @@ def _paged_attention_kernel(
         q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None], other=0.0)
         # tl.dot wants both operands in one type; the cache's is the one
         # worth keeping (it is the bigger operand and the tensor-core type).
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        # An fp8 cache's K/V are widened to bfloat16 as they load.
+        if FP8:  # noqa: SIM108 (a constexpr branch; Triton compiles one side)
+            q = q.to(tl.bfloat16)
+        else:
+            q = q.to(k_cache_ptr.dtype.element_ty)
 
         # The tile's KV range is [kv_base, kv_end): its last real token sees
         # the most context, and kv_base is 0 or, under a window, the block of
@@ -232,6 +264,8 @@ def _paged_attention_kernel(
             )
             kv_ptrs = kv_offsets[:, None] + dims[None, :]
             k = tl.load(k_cache_ptr + kv_ptrs, mask=pos_valid[:, None], other=0.0)
+            if FP8:
+                k = k.to(tl.bfloat16)
             scores = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale
             visible = (pos[None, :] <= causal_limit[:, None]) & pos_valid[None, :]
             if WINDOWED:
@@ -247,6 +281,8 @@ def _paged_attention_kernel(
             probs = tl.exp2(scores - safe_max[:, None])
             row_sum = row_sum * rescale + tl.sum(probs, 1)
             v = tl.load(v_cache_ptr + kv_ptrs, mask=pos_valid[:, None], other=0.0)
+            if FP8:
+                v = v.to(tl.bfloat16)
             acc = acc * rescale[:, None] + _dot(probs.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
             row_max = new_max
 
@@ -359,6 +395,8 @@ def reshape_and_cache(
         HEADS_PAD=_next_pow2(num_kv_heads),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=kv_cache.shape[2],
+        FP8=is_fp8_cache(kv_cache),
+        INTERPRETED=_INTERPRETED,
     )
 
 
@@ -525,6 +563,7 @@ def paged_attention(
         WINDOWED=window is not None,
         # fp32 caches get exact products; tf32 would cost ~1e-3 relative error.
         DOT_PRECISION="ieee" if exact_fp32 else "tf32",
+        FP8=is_fp8_cache(kv_cache),
         UPCAST_DOT=_INTERPRETED,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -563,11 +602,16 @@ def _check_head_dim(head_dim: int) -> None:
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
 
 
+def is_fp8_cache(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype == torch.float8_e4m3fn
+
+
 def _check_cache_dtype(kv_cache: torch.Tensor) -> None:
     if kv_cache.dtype == torch.int8:
         raise ValueError(
             "the Triton backend has no int8 KV cache (kv_cache_dtype='int8' is the CPU's "
-            "torch backend's); use kv_cache_dtype float32, bfloat16 or float16 with Triton"
+            "torch backend's); use kv_cache_dtype fp8_e4m3, float32, bfloat16 or float16 "
+            "with Triton"
         )
 
 

@@ -63,7 +63,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16" | "int8"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "int8" | "fp8_e4m3"
     # The weights' format in memory (``WorkerInfo.weight_format``, e.g.
     # "float32", "q4_1+q8_0"): the same tokens give different KV under
     # different weights, so blocks are shared only within one format. ""

@@ -41,9 +41,9 @@ from kernels.backend import select_backend
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The KV cache's element types: the model's, and int8 with a scale per row
-# (kernels/kv_int8.py; CPU only).
-_CACHE_DTYPES = {**_DTYPES, "int8": torch.int8}
+# The KV cache's element types: the model's, int8 with a scale per row
+# (kernels/kv_int8.py; CPU only) and fp8 (e4m3; kernels/triton_attention.py).
+_CACHE_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -115,7 +115,12 @@ class Worker:
         if cache_dtype == torch.int8 and self.backend.name == "triton":
             raise ConfigError(
                 "kv_cache_dtype='int8' is not supported by the Triton attention backend "
-                "(CUDA): expected 'auto', 'float32', 'bfloat16' or 'float16' there"
+                "(CUDA): expected 'auto', 'float32', 'bfloat16', 'float16' or 'fp8_e4m3' there"
+            )
+        if cache_dtype == torch.float8_e4m3fn and self.backend.name != "triton":
+            raise ConfigError(
+                f"kv_cache_dtype={model_config.kv_cache_dtype!r} needs the Triton attention "
+                f"backend (CUDA), not {self.backend.name!r}: on CPU the quantized cache is 'int8'"
             )
         # A draft model reads the target's block table: one group.
         draft_model = speculative is not None and speculative.method == "draft_model"

@@ -72,3 +72,10 @@ def test_elsewhere_unset_means_what_it_always_did(settings: dict[str, Any], want
 def test_exact_beside_a_lossy_setting_names_the_field(settings: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=f"{field} is invalid: expected .* with exact=True"):
         ModelConfig(exact=True, **settings)
+
+
+def test_fp8_is_vllms_alias_of_fp8_e4m3() -> None:
+    for name in ("fp8", "fp8_e4m3"):
+        numerics = resolve_numerics(ModelConfig(kv_cache_dtype=name), gguf_blocks=False)
+        assert numerics.kv_cache_dtype == "fp8_e4m3"
+        assert numerics.path == "fast"

@@ -49,6 +49,9 @@ class AttentionCase:
     # null block, slot 0) after the real sequences. None / 0: the batch's own.
     graph_max_seq_len: int | None = None
     graph_padding: int = 0
+    # The cache in fp8 (e4m3), the query in `dtype`: compared with the
+    # reference over the fp8 values widened to float32.
+    fp8_cache: bool = False
 
 
 ATTENTION_CASES = (
@@ -110,9 +113,23 @@ ATTENTION_CASES = (
         graph_padding=5,
     ),
     AttentionCase("graph-padding", Shape((1, 1), (45, 260), 6, 2, 128, 32), graph_padding=3),
+    # An fp8 cache read in place (widened to bfloat16 in registers): the
+    # error of bfloat16 products (the query and the probabilities rounded,
+    # 2^-8 relative each) over the exact fp8 values, whose magnitude here is
+    # up to ~16: 16 * 2^-7.
+    AttentionCase("fp8-mixed", SHAPES[3], dtype=torch.bfloat16, tol=0.125, fp8_cache=True),
+    AttentionCase(
+        "fp8-decode-split4",
+        Shape((1, 1), (700, 1500), 8, 2, 64, 16),
+        dtype=torch.bfloat16,
+        tol=0.125,
+        splits=4,
+        fp8_cache=True,
+    ),
 )
 
-RESHAPE_CASES = ("fp32", "strided-key", "bf16", "negative-slot")
+RESHAPE_CASES = ("fp32", "strided-key", "bf16", "negative-slot", "fp8")
+FP8 = torch.float8_e4m3fn
 
 
 def _as_graph_batch(
@@ -164,10 +181,15 @@ def _attention_error(case: AttentionCase) -> float:
     query, cache, meta = batch.query, batch.kv_cache, batch.meta
     if case.query_dtype is not None:
         query, cache = query.to(case.query_dtype), cache.to(case.query_dtype)
-    want = reference.paged_attention(query, cache, meta, scale, case.sliding_window)
+    kv_cache = batch.kv_cache
+    if case.fp8_cache:
+        kv_cache = (4 * kv_cache.float()).to(FP8)  # values up to ~16: fp8's normal range
+        cache = kv_cache.float()
+        want = reference.paged_attention(query.float(), cache, meta, scale, case.sliding_window)
+    else:
+        want = reference.paged_attention(query, cache, meta, scale, case.sliding_window)
     if case.strided_query:
         query = torch.cat([query, torch.zeros_like(query)], dim=1)[:, : query.shape[1]]
-    kv_cache = batch.kv_cache
     if case.graph_max_seq_len is not None or case.graph_padding:
         max_seq_len = case.graph_max_seq_len or meta.max_seq_len
         query, kv_cache, meta = _as_graph_batch(
@@ -188,6 +210,8 @@ def _reshape_mismatches(name: str) -> int:
     batch = make_batch(SHAPES[4], dtype=dtype)
     key, value = new_kv_rows(batch)
     slots = batch.meta.slot_mapping.clone()
+    if name == "fp8":
+        return _fp8_write_mismatches(batch.kv_cache, key, value, slots)
     if name == "strided-key":
         # K and V as head slices of one fused projection output.
         fused = torch.cat([key, value, key], dim=1)
@@ -200,6 +224,25 @@ def _reshape_mismatches(name: str) -> int:
     reference.reshape_and_cache(key[kept], value[kept], want, slots[kept])
     triton_attention.reshape_and_cache(key, value, batch.kv_cache, slots)
     return int((batch.kv_cache != want).sum().item())
+
+
+def _fp8_write_mismatches(
+    cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> int:
+    """The fp8 write against the reference quantizer (clamp to +-448, then
+    torch's round-to-nearest-even), bit for bit, over values that cross
+    powers of two when rounded and some past the range."""
+    from kernels import reference, triton_attention
+
+    scaled = [x * 37.0 for x in (key, value)]
+    for x in scaled:
+        x.view(-1)[::7] *= 40.0  # past 448: clamped
+        x.view(-1)[1::7] = 1.96  # rounds up to 2.0: the exponent carries
+    got = cache.to(FP8)
+    want = got.clone()
+    reference.reshape_and_cache(*(x.clamp(-448.0, 448.0) for x in scaled), want, slots)
+    triton_attention.reshape_and_cache(*scaled, got, slots)
+    return int((got.view(torch.uint8) != want.view(torch.uint8)).sum().item())
 
 
 def interpreter_report() -> dict[str, Any]:
@@ -231,13 +274,16 @@ def test_reshape_and_cache_matches_reference(report: dict[str, Any], name: str) 
 # --- compiling for a GPU that is not there ------------------------------------
 
 _SM90_VARIANTS = (
-    # (dtype, group, head_dim, max_query_len, split, sliding window)
+    # (dtype, group, head_dim, max_query_len, split, sliding window); fp8: the
+    # cache's, over a bfloat16 query.
     ("bf16", 4, 128, 1, True, False),
     ("bf16", 4, 128, 512, False, False),
     ("fp16", 1, 256, 64, False, False),
     ("fp32", 3, 64, 1, False, False),
     ("bf16", 2, 128, 1, True, True),
     ("bf16", 2, 256, 512, False, True),
+    ("fp8", 4, 128, 1, True, False),
+    ("fp8", 4, 128, 512, False, False),
 )
 
 
@@ -284,12 +330,17 @@ def compile_for_sm90() -> list[str]:
             "BLOCK_SIZE": 16,
             "SPLIT": split,
             "WINDOWED": windowed,
+            "FP8": dtype == "fp8",
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
             "UPCAST_DOT": False,
         }
-        stats = "fp32" if split else dtype
+        model_dtype = "bf16" if dtype == "fp8" else dtype
+        stats = "fp32" if split else model_dtype
+        cache = "fp8e4nv" if dtype == "fp8" else dtype
         ptr_types = {
-            "*": f"*{dtype}",
+            "*": f"*{model_dtype}",
+            "k_cache_ptr": f"*{cache}",
+            "v_cache_ptr": f"*{cache}",
             "out_ptr": f"*{stats}",
             "partial_max_ptr": f"*{stats}",
             "partial_sum_ptr": f"*{stats}",
@@ -308,12 +359,21 @@ def compile_for_sm90() -> list[str]:
         {"SPLITS_PAD": 32, "HEAD_DIM": 128},
     )
     lines.append("merge")
-    build(
-        ta._reshape_and_cache_kernel,
-        {"*": "*bf16", "slot_mapping_ptr": "*i64"},
-        {"NUM_KV_HEADS": 3, "HEADS_PAD": 4, "HEAD_DIM": 64, "BLOCK_SIZE": 16},
-    )
-    lines.append("reshape_and_cache")
+    for fp8 in (False, True):
+        cache = "*fp8e4nv" if fp8 else "*bf16"
+        build(
+            ta._reshape_and_cache_kernel,
+            {"*": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "slot_mapping_ptr": "*i64"},
+            {
+                "NUM_KV_HEADS": 3,
+                "HEADS_PAD": 4,
+                "HEAD_DIM": 64,
+                "BLOCK_SIZE": 16,
+                "FP8": fp8,
+                "INTERPRETED": False,
+            },
+        )
+        lines.append(f"reshape_and_cache fp8={fp8}")
     return lines
 
 
@@ -321,4 +381,4 @@ def compile_for_sm90() -> list[str]:
 def test_kernels_compile_for_h100() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     compiled = child_result(start_child(__name__, "compile_for_sm90", env))
-    assert len(compiled) == len(_SM90_VARIANTS) + 2
+    assert len(compiled) == len(_SM90_VARIANTS) + 3
