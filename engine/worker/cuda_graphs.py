@@ -149,7 +149,9 @@ class StaticInputs:
         self.input_ids = zeros(max_rows, dtype=torch.int64)
         self.positions = zeros(max_rows, dtype=torch.int64)
         self.slot_mapping = zeros(num_groups, max_rows, dtype=torch.int64)
-        self.seq_lens = zeros(max_rows, dtype=torch.int32)
+        # One token of context (a padding row's) until filled: the capture's
+        # own run then reads the null block, never an empty context.
+        self.seq_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
         # One token per row: the query offsets never change.
         self.query_start_loc = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
         self.block_tables = zeros(num_groups, max_rows, max_blocks, dtype=torch.int32)
