@@ -1,7 +1,9 @@
 """The decoder's per-layer ops besides attention, picked once per model.
 
-RMSNorm, SiLU-and-mul, RoPE and the linear layers, in two implementations
-with one set of signatures:
+RMSNorm, SiLU-and-mul, RoPE and the linear layers, in three implementations
+with one set of signatures (Triton's, for CUDA, are in
+`kernels.triton_layer_ops`: one launch per op, RoPE fused with the K/V
+cache write):
 
 * `TORCH_OPS`: transformers' recipes spelled out in torch, for any dtype and
   device. RMSNorm normalises in float32, rounds to the model dtype, then
@@ -42,6 +44,9 @@ from kernels import cpu_kernels
 from kernels.quant import QuantizedWeight, quant_linear
 
 RopeTables = tuple[torch.Tensor, ...]
+RopeAndCache = Callable[
+    [torch.Tensor, int, int, int, "RopeTables", torch.Tensor, torch.Tensor], None
+]
 # What `linear` multiplies by besides the weight itself: MKL's packed copy of
 # it, the weight's quantized blocks (the weight is then a [out, 0]
 # placeholder), or nothing.
@@ -78,6 +83,11 @@ class LayerOps:
     # pack_linear(weight) -> a copy in a faster layout for `linear`, or None.
     # Called once the weights are loaded; a weight changed later must be re-packed.
     pack_linear: Callable[[torch.Tensor], torch.Tensor | None]
+    # rope_and_cache(heads [T, h + 2 hkv, D], h, hkv, rotary_dim, tables,
+    # kv_cache, slot_mapping): attention's RoPE of q and k and the K/V cache
+    # write in one op; None where the ops have no such fusion (the layer
+    # then calls rope_ and the attention backend's reshape_and_cache).
+    rope_and_cache: RopeAndCache | None = None
 
 
 # --- torch ----------------------------------------------------------------------
@@ -234,7 +244,13 @@ def _compiled_ops(module: ModuleType) -> LayerOps:
 
 
 def select_layer_ops(dtype: torch.dtype, device: torch.device) -> LayerOps:
-    """The compiled ops for float32 on CPU when they build, else torch's."""
+    """Triton's fused ops on CUDA (kernels/triton_layer_ops.py: one launch
+    each); the compiled ops for float32 on CPU when they build; else torch's."""
+    if device.type == "cuda":
+        # Imported here: triton is loaded only where it runs.
+        from kernels.triton_layer_ops import TRITON_LAYER_OPS
+
+        return TRITON_LAYER_OPS
     if dtype == torch.float32 and device.type == "cpu":
         module = cpu_kernels.load()
         if module is not None:

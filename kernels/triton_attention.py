@@ -88,20 +88,37 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def round_to(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """float32 `x` rounded to DTYPE, to nearest even as the GPU (and torch)
+    rounds. Triton's CPU interpreter truncates float32 to bfloat16 instead,
+    so there the value is first rounded to bfloat16's 7 mantissa bits by
+    hand, leaving the conversion nothing to drop."""
+    if INTERPRETED and DTYPE == tl.bfloat16:  # noqa: SIM300 (DTYPE is the variable)
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def to_cache(x, CACHE_TYPE: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``x`` as the cache stores it. An fp8 (e4m3) cache keeps values at scale
-    1.0, clamped to its range (+-448); in Triton's CPU interpreter, whose
-    float32-to-fp8 conversion drops the carry when rounding up crosses a
-    power of two (1.96 becomes 1.0), float32 is first rounded to fp8's 3
-    mantissa bits, nearest-even, so the conversion only has exact values
-    to convert (the GPU's conversion rounds the same way itself)."""
+    """``x`` as the cache stores it, rounded to nearest even. An fp8 (e4m3)
+    cache keeps values at scale 1.0, clamped to its range (+-448); in
+    Triton's CPU interpreter, whose float32-to-fp8 conversion drops the
+    carry when rounding up crosses a power of two (1.96 becomes 1.0),
+    float32 is first rounded to fp8's 3 mantissa bits, so the conversion
+    only has exact values to convert (the GPU's conversion rounds the same
+    way itself)."""
+    x = x.to(tl.float32)
     if FP8:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
         if INTERPRETED:
             bits = x.to(tl.int32, bitcast=True)
             bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
             x = bits.to(tl.float32, bitcast=True)
-    return x.to(CACHE_TYPE)
+        return x.to(CACHE_TYPE)
+    else:
+        return round_to(x, CACHE_TYPE, INTERPRETED)
 
 
 @triton.jit

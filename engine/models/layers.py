@@ -257,19 +257,32 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             _norm_heads_(heads[:, :h], self.q_norm)
             _norm_heads_(heads[:, h : h + hkv], self.k_norm)
-        # q and k are adjacent heads of the fused output: one rotation covers both.
-        if self.rotary_dim == self.head_dim:
-            self.lops.rope_(heads[:, : h + hkv], rope)
-        elif self.rotary_dim:
-            self.lops.rope_(heads[:, : h + hkv, : self.rotary_dim], rope)
-        q, k, v = heads[:, :h], heads[:, h : h + hkv], heads[:, h + hkv :]
-        self.ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        fused = self.lops.rope_and_cache
+        if fused is not None and kv_cache.dtype != torch.int8:
+            fused(heads, h, hkv, self.rotary_dim, rope, kv_cache, meta.slot_mapping)
+        else:
+            self._rope_then_cache(heads, rope, kv_cache, meta)
+        q = heads[:, :h]
         if self.window is None:
             out = self.ops.paged_attention(q, kv_cache, meta, self.scale)
         else:
             out = self.ops.paged_attention(q, kv_cache, meta, self.scale, self.window)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, h * self.head_dim))
         return projected
+
+    def _rope_then_cache(
+        self, heads: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """RoPE on q and k, then the K/V write, as two ops (what
+        ``rope_and_cache`` fuses)."""
+        h, hkv = self.num_heads, self.num_kv_heads
+        # q and k are adjacent heads of the fused output: one rotation covers both.
+        if self.rotary_dim == self.head_dim:
+            self.lops.rope_(heads[:, : h + hkv], rope)
+        elif self.rotary_dim:
+            self.lops.rope_(heads[:, : h + hkv, : self.rotary_dim], rope)
+        k, v = heads[:, h : h + hkv], heads[:, h + hkv :]
+        self.ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
 
 
 def _norm_heads_(heads: torch.Tensor, norm: RMSNorm) -> None:

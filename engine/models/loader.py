@@ -41,6 +41,7 @@ from engine.models.registry import model_class
 from engine.models.spec import ModelSpec, architecture_of
 from engine.models.weight_names import hf_parameter_names
 from engine.models.weight_plan import FLOAT_WEIGHTS, WeightPlan
+from kernels.layer_ops import LayerOps
 
 logger = logging.getLogger(__name__)
 
@@ -395,9 +396,11 @@ def load_model(
     device: torch.device,
     ops: AttentionOps,
     plan: WeightPlan = FLOAT_WEIGHTS,
+    layer_ops: LayerOps | None = None,
 ) -> LoadedModel:
     """Build the model for `path`'s config and load its weights, in eval
-    mode: from `path`'s checkpoint, or `plan`'s GGUF blocks (weight_plan.py)."""
+    mode: from `path`'s checkpoint, or `plan`'s GGUF blocks (weight_plan.py).
+    `layer_ops`: the per-layer ops (default: the device's, select_layer_ops)."""
     if dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"dtype={dtype} is not supported: expected one of {_SUPPORTED_DTYPES}")
     if not (path / "config.json").is_file():
@@ -409,7 +412,7 @@ def load_model(
     cls = model_class(architecture_of(hf_config))
     spec = ModelSpec.from_hf_config(hf_config)
     with torch.inference_mode():
-        model = cls(spec, ops, dtype=dtype, device=device)
+        model = cls(spec, ops, dtype=dtype, device=device, layer_ops=layer_ops)
         weights: Iterator[tuple[str, torch.Tensor | BlockRows]] = (
             iter_gguf(plan.gguf, spec) if plan.gguf is not None else iter_checkpoint(path)
         )
