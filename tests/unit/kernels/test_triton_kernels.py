@@ -240,8 +240,9 @@ def _fp8_write_mismatches(
         x.view(-1)[1::7] = 1.96  # rounds up to 2.0: the exponent carries
     got = cache.to(FP8)
     want = got.clone()
-    reference.reshape_and_cache(*(x.clamp(-448.0, 448.0) for x in scaled), want, slots)
-    triton_attention.reshape_and_cache(*scaled, got, slots)
+    key, value = scaled
+    reference.reshape_and_cache(key.clamp(-448.0, 448.0), value.clamp(-448.0, 448.0), want, slots)
+    triton_attention.reshape_and_cache(key, value, got, slots)
     return int((got.view(torch.uint8) != want.view(torch.uint8)).sum().item())
 
 
