@@ -1,4 +1,5 @@
-"""Choosing which implementation of the two attention ops a model runs.
+"""Choosing which implementations a model runs: the two attention ops
+(`select_backend`) and the per-layer ops (`select_layer_ops`).
 
 Precedence: an explicit name, then `TANDEM_ATTENTION_BACKEND`, then the
 device's default: Triton on CUDA (and on CPU when `TRITON_INTERPRET=1`, i.e.
@@ -18,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from kernels import cpu_kernels
+from kernels.layer_ops import TORCH_OPS, LayerOps, compiled_ops
 from kernels.metadata import AttentionMetadata
 
 ENV_VAR = "TANDEM_ATTENTION_BACKEND"
@@ -55,7 +58,6 @@ def select_backend(device: torch.device, name: str | None = None) -> AttentionBa
     else the default for `device`. Raises ValueError for an unknown name."""
     chosen = name or os.environ.get(ENV_VAR) or _default_name(device)
     if chosen == "torch":
-        from kernels import cpu_kernels
         from kernels import torch_attention as ops
 
         if device.type == "cpu":
@@ -76,3 +78,18 @@ def _default_name(device: torch.device) -> str:
     if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return "triton"
     return "torch"
+
+
+def select_layer_ops(dtype: torch.dtype, device: torch.device) -> LayerOps:
+    """Triton's fused ops on CUDA (kernels/triton_layer_ops.py: one launch
+    each); the compiled ops for float32 on CPU when they build; else torch's."""
+    if device.type == "cuda":
+        # Imported here: triton is loaded only where it runs.
+        from kernels.triton_layer_ops import TRITON_LAYER_OPS
+
+        return TRITON_LAYER_OPS
+    if dtype == torch.float32 and device.type == "cpu":
+        module = cpu_kernels.load()
+        if module is not None:
+            return compiled_ops(module)
+    return TORCH_OPS

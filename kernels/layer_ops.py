@@ -40,7 +40,6 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernels
 from kernels.quant import QuantizedWeight, quant_linear
 
 RopeTables = tuple[torch.Tensor, ...]
@@ -195,7 +194,9 @@ def mkl_pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
 # --- compiled (float32, CPU) --------------------------------------------------------
 
 
-def _compiled_ops(module: ModuleType) -> LayerOps:
+def compiled_ops(module: ModuleType) -> LayerOps:
+    """The compiled C++ ops of ``module`` (kernels.cpu_kernels.load())."""
+
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty_like(x)
         module.rms_norm(out, x, weight, eps)
@@ -241,18 +242,3 @@ def _compiled_ops(module: ModuleType) -> LayerOps:
     return LayerOps(
         "compiled", rms_norm, add_rms_norm, silu_mul, rope_tables, rope_, linear, mkl_pack_linear
     )
-
-
-def select_layer_ops(dtype: torch.dtype, device: torch.device) -> LayerOps:
-    """Triton's fused ops on CUDA (kernels/triton_layer_ops.py: one launch
-    each); the compiled ops for float32 on CPU when they build; else torch's."""
-    if device.type == "cuda":
-        # Imported here: triton is loaded only where it runs.
-        from kernels.triton_layer_ops import TRITON_LAYER_OPS
-
-        return TRITON_LAYER_OPS
-    if dtype == torch.float32 and device.type == "cpu":
-        module = cpu_kernels.load()
-        if module is not None:
-            return _compiled_ops(module)
-    return TORCH_OPS

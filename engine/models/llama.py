@@ -66,6 +66,7 @@ from engine.models.weight_names import (
     is_ignored,
 )
 from kernels import cpu_kernels
+from kernels.backend import select_layer_ops
 from kernels.huge_pages import move_to_huge_pages
 from kernels.layer_ops import (
     PACKED_LINEAR_MAX_ROWS,
@@ -73,7 +74,6 @@ from kernels.layer_ops import (
     LayerOps,
     Packed,
     RopeTables,
-    select_layer_ops,
 )
 from kernels.lora import LoRAState
 from kernels.metadata import AttentionMetadata

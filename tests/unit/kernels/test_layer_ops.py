@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernels, layer_ops
+from kernels import backend, cpu_kernels, layer_ops
+from kernels.backend import select_layer_ops
 from kernels.layer_ops import (
     PACKED_LINEAR_MAX_ROWS,
     SMALL_LINEAR_ROWS,
     TORCH_OPS,
     LayerOps,
-    select_layer_ops,
 )
 
 ROWS = [1, 3, 17, 200]  # one decode, a few, and enough to split across threads
@@ -85,7 +85,7 @@ def test_torch_ops_off_cpu_or_float32(monkeypatch) -> None:
     assert select_layer_ops(torch.float32, torch.device("meta")) is TORCH_OPS
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
     monkeypatch.setattr(cpu_kernels, "_STATE", {})
-    assert layer_ops.select_layer_ops(torch.float32, torch.device("cpu")) is TORCH_OPS
+    assert backend.select_layer_ops(torch.float32, torch.device("cpu")) is TORCH_OPS
 
 
 _LINEAR_ROWS = [1, 2, 5, SMALL_LINEAR_ROWS, SMALL_LINEAR_ROWS + 1, 13, 64, 100]
