@@ -12,17 +12,12 @@ them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError
-from kernels.huge_pages import huge_page_buffer
 from kernels.kv_int8 import int8_row_bytes
-
-# Each layer's tensor starts on a cache line.
-_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -86,31 +81,10 @@ def allocate_kv_caches(
     getting tensor ``layer_slot[l]`` (None: one tensor per layer)."""
     # Zeroed, not empty: the null block and padded reads must be finite.
     # (An int8 cache's zero rows have scale 0.0: they read as zeros.)
-    if device.type == "cpu":
-        tensors = _lazily_zeroed(shape, num_blocks)
-    else:
-        tensors = [
-            torch.zeros(shape.layer_shape(num_blocks), dtype=shape.dtype, device=device)
-            for _ in range(shape.num_layers)
-        ]
+    tensors = [
+        torch.zeros(shape.layer_shape(num_blocks), dtype=shape.dtype, device=device)
+        for _ in range(shape.num_layers)
+    ]
     if layer_slot is None:
         return tensors
     return [tensors[slot] for slot in layer_slot]
-
-
-def _lazily_zeroed(shape: KVCacheShape, num_blocks: int) -> list[torch.Tensor]:
-    """The CPU's layer tensors, carved from one anonymous mapping on huge
-    pages: the kernel hands out zeroed pages as they are first written, so
-    a 2 GiB cache costs nothing at start (torch.zeros wrote all of it:
-    0.52 s for the default model's 2 GiB on the 2-core machine, median of
-    4, several seconds under memory pressure), and decode steps read it on
-    2 MiB pages (kernels/huge_pages.py)."""
-    layer_shape = shape.layer_shape(num_blocks)
-    itemsize = torch.empty((), dtype=shape.dtype).element_size()
-    layer_bytes = math.prod(layer_shape) * itemsize
-    stride = -(-layer_bytes // _ALIGN) * _ALIGN
-    buffer = huge_page_buffer(stride * shape.num_layers)
-    return [
-        buffer[i * stride : i * stride + layer_bytes].view(shape.dtype).view(layer_shape)
-        for i in range(shape.num_layers)
-    ]
