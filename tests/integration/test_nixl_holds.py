@@ -24,7 +24,7 @@ from service.client import TandemClient
 from service.convert import struct_to_dict
 from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.servers import ServerProcess, serving
-from tests.integration.test_pd import SMALL, _generate, _kv, _leg, _status, _tokenize, _wait_idle
+from tests.integration.test_pd import _generate, _kv, _leg, _status, _tokenize, _wait_idle
 
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
 
@@ -43,7 +43,12 @@ class Pods:
 
 
 @pytest.fixture(scope="module")
-def pods() -> Iterator[Pods]:
+def pods(nixl_busy_decode_pod: ServerProcess) -> Iterator[Pods]:
+    """This module's prefill pod (its short transfer timeout) and the
+    session's NIXL decode pod that runs one request at a time (SMALL,
+    --max-num-seqs 1: tests/integration/conftest.py; test_pd's busy-decode
+    stack uses it too, and the counters checked here are compared
+    before/after)."""
     prefill = ServerProcess(
         [
             "--role",
@@ -54,11 +59,9 @@ def pods() -> Iterator[Pods]:
             *_kv("nixl", "kv_producer", {}),
         ]
     )
-    decode = ServerProcess(
-        ["--role", "decode", *SMALL, "--max-num-seqs", "1", *_kv("nixl", "kv_consumer", {})],
-        metrics=True,
-    )
-    with serving(prefill, decode):
+    decode = nixl_busy_decode_pod
+    with serving(prefill):
+        decode.wait_started()
         yield Pods(prefill, decode)
 
 

@@ -858,16 +858,24 @@ FILLER = "Filler: " + SYSTEM + "Count from one to one thousand."
 
 
 @pytest.fixture(scope="module")
-def nixl_busy_decode() -> Iterator[tuple[str, str, str]]:
+def nixl_busy_decode(
+    nixl_tiny_prefill: ServerProcess, nixl_busy_decode_pod: ServerProcess
+) -> Iterator[tuple[str, str, str]]:
     """Router, NIXL prefill pod (a small cache) and a decode pod that runs
     one request at a time: a second decode leg waits in its queue while
-    the prefill pod holds that leg's KV."""
-    yield from _pd_stack(
-        _kv("nixl", "kv_producer", {}),
-        _kv("nixl", "kv_consumer", {}),
-        prefill_cache=["--kv-cache-memory", "24M", "--max-model-len", "512"],
-        decode_cache=[*SMALL, "--max-num-seqs", "1"],
+    the prefill pod holds that leg's KV. Both pods are the session's
+    (tests/integration/conftest.py: test_nixl_holds and test_pd_preemption
+    use them too); the router is this module's."""
+    prefill, decode = nixl_tiny_prefill, nixl_busy_decode_pod
+    router = ServerProcess(
+        ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
+        command="router",
     )
+    with serving(router):
+        prefill.wait_started()
+        decode.wait_started()
+        wait_router_sees_pods(router.target)
+        yield router.target, prefill.target, decode.target
 
 
 async def _held_leg(target: str, request_id: str, token_ids: list[int]) -> pb.GenerateResponse:

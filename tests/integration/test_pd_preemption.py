@@ -66,12 +66,16 @@ class Stack:
     router: ServerProcess
     prefill: ServerProcess
     decode: ServerProcess
+    shared_prefill: bool = False  # the session's: waited for, not drained here
 
 
 @pytest.fixture(scope="module")
-def stacks() -> Iterator[dict[str, Stack]]:
+def stacks(request: pytest.FixtureRequest) -> Iterator[dict[str, Stack]]:
     """A router, prefill and decode pod with tiny caches per connector,
-    launched together (their start-ups overlap); each test enters its own."""
+    launched together (their start-ups overlap); each test enters its own.
+    Over NIXL the prefill pod is the session's (tests/integration/conftest.py:
+    the same flags, TINY and a producer; test_pd's busy-decode stack uses it
+    too), launched with the rest if no earlier module started it."""
     with contextlib.ExitStack() as resources:
         stacks: dict[str, Stack] = {}
         for connector in CONNECTORS:
@@ -81,9 +85,13 @@ def stacks() -> Iterator[dict[str, Stack]]:
                 continue
             url = resources.enter_context(RedisServer()).url if connector == "redis" else None
             extra = _extra(connector, url)
-            prefill = ServerProcess(
-                ["--role", "prefill", *TINY, *_kv(connector, "kv_producer", extra)]
-            )
+            shared = connector == "nixl"
+            if shared:
+                prefill = request.getfixturevalue("nixl_tiny_prefill")
+            else:
+                prefill = ServerProcess(
+                    ["--role", "prefill", *TINY, *_kv(connector, "kv_producer", extra)]
+                )
             decode = ServerProcess(
                 ["--role", "decode", *TINY, *_kv(connector, "kv_consumer", extra)]
             )
@@ -91,8 +99,12 @@ def stacks() -> Iterator[dict[str, Stack]]:
                 ["--prefill", prefill.target, "--decode", decode.target, "--poll-seconds", "0.2"],
                 command="router",
             )
-            stacks[connector] = Stack(router, prefill, decode)
-        servers = [p for s in stacks.values() for p in (s.prefill, s.decode, s.router)]
+            stacks[connector] = Stack(router, prefill, decode, shared)
+        servers = [
+            p
+            for s in stacks.values()
+            for p in ((s.decode, s.router) if s.shared_prefill else (s.prefill, s.decode, s.router))
+        ]
         resources.enter_context(launched(*servers))
         yield stacks
 
@@ -107,7 +119,13 @@ def test_decode_preemption_keeps_answers(
     if connector not in stacks:
         pytest.skip(f"{connector}: not installed here")
     stack = stacks[connector]
-    with stack.prefill, stack.decode, stack.router:
+    with contextlib.ExitStack() as pods:
+        if stack.shared_prefill:
+            stack.prefill.wait_started()
+        else:
+            pods.enter_context(stack.prefill)
+        pods.enter_context(stack.decode)
+        pods.enter_context(stack.router)
         wait_router_sees_pods(stack.router.target)
         got = asyncio.run(_all(stack.router.target))
         status = asyncio.run(_status(stack.decode.target))
