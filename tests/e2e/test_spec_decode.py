@@ -110,7 +110,11 @@ def test_ngram_greedy_identical_under_chunking_preemption_and_prefix_caching(
     )
     assert _generate(llm) == reference
     stats = llm.core.scheduler.spec_stats
-    assert stats is not None and stats.num_accepted_tokens > 0
+    assert stats is not None
+    # Adaptive drafts are sent only where this machine's measured step costs
+    # say they pay: on a loaded machine possibly none, so only the
+    # non-adaptive run must have verified some.
+    assert adaptive or stats.num_accepted_tokens > 0
     totals = llm.totals
     assert totals.num_preemptions > 0
     assert totals.prefix_cache_hits > 0
