@@ -71,6 +71,20 @@ def exact_llm() -> LLM:
     return LLM(max_model_len=512, exact=True)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _small_default_kv_cache() -> Iterator[None]:
+    """Engines built without a KV-cache size get 512 MiB here, not the 2 GiB
+    default: two test workers hold several engines each in 24 GiB, and
+    zeroing 2 GiB costs every engine half a second. No test here holds more
+    than a few thousand tokens at once."""
+    from engine.worker import kv_cache
+
+    default = kv_cache.DEFAULT_CPU_KV_CACHE_BYTES
+    kv_cache.DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
+    yield
+    kv_cache.DEFAULT_CPU_KV_CACHE_BYTES = default
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_engines() -> Iterator[None]:
     """Each module's engines go with it, back to the OS: gigabytes of

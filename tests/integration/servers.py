@@ -36,6 +36,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _HANDED_OUT: set[int] = set()
 
+# A serve pod's KV cache unless its test sizes it: ~11k float32 tokens of the
+# default model, more than any test here holds at once.
+DEFAULT_KV_CACHE = "512M"
+
 
 def free_port() -> int:
     """A loopback port nothing listens on, below the kernel's ephemeral
@@ -43,10 +47,10 @@ def free_port() -> int:
     process's outgoing connection before the server binds it (a fresh clone
     saw "Address already in use"), while ports below the range are only
     ever taken on purpose."""
-    low = _ephemeral_low()
+    low, high = _worker_range(10_000, _ephemeral_low())
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(10_000, low)
+        port = rng.randrange(low, high)
         if port in _HANDED_OUT:  # chosen for a server that has not bound it yet
             continue
         with socket.socket() as s:
@@ -59,6 +63,17 @@ def free_port() -> int:
     with socket.socket() as s:  # a crowded range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _worker_range(low: int, high: int) -> tuple[int, int]:
+    """This pytest-xdist worker's share of [low, high): workers are separate
+    processes, each with its own _HANDED_OUT, so two of them must never pick
+    from the same ports."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker.removeprefix("gw")) if worker.startswith("gw") else 0
+    share = (high - low) // max(count, 1)
+    return low + index * share, low + (index + 1) * share
 
 
 def _ephemeral_low() -> int:
@@ -86,6 +101,10 @@ class ServerProcess:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.args = (["--exact"] if exact and command == "serve" else []) + list(args or [])
+        if command == "serve" and "--kv-cache-memory" not in self.args:
+            # Not the 2 GiB default: two test workers run pods side by side
+            # in 24 GiB, and zeroing 2 GiB costs each start half a second.
+            self.args += ["--kv-cache-memory", DEFAULT_KV_CACHE]
         self.metrics_port: int | None = None
         if metrics:
             self.metrics_port = free_port()
