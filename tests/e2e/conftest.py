@@ -79,10 +79,9 @@ def _small_default_kv_cache() -> Iterator[None]:
     than a few thousand tokens at once."""
     from engine.worker import kv_cache
 
-    default = kv_cache.DEFAULT_CPU_KV_CACHE_BYTES
-    kv_cache.DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
-    yield
-    kv_cache.DEFAULT_CPU_KV_CACHE_BYTES = default
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_cache, "DEFAULT_CPU_KV_CACHE_BYTES", 512 * 1024**2)
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")
