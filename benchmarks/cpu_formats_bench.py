@@ -15,7 +15,8 @@ own blocks, the default), q8_0 (a Q8_0 GGUF of the same model, when
 int8 (per-channel, quantized at load from the float32 directory), each of
 the quantized ones also with ``int8_activations``, bf16 (bfloat16 weights,
 float32 compute: ``quantization="bf16"``), q4_1 + int8 activations and bf16
-each with a bfloat16 KV cache (as vLLM's bfloat16 keeps it) and torch's
+each with a bfloat16 KV cache (as vLLM's bfloat16 keeps it), q4_1 + int8
+activations with an int8 KV cache (``--kv-cache-dtype int8``), and torch's
 all-bfloat16 path (``dtype="bfloat16"``), and "default": no flags (on the
 shipped GGUF that is q4_1 + int8 activations + a bfloat16 KV cache,
 engine/numerics.py). The others name their settings in full (q4_1 and
@@ -98,6 +99,13 @@ def tandem_configs(q8_gguf: Path | None) -> dict[str, dict[str, Any]]:
             "quantization": "auto",
             "int8_activations": True,
             "kv_cache_dtype": "bfloat16",
+        },
+        # The same with int8 K/V (issue 44: at least 1.2x the bfloat16 KV
+        # row at 64 requests).
+        "tandem q4_1 + int8 act + int8 KV": {
+            "quantization": "auto",
+            "int8_activations": True,
+            "kv_cache_dtype": "int8",
         },
         "tandem bf16 + bf16 KV": {"quantization": "bf16", "kv_cache_dtype": "bfloat16"},
         "tandem bf16 (torch dtype)": {"quantization": "none", "dtype": "bfloat16"},

@@ -73,6 +73,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from tests.json_schemas import SCHEMAS  # noqa: E402  (the e2e test's schemas)
+
 if TYPE_CHECKING:
     from engine.llm import LLM
 
@@ -719,57 +721,6 @@ def section_ngram(ctx: Ctx) -> None:
 
 
 # --- 5. structured ------------------------------------------------------------------------
-
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "person": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 20},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        },
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
-    "enum": {
-        "type": "object",
-        "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "count": {"type": "integer", "minimum": 0, "maximum": 99},
-        },
-        "required": ["color", "count"],
-        "additionalProperties": False,
-    },
-    "array": {
-        "type": "object",
-        "properties": {
-            "tags": {
-                "type": "array",
-                "items": {"type": "string", "maxLength": 10},
-                "minItems": 1,
-                "maxItems": 3,
-            }
-        },
-        "required": ["tags"],
-        "additionalProperties": False,
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "user": {
-                "type": "object",
-                "properties": {
-                    "id": {"type": "integer", "minimum": 0, "maximum": 9999},
-                    "email": {"type": "string", "maxLength": 30},
-                },
-                "required": ["id", "email"],
-                "additionalProperties": False,
-            },
-            "active": {"type": "boolean"},
-        },
-        "required": ["user", "active"],
-        "additionalProperties": False,
-    },
-}
 
 
 def schema_errors(value: Any, schema: dict[str, Any]) -> str | None:

@@ -4,13 +4,17 @@ The compiled decode kernel (kernels/csrc/decode_attention.cpp) through
 `kernels.torch_attention.paged_attention`, float32 queries, the default
 model's heads (9 query, 3 KV, head dim 64), block size 16, 30 layers, each
 layer its own cache with the batch's blocks scattered over twice as many
-blocks as it needs (reads come from memory, as in serving). Two batches:
+blocks as it needs (reads come from memory), or with ``--contiguous`` each
+sequence's blocks in a row, as a fresh engine's prefills leave them (the
+hardware prefetcher then streams the reads: bfloat16 nearly doubles its
+rate, and int8 falls behind it; benchmarks/README.md). Two batches:
 16 sequences of 1.5k tokens (the issue's target: int8 at least 1.3x
 bfloat16) and 64 of 512. The two caches run interleaved (int8, bfloat16,
 int8, ...); reported: the milliseconds of the 30 layers' attention, median
 with min and max, and the bfloat16 / int8 ratio per round and of the medians.
 
     .venv/bin/python benchmarks/kv_int8_bench.py --rounds 7
+    .venv/bin/python benchmarks/kv_int8_bench.py --rounds 7 --contiguous
 
 The 1-minute load average is printed before and after (2 cores: a foreign
 busy process slows both caches). Nothing here is asserted.
@@ -36,11 +40,15 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 DTYPES = {"int8": torch.int8, "bfloat16": torch.bfloat16}
 
 
-def decode_meta(num_seqs: int, seq_len: int, pool: int) -> AttentionMetadata:
+def decode_meta(num_seqs: int, seq_len: int, pool: int, contiguous: bool) -> AttentionMetadata:
     """One decode token per sequence; the sequences' blocks scattered over
-    `pool` blocks."""
+    `pool` blocks, or each sequence's blocks in a row (as a fresh engine's
+    prefills leave them)."""
     per_seq = -(-seq_len // BLOCK)
-    order = torch.randperm(pool)[: num_seqs * per_seq].to(torch.int32)
+    if contiguous:
+        order = torch.arange(num_seqs * per_seq, dtype=torch.int32)
+    else:
+        order = torch.randperm(pool)[: num_seqs * per_seq].to(torch.int32)
     table = order.view(num_seqs, per_seq)
     lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
     last = (table[:, -1].long() * BLOCK + (seq_len - 1) % BLOCK).contiguous()
@@ -72,9 +80,9 @@ def timed_layers(query: torch.Tensor, caches: list[torch.Tensor], meta: Attentio
     return (time.perf_counter() - start) * 1e3
 
 
-def run_batch(num_seqs: int, seq_len: int, rounds: int) -> None:
+def run_batch(num_seqs: int, seq_len: int, rounds: int, contiguous: bool) -> None:
     pool = 2 * num_seqs * -(-seq_len // BLOCK)
-    meta = decode_meta(num_seqs, seq_len, pool)
+    meta = decode_meta(num_seqs, seq_len, pool, contiguous)
     query = torch.randn(num_seqs, HEADS, HEAD_DIM)
     # Both sets of caches stay allocated (~1.7 GB at 16 x 1.5k): 30 layers'
     # K/V are far more than the CPU's caches hold, so every pass reads memory.
@@ -90,7 +98,8 @@ def run_batch(num_seqs: int, seq_len: int, rounds: int) -> None:
         name: LAYERS * num_seqs * seq_len * 2 * KV_HEADS * row_bytes[name] / 2**20
         for name in DTYPES
     }
-    print(f"decode, {num_seqs} x {seq_len} tokens, {LAYERS} layers:")
+    layout = "contiguous" if contiguous else "scattered"
+    print(f"decode, {num_seqs} x {seq_len} tokens, {LAYERS} layers, blocks {layout}:")
     for name, values in times.items():
         print(
             f"  {name:<8} median {statistics.median(values):7.2f} ms "
@@ -107,13 +116,18 @@ def run_batch(num_seqs: int, seq_len: int, rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--contiguous",
+        action="store_true",
+        help="each sequence's blocks in a row (a fresh engine's layout), not scattered",
+    )
     args = parser.parse_args()
     if cpu_kernels.load() is None:
         sys.exit("the compiled CPU kernels are unavailable: nothing to measure")
     torch.manual_seed(0)
     print(f"load before: {os.getloadavg()}; threads: {torch.get_num_threads()}")
     for num_seqs, seq_len in ((16, 1536), (64, 512)):
-        run_batch(num_seqs, seq_len, args.rounds)
+        run_batch(num_seqs, seq_len, args.rounds, args.contiguous)
     print(f"load after: {os.getloadavg()}")
 
 

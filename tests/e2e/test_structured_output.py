@@ -15,66 +15,8 @@ from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import ConstraintError, StructuredOutputParams
+from tests.json_schemas import SCHEMAS
 
-SCHEMAS: dict[str, dict[str, object]] = {
-    "person": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 20},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        },
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
-    "enum": {
-        "type": "object",
-        "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "count": {"type": "integer", "minimum": 0, "maximum": 99},
-        },
-        "required": ["color", "count"],
-        "additionalProperties": False,
-    },
-    "array": {
-        "type": "object",
-        "properties": {
-            "tags": {
-                "type": "array",
-                "items": {"type": "string", "maxLength": 10},
-                "minItems": 1,
-                "maxItems": 3,
-            }
-        },
-        "required": ["tags"],
-        "additionalProperties": False,
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "user": {
-                "type": "object",
-                "properties": {
-                    "id": {"type": "integer", "minimum": 0, "maximum": 9999},
-                    "email": {"type": "string", "maxLength": 30},
-                },
-                "required": ["id", "email"],
-                "additionalProperties": False,
-            },
-            "active": {"type": "boolean"},
-        },
-        "required": ["user", "active"],
-        "additionalProperties": False,
-    },
-    "numbers": {
-        "type": "object",
-        "properties": {
-            "price": {"type": "number", "minimum": 0, "maximum": 1000},
-            "discount": {"type": "number", "minimum": 0, "maximum": 1},
-        },
-        "required": ["price", "discount"],
-        "additionalProperties": False,
-    },
-}
 ARITHMETIC = r"""
 root ::= expr
 expr ::= term (("+" | "-") term)*

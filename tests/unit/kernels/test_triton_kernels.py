@@ -19,7 +19,12 @@ import torch
 
 from kernels.metadata import AttentionMetadata
 from tests.unit.kernels.batches import SHAPES, Shape, make_batch, new_kv_rows
-from tests.unit.kernels.triton_child import child_result, ptxas_available, start_child
+from tests.unit.kernels.triton_child import (
+    child_result,
+    compile_sm90,
+    ptxas_available,
+    start_child,
+)
 
 # Seconds each (the real model, the Triton interpreter, child processes or
 # Helm renders): left out of `make check`, run by `make test`.
@@ -292,31 +297,18 @@ def compile_for_sm90() -> list[str]:
     """Compile every kernel for sm_90; returns one line per variant. Called in
     a child interpreter without TRITON_INTERPRET."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from kernels import triton_attention as ta
 
-    target = GPUTarget("cuda", 90, 32)
-
     def build(kernel: Any, ptr_types: dict[str, str], constexprs: dict[str, Any]) -> Any:
-        signature = {}
-        for arg in kernel.arg_names:
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg.endswith("_ptr"):
-                signature[arg] = ptr_types.get(arg, ptr_types["*"])
-            else:
-                signature[arg] = "fp32" if arg == "qk_scale" else "i32"
-        # Mark pointers and strides 16-divisible as the launcher's
-        # specialisation would, so vectorisation (and register use) match.
-        aligned = [
-            i
-            for i, arg in enumerate(kernel.arg_names)
-            if arg.endswith("_ptr") or (arg.startswith("stride_") and "block_table" not in arg)
-        ]
-        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-        return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target)
+        # Block-table strides are a row's length: not 16-divisible in general.
+        return compile_sm90(
+            kernel,
+            ptr_types,
+            constexprs,
+            floats=("qk_scale",),
+            divisible=lambda arg: arg.startswith("stride_") and "block_table" not in arg,
+        )
 
     lines = []
     for dtype, group, head_dim, max_query_len, split, windowed in _SM90_VARIANTS:

@@ -27,7 +27,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.kernels.triton_child import child_result, ptxas_available, start_child
+from tests.unit.kernels.triton_child import (
+    child_result,
+    compile_sm90,
+    ptxas_available,
+    start_child,
+)
 
 # Seconds each (the Triton interpreter, child processes): left out of
 # `make check`, run by `make test`.
@@ -333,34 +338,14 @@ def compile_for_sm90() -> list[str]:
     """Compile every kernel variant for sm_90; returns one line per variant.
     Called in a child interpreter without TRITON_INTERPRET."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from kernels import triton_layer_ops as tlo
-
-    target = GPUTarget("cuda", 90, 32)
 
     def build(
         kernel: Any, ptr_types: dict[str, str], constexprs: dict[str, Any], num_warps: int
     ) -> None:
-        signature = {}
-        for arg in kernel.arg_names:
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg.endswith("_ptr"):
-                signature[arg] = ptr_types.get(arg, ptr_types["*"])
-            else:
-                signature[arg] = "fp32" if arg == "eps" else "i32"
-        # Pointers and strides 16-divisible, as the launcher would specialise.
-        aligned = [
-            i
-            for i, arg in enumerate(kernel.arg_names)
-            if arg.endswith("_ptr") or arg.startswith("stride_")
-        ]
-        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-        source = ASTSource(kernel, signature, constexprs, attrs)
-        # The launchers' warp counts: they decide the registers each thread needs.
-        triton.compile(source, target=target, options={"num_warps": num_warps})
+        # The launchers' warp counts decide the registers each thread needs.
+        compile_sm90(kernel, ptr_types, constexprs, floats=("eps",), num_warps=num_warps)
 
     lines = []
     for dtype, block, chunks, add in (

@@ -21,7 +21,12 @@ import pytest
 import torch
 
 from kernels.lora import LoRABatch, LoRASegment
-from tests.unit.kernels.triton_child import child_result, ptxas_available, start_child
+from tests.unit.kernels.triton_child import (
+    child_result,
+    compile_sm90,
+    ptxas_available,
+    start_child,
+)
 
 # Seconds each (the real model, the Triton interpreter, child processes or
 # Helm renders): left out of `make check`, run by `make test`.
@@ -238,13 +243,8 @@ _SM90_VARIANTS = (
 def compile_for_sm90() -> list[str]:
     """Compile both kernels for sm_90; returns one line per kernel built.
     Called in a child interpreter without TRITON_INTERPRET."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels import triton_lora as tl_lora
 
-    target = GPUTarget("cuda", 90, 32)
     # The launcher passes contiguous columns, stride 1, which Triton
     # specialises to a constant; the other strides and the model's dimensions
     # are 16-divisible, which is what lets the loads vectorise and pipeline.
@@ -255,25 +255,12 @@ def compile_for_sm90() -> list[str]:
         kernel: Any, ptr_types: dict[str, str], constexprs: dict[str, Any], num_warps: int
     ) -> None:
         constexprs = {**constexprs, **{s: 1 for s in unit_strides if s in kernel.arg_names}}
-        signature = {}
-        for arg in kernel.arg_names:
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg.endswith("_ptr"):
-                signature[arg] = ptr_types.get(arg, ptr_types["*"])
-            else:
-                signature[arg] = "i32"
-        aligned = [
-            i
-            for i, arg in enumerate(kernel.arg_names)
-            if arg.endswith("_ptr")
-            or arg in divisible_dims
-            or (arg.startswith("stride_") and arg not in constexprs)
-        ]
-        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-        options = {"num_warps": num_warps}
-        triton.compile(
-            ASTSource(kernel, signature, constexprs, attrs), target=target, options=options
+        compile_sm90(
+            kernel,
+            ptr_types,
+            constexprs,
+            divisible=lambda arg: arg in divisible_dims or arg.startswith("stride_"),
+            num_warps=num_warps,
         )
 
     lines = []

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +42,46 @@ def ptxas_available() -> bool:
     if spec is None or spec.origin is None:
         return False
     return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+def _a_stride(arg: str) -> bool:
+    return arg.startswith("stride_")
+
+
+def compile_sm90(
+    kernel: Any,
+    ptr_types: dict[str, str],
+    constexprs: dict[str, Any],
+    *,
+    floats: tuple[str, ...] = (),
+    divisible: Callable[[str], bool] = _a_stride,
+    num_warps: int | None = None,
+) -> Any:
+    """Compiles ``kernel`` for sm_90 (an H100) with no GPU present; call it in
+    a child interpreter without TRITON_INTERPRET. The signature follows the
+    argument names: constexprs, pointers typed by ``ptr_types`` (``"*"`` for
+    the rest), ``floats`` as fp32, the others i32. Pointers and the
+    arguments ``divisible`` picks are marked 16-divisible, as the launcher's
+    specialisation would mark them, so vectorisation and register use match
+    a real launch; ``num_warps`` as the launcher chooses it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for arg in kernel.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = ptr_types.get(arg, ptr_types["*"])
+        else:
+            signature[arg] = "fp32" if arg in floats else "i32"
+    aligned = [
+        i
+        for i, arg in enumerate(kernel.arg_names)
+        if arg.endswith("_ptr") or (arg not in constexprs and divisible(arg))
+    ]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    options = {} if num_warps is None else {"num_warps": num_warps}
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
