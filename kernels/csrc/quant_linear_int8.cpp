@@ -164,7 +164,7 @@ void tiles_portable(const uint8_t* base, int64_t nb, const QuantizedRows& x, int
           int dot = 0;
           for (int64_t k = 0; k < kBlock; ++k) dot += tile_q(blk, K, j, k) * qx[b * kBlock + k];
           acc[j] = std::fma(static_cast<float>(dot), tile_d(blk, K, j) * dx, acc[j]);
-          if (K == Kind::Q4) acc[j] = std::fma(tile_m(blk, K, j), sx, acc[j]);
+          if (is_q4(K)) acc[j] = std::fma(tile_m(blk, K, j), sx, acc[j]);
         }
       }
       o.store(m, t, acc);
@@ -195,7 +195,7 @@ inline void block_dots(__m256i (&dot)[MR], const uint8_t* blk, const int8_t* con
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256i dot2[MR];
   for (int m = 0; m < MR; ++m) dot2[m] = _mm256_setzero_si256();
-  if constexpr (K == Kind::Q4) {
+  if constexpr (is_q4(K)) {
     for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
@@ -248,6 +248,16 @@ inline void block_dots(__m256i (&dot)[MR], const uint8_t* blk, const int8_t* con
     for (int m = 0; m < MR; ++m) dot[m] = _mm256_add_epi32(dot[m], dot2[m]);
 }
 
+// A tile block's 8 scales: dw (which 0) or mw (1), float16 or, in Q4F,
+// float32.
+template <Kind K>
+inline __m256 eight_scales(const uint8_t* scales, int which) {
+  if constexpr (float_scales(K))
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(scales) + which * kTile);
+  return _mm256_cvtph_ps(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + which * kTile * 2)));
+}
+
 // MR input rows x tile t; acc[m]: the tile's 8 outputs for row m. One tile
 // at a time: its blocks are one run of memory, which the prefetchers follow
 // at the memory's full speed (several tiles side by side, their blocks
@@ -271,14 +281,13 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, i
     __m256i dot[MR];
     block_dots<K, Vnni, MR>(dot, blk, qx, offset);
     const uint8_t* scales = blk + scales_offset(K);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+    const __m256 dw = eight_scales<K>(scales, 0);
     for (int m = 0; m < MR; ++m) {
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[(m0 + m) * nb + b]));
       acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), scale, acc[m][0]);
     }
-    if constexpr (K == Kind::Q4) {
-      const __m256 mw =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)));
+    if constexpr (is_q4(K)) {
+      const __m256 mw = eight_scales<K>(scales, 1);
       for (int m = 0; m < MR; ++m)
         acc[m][0] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[(m0 + m) * nb + b]), acc[m][0]);
     }
@@ -300,10 +309,12 @@ inline __m512i two_tiles(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
-inline __m512 two_scales(const uint8_t* a, const uint8_t* b) {  // 8 float16 each
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(lo), _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+// Two tile blocks' 8 scales each (eight_scales' `which`), a's low.
+template <Kind K>
+inline __m512 two_scales(const uint8_t* a, const uint8_t* b, int which) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(
+      _mm512_castpd256_pd512(_mm256_castps_pd(eight_scales<K>(a, which))),
+      _mm256_castps_pd(eight_scales<K>(b, which)), 1));
 }
 inline __m512i broadcast4x16(const int8_t* p) {
   int32_t v;
@@ -324,7 +335,7 @@ void micro_pair(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows&
     const int8_t* qx[MR];
     for (int m = 0; m < MR; ++m) qx[m] = x.q + ((m0 + m) * nb + b) * kBlock;
     __m512i dot[MR];
-    if constexpr (K == Kind::Q4) {
+    if constexpr (is_q4(K)) {
       const __m512i low4 = _mm512_set1_epi8(0x0F);
       for (int m = 0; m < MR; ++m) dot[m] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
@@ -347,13 +358,13 @@ void micro_pair(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows&
           dot[m] = _mm512_dpbusd_epi32(dot[m], w, broadcast4x16(qx[m] + 4 * g));
       }
     }
-    const __m512 dw = two_scales(b0 + scales_offset(K), b1 + scales_offset(K));
+    const __m512 dw = two_scales<K>(b0 + scales_offset(K), b1 + scales_offset(K), 0);
     for (int m = 0; m < MR; ++m) {
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(m0 + m) * nb + b]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), scale, acc[m]);
     }
-    if constexpr (K == Kind::Q4) {
-      const __m512 mw = two_scales(b0 + scales_offset(K) + 16, b1 + scales_offset(K) + 16);
+    if constexpr (is_q4(K)) {
+      const __m512 mw = two_scales<K>(b0 + scales_offset(K), b1 + scales_offset(K), 1);
       for (int m = 0; m < MR; ++m)
         acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[(m0 + m) * nb + b]), acc[m]);
     }
@@ -427,25 +438,26 @@ void run(const at::Tensor& packed, const QuantizedRows& x, int64_t M, const OutT
 
 void run_quantized(const at::Tensor& packed, const QuantizedRows& q, int64_t M, const OutTile& o,
                    Isa isa) {
-  if (kind_of(packed) == Kind::Q4)
-    run<Kind::Q4>(packed, q, M, o, isa);
-  else
-    run<Kind::Q8>(packed, q, M, o, isa);
+  switch (kind_of(packed)) {
+    case Kind::Q4: return run<Kind::Q4>(packed, q, M, o, isa);
+    case Kind::Q4F: return run<Kind::Q4F>(packed, q, M, o, isa);
+    default: return run<Kind::Q8>(packed, q, M, o, isa);
+  }
 }
 
 }  // namespace
 
 void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed, Isa isa) {
-  TORCH_CHECK(kind_of(packed) == Kind::Q4 || kind_of(packed) == Kind::Q8,
-              "int8 activations need Q4 or Q8 weights, not BF16, Q4F or Q8H");
+  TORCH_CHECK(takes_int8(kind_of(packed)),
+              "int8 activations need Q4, Q4F or Q8 weights, not BF16 or Q8H");
   const RowSource src{x.data_ptr<float>(), x.stride(0), x.size(1), false};
   run_quantized(packed, quantize_rows(src, x.size(0), packed.size(1), isa), x.size(0), o, isa);
 }
 
 void quant_linear_int8_silu(const OutTile& o, const at::Tensor& gate_up, const at::Tensor& packed,
                             Isa isa) {
-  TORCH_CHECK(kind_of(packed) == Kind::Q4 || kind_of(packed) == Kind::Q8,
-              "int8 activations need Q4 or Q8 weights, not BF16, Q4F or Q8H");
+  TORCH_CHECK(takes_int8(kind_of(packed)),
+              "int8 activations need Q4, Q4F or Q8 weights, not BF16 or Q8H");
   const RowSource src{gate_up.data_ptr<float>(), gate_up.stride(0), gate_up.size(1) / 2, true};
   const int64_t M = gate_up.size(0);
   run_quantized(packed, quantize_rows(src, M, packed.size(1), isa), M, o, isa);

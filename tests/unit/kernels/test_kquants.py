@@ -31,6 +31,7 @@ from kernels.quant import (
     quant_linear_silu,
 )
 from tests.unit.kernels.kquant_blocks import Q4_K, Q6_K, q4_k_scales, q6_k_scales, random_rows
+from tests.unit.kernels.test_quant import int8_error_bound
 
 ROWS = (1, 2, 3, 7, 8, 64, 127, 128, 300)
 OUT, IN = 203, 512  # a ragged last tile of 8; two super-blocks of 256
@@ -95,10 +96,47 @@ def test_k_quant_linear_matches_the_float_product(fmt: str, rows: int, isa: str)
     assert bool((err <= bound).all()), f"worst error / bound {(err / bound).max().item():.3f}"
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_k_quants_take_float_inputs_even_with_int8_activations_asked(fmt: str) -> None:
+def _int8_act(fmt: str) -> QuantizedWeight:
     _, qw, _ = _weight(fmt)
-    asked = QuantizedWeight(fmt, OUT, IN, qw.packed, int8_activations=True)
+    return QuantizedWeight(fmt, OUT, IN, qw.packed, int8_activations=True)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_q4_k_takes_int8_activations_within_their_rounding(rows: int, isa: str) -> None:
+    """Q4_K's tiles are Q4's nibbles under float32 scales: the int8 kernels
+    take them as they take Q4_1 (each input off by up to absmax(its block of
+    32) / 254)."""
+    _, _, ref = _weight("q4_k")
+    torch.manual_seed(rows)
+    x = torch.randn(rows, IN)
+    got = quant_linear(x, _int8_act("q4_k"), None, isa=_isa(isa))
+    err = (got - torch.nn.functional.linear(x, ref)).abs()
+    bound = int8_error_bound(x, ref)
+    assert bool((err <= bound).all()), f"worst error / bound {(err / bound).max().item():.3f}"
+    assert err.max().item() > 1e-4  # the rounding is really there
+
+
+def test_q4_k_int8_paths_fuse_silu_and_keep_rows_batch_invariant() -> None:
+    qw = _int8_act("q4_k")
+    torch.manual_seed(1)
+    gate_up = torch.randn(9, 2 * IN) * 3
+    act = torch.empty(9, IN)
+    kernels().silu_mul(act, gate_up)
+    x = torch.randn(128, IN)
+    for isa in available_isas():
+        want = quant_linear(act, qw, None, isa=isa)
+        assert torch.equal(quant_linear_silu(gate_up, qw, None, isa=isa), want)
+        whole = quant_linear(x, qw, None, isa=isa)
+        eights = [quant_linear(x[i : i + 8], qw, None, isa=isa) for i in range(0, 128, 8)]
+        assert torch.equal(whole, torch.cat(eights))
+
+
+def test_q6_k_takes_float_inputs_even_with_int8_activations_asked() -> None:
+    """Q6_K's two scales per block of 32 have no int8 kernel (it would need
+    each half block's input sum): float32 inputs, as without the flag."""
+    _, qw, _ = _weight("q6_k")
+    asked = _int8_act("q6_k")
     torch.manual_seed(0)
     x = torch.randn(5, IN)
     assert torch.equal(quant_linear(x, asked, None), quant_linear(x, qw, None))

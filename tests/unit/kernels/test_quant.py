@@ -64,7 +64,9 @@ def _weights(fmt: str, out: int = OUT, width: int = IN) -> tuple[QuantizedWeight
     return from_gguf_rows(torch.from_numpy(raw), fmt, width), torch.from_numpy(ref.copy())
 
 
-def _int8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def int8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """How far int8 activations (blocks of 32, absmax / 127 steps) may move
+    x @ w.T, plus float32 rounding (also used by test_kquants)."""
     blocks = x.shape[1] // 32
     amax = x.view(x.shape[0], blocks, 32).abs().amax(-1)
     w_sums = w.abs().view(w.shape[0], blocks, 32).sum(-1)
@@ -131,7 +133,7 @@ def test_int8_activations_stay_within_their_rounding(fmt: str, rows: int, isa: s
     got = quant_linear(x, qw, None, isa=_isa(isa))
     want = F.linear(x, ref_w)
     err = (got - want).abs()
-    bound = _int8_error_bound(x, ref_w)
+    bound = int8_error_bound(x, ref_w)
     assert bool((err <= bound).all()), f"worst error / bound {(err / bound).max().item():.3f}"
     # ... and the rounding is really there (a float path would pass the bound too).
     assert err.max().item() > 1e-4
@@ -140,7 +142,7 @@ def test_int8_activations_stay_within_their_rounding(fmt: str, rows: int, isa: s
 def test_int8_activations_need_integer_blocks() -> None:
     qw, _ = _weights("bf16")
     qw = QuantizedWeight(qw.format, qw.out_features, qw.in_features, qw.packed, True)
-    with pytest.raises(RuntimeError, match="int8 activations need Q4 or Q8"):
+    with pytest.raises(RuntimeError, match="int8 activations need Q4, Q4F or Q8"):
         quant_linear(torch.randn(2, IN), qw, None)
 
 
@@ -195,7 +197,7 @@ def test_int8_activations_ignore_what_an_earlier_call_left() -> None:
     qw = _int8_act("int8", out=17, width=100)
     x = torch.randn(5, 100)
     want = F.linear(x, qw.dequantize())
-    bound = _int8_error_bound(F.pad(x, (0, 28)), F.pad(qw.dequantize(), (0, 28)))
+    bound = int8_error_bound(F.pad(x, (0, 28)), F.pad(qw.dequantize(), (0, 28)))
     for _ in range(2):
         quant_linear(torch.randn(300, IN) * 100, _int8_act("q8_0"), None)
         got = quant_linear(x, qw, None)
