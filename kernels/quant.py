@@ -33,11 +33,10 @@ Formats (`WEIGHT_FORMATS`):
   0.75 bytes a weight against the file's 0.5625; Q6_K (16 sub-blocks of
   16, int8 scales, 6-bit quants) as Q8 tiles of q - 32 with a dw = d *
   scale per half block, 1.25 bytes a weight against 0.82. The same float
-  values as gguf's dequantizer. Q4_K takes int8 activations as Q4_1 does
-  (its tiles are Q4's with float32 scales); Q6_K takes float32 activations
-  only (``int8_activations`` is ignored for it: its two scales per block
-  of 32 would need each half block's input sum). Other K-quants are
-  expanded to float at load (engine/models/gguf_weights.py).
+  values as gguf's dequantizer. Both take int8 activations: Q4_K as Q4_1
+  does (its tiles are Q4's with float32 scales), Q6_K as Q8_0 does with
+  each half block's integer sum kept apart for its own scale. Other
+  K-quants are expanded to float at load (engine/models/gguf_weights.py).
 * ``int8``: any float weight quantized per output channel (`quantize_int8`):
   one scale per row (absmax / 127, rounded up to float16), for HF models.
 * ``bf16``: any float weight rounded to bfloat16 (`to_bf16`), expanded to

@@ -276,9 +276,8 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
   const OutTile o = check_quant_linear(out, x, packed, bias);
   const Isa isa = usable_isa(isa_level);
   if (x.size(0) == 0) return;
-  // Q8H (GGUF Q6_K) has no int8-activation kernel: float32 inputs. BF16
-  // weights are refused (quant_linear_int8): the flag is for integer blocks.
-  if (int8_activations && kind_of(packed) != Kind::Q8H)
+  // BF16 weights are refused there: the flag is for integer blocks.
+  if (int8_activations)
     return quant_linear_int8(o, x, packed, isa);
   const int64_t padded = packed.size(1) * kBlock;
   if (x.size(1) != padded) x = at::constant_pad_nd(x, {0, padded - x.size(1)});
@@ -309,11 +308,6 @@ void quant_linear_silu(at::Tensor out, at::Tensor gate_up, at::Tensor packed,
   const OutTile o = check_quant_linear(out, gate_up.narrow(1, 0, gate_up.size(1) / 2), packed, bias);
   const Isa isa = usable_isa(isa_level);
   if (gate_up.size(0) == 0) return;
-  if (kind_of(packed) == Kind::Q8H) {  // no int8 kernel: silu_mul, then float32 inputs
-    at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-    silu_mul(act, gate_up);
-    return quant_linear(out, act, packed, bias, false, isa_level);
-  }
   quant_linear_int8_silu(o, gate_up, packed, isa);
 }
 

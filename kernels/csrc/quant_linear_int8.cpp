@@ -34,7 +34,8 @@ constexpr int64_t kRowChunk = 64;
 struct QuantizedRows {
   const int8_t* q;
   const float *d, *s;
-  const int32_t* qsum;
+  const int32_t* qsum;     // per block: sum of its 32 q
+  const int32_t* qsum_lo;  // per block: sum of its first 16 q (Q8H's halves)
   int64_t nb;
 };
 
@@ -63,12 +64,13 @@ class Reused {
 struct RowArena {
   Reused<int8_t> q;
   Reused<float> scales;  // d then s
-  Reused<int32_t> qsum;
+  Reused<int32_t> qsum;  // qsum, then qsum_lo
 };
 
 // One block of n (1..32) inputs: q[0..31] (zero past n), d = absmax / 127,
-// s = d * sum q, qsum = sum q.
-void quantize_block(const float* x, int64_t n, int8_t* q, float& d, float& s, int32_t& qsum) {
+// s = d * sum q, qsum = sum q, qsum_lo = the sum of q[0..15].
+void quantize_block(const float* x, int64_t n, int8_t* q, float& d, float& s, int32_t& qsum,
+                    int32_t& qsum_lo) {
   float amax = 0.f;
   for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -77,6 +79,7 @@ void quantize_block(const float* x, int64_t n, int8_t* q, float& d, float& s, in
     const int v = k < n ? static_cast<int>(std::nearbyint(x[k] * inv)) : 0;
     q[k] = static_cast<int8_t>(v);
     sum += v;
+    if (k == kBlock / 2 - 1) qsum_lo = sum;
   }
   d = amax / 127.f;
   s = d * static_cast<float>(sum);
@@ -86,7 +89,8 @@ void quantize_block(const float* x, int64_t n, int8_t* q, float& d, float& s, in
 #ifdef TANDEM_QUANT_AVX512
 // quantize_block for a whole block, 16 inputs a vector: the same values
 // (cvtps2dq rounds half to even, as nearbyint does).
-void quantize_block_avx512(const float* x, int8_t* q, float& d, float& s, int32_t& qsum) {
+void quantize_block_avx512(const float* x, int8_t* q, float& d, float& s, int32_t& qsum,
+                           int32_t& qsum_lo) {
   const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -98,6 +102,7 @@ void quantize_block_avx512(const float* x, int8_t* q, float& d, float& s, int32_
   d = amax / 127.f;
   s = d * static_cast<float>(sum);
   qsum = sum;
+  qsum_lo = _mm512_reduce_add_epi32(qlo);
 }
 #endif
 
@@ -114,7 +119,7 @@ struct RowSource {
 };
 
 void quantize_row(const RowSource& src, int64_t m, int64_t nb, Isa isa, int8_t* q, float* d,
-                  float* s, int32_t* qsum) {
+                  float* s, int32_t* qsum, int32_t* qsum_lo) {
   const float* x = src.x + m * src.stride;
   if (src.silu) {
     thread_local Reused<float> act;
@@ -126,11 +131,11 @@ void quantize_row(const RowSource& src, int64_t m, int64_t nb, Isa isa, int8_t* 
     const int64_t k0 = b * kBlock, n = std::min(kBlock, src.K - k0);
 #ifdef TANDEM_QUANT_AVX512
     if (isa == Isa::Avx512 && n == kBlock) {
-      quantize_block_avx512(x + k0, q + k0, d[b], s[b], qsum[b]);
+      quantize_block_avx512(x + k0, q + k0, d[b], s[b], qsum[b], qsum_lo[b]);
       continue;
     }
 #endif
-    quantize_block(x + k0, n, q + k0, d[b], s[b], qsum[b]);
+    quantize_block(x + k0, n, q + k0, d[b], s[b], qsum[b], qsum_lo[b]);
   }
   (void)isa;
 }
@@ -140,12 +145,14 @@ QuantizedRows quantize_rows(const RowSource& src, int64_t M, int64_t nb, Isa isa
   int8_t* q = arena.q.take(M * nb * kBlock);
   float* d = arena.scales.take(2 * M * nb);
   float* s = d + M * nb;
-  int32_t* qsum = arena.qsum.take(M * nb);
+  int32_t* qsum = arena.qsum.take(2 * M * nb);
+  int32_t* qsum_lo = qsum + M * nb;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      quantize_row(src, m, nb, isa, q + m * nb * kBlock, d + m * nb, s + m * nb, qsum + m * nb);
+      quantize_row(src, m, nb, isa, q + m * nb * kBlock, d + m * nb, s + m * nb, qsum + m * nb,
+                   qsum_lo + m * nb);
   });
-  return QuantizedRows{q, d, s, qsum, nb};
+  return QuantizedRows{q, d, s, qsum, qsum_lo, nb};
 }
 
 template <Kind K>
@@ -161,6 +168,16 @@ void tiles_portable(const uint8_t* base, int64_t nb, const QuantizedRows& x, int
         const uint8_t* blk = base + (t * nb + b) * bytes;
         const float dx = x.d[m * nb + b], sx = x.s[m * nb + b];
         for (int64_t j = 0; j < kTile; ++j) {
+          if constexpr (K == Kind::Q8H) {  // a scale per half block
+            const float* dw = reinterpret_cast<const float*>(blk + scales_offset(K));
+            for (int64_t h = 0; h < 2; ++h) {
+              int dot = 0;
+              for (int64_t k = 16 * h; k < 16 * h + 16; ++k)
+                dot += tile_q(blk, K, j, k) * qx[b * kBlock + k];
+              acc[j] = std::fma(static_cast<float>(dot), dw[h * kTile + j] * dx, acc[j]);
+            }
+            continue;
+          }
           int dot = 0;
           for (int64_t k = 0; k < kBlock; ++k) dot += tile_q(blk, K, j, k) * qx[b * kBlock + k];
           acc[j] = std::fma(static_cast<float>(dot), tile_d(blk, K, j) * dx, acc[j]);
@@ -189,9 +206,13 @@ constexpr bool kSplitDots = MR <= 2;
 // and, where the CPU has AVX-512 VNNI, vpdpbusd (4 u8 x s8 products added
 // into each s32 lane: one instruction for AVX2's two or three). Both take
 // the weights as the unsigned side.
+//
+// Q8H (a scale per half block) sums each half apart: dot takes k 0-15 and
+// dot_hi k 16-31 (unused for the other kinds), and VNNI's offsets are the
+// halves' own: offset for the low half (or the whole block), offset_hi.
 template <Kind K, bool Vnni, int MR>
-inline void block_dots(__m256i (&dot)[MR], const uint8_t* blk, const int8_t* const* qx,
-                       const int32_t* offset) {
+inline void block_dots(__m256i (&dot)[MR], __m256i (&dot_hi)[MR], const uint8_t* blk,
+                       const int8_t* const* qx, const int32_t* offset, const int32_t* offset_hi) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256i dot2[MR];
   for (int m = 0; m < MR; ++m) dot2[m] = _mm256_setzero_si256();
@@ -224,8 +245,11 @@ inline void block_dots(__m256i (&dot)[MR], const uint8_t* blk, const int8_t* con
     // Signed weights. VNNI: w + 128 (w ^ 0x80) is unsigned, and the sums
     // start at -128 * sum qx to take it back out. AVX2: |w| times x with
     // w's sign.
-    for (int m = 0; m < MR; ++m)
+    constexpr bool halves = K == Kind::Q8H;
+    for (int m = 0; m < MR; ++m) {
       dot[m] = Vnni ? _mm256_set1_epi32(offset[m]) : _mm256_setzero_si256();
+      if constexpr (halves) dot_hi[m] = Vnni ? _mm256_set1_epi32(offset_hi[m]) : _mm256_setzero_si256();
+    }
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
     for (int g = 0; g < 8; ++g) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + g * 32));
@@ -234,22 +258,24 @@ inline void block_dots(__m256i (&dot)[MR], const uint8_t* blk, const int8_t* con
         const __m256i xb = broadcast4(qx[m] + 4 * g);
 #ifdef TANDEM_QUANT_AVX512
         if constexpr (Vnni) {
-          __m256i& into = kSplitDots<MR> && g % 2 ? dot2[m] : dot[m];
+          __m256i& into = halves ? (g < 4 ? dot[m] : dot_hi[m])
+                                 : (kSplitDots<MR> && g % 2 ? dot2[m] : dot[m]);
           into = _mm256_dpbusd_epi32(into, aw, xb);
           continue;
         }
 #endif
         const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w));
-        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, ones));
+        __m256i& into = halves && g >= 4 ? dot_hi[m] : dot[m];
+        into = _mm256_add_epi32(into, _mm256_madd_epi16(p, ones));
       }
     }
   }
-  if constexpr (Vnni && kSplitDots<MR>)
+  if constexpr (Vnni && kSplitDots<MR> && K != Kind::Q8H)
     for (int m = 0; m < MR; ++m) dot[m] = _mm256_add_epi32(dot[m], dot2[m]);
 }
 
 // A tile block's 8 scales: dw (which 0) or mw (1), float16 or, in Q4F,
-// float32.
+// float32; in Q8H (float32) the low half's dw (0) or the high half's (1).
 template <Kind K>
 inline __m256 eight_scales(const uint8_t* scales, int which) {
   if constexpr (float_scales(K))
@@ -273,18 +299,27 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, i
     const uint8_t* blk = base + (t * nb + b) * bytes;
     prefetch_block(blk, nb * bytes, bytes);  // the next tile's block
     const int8_t* qx[MR];
-    int32_t offset[MR];
+    int32_t offset[MR], offset_hi[MR];
     for (int m = 0; m < MR; ++m) {
-      qx[m] = x.q + ((m0 + m) * nb + b) * kBlock;
-      offset[m] = -128 * x.qsum[(m0 + m) * nb + b];
+      const int64_t i = (m0 + m) * nb + b;
+      qx[m] = x.q + i * kBlock;
+      offset[m] = -128 * (K == Kind::Q8H ? x.qsum_lo[i] : x.qsum[i]);
+      offset_hi[m] = -128 * (x.qsum[i] - x.qsum_lo[i]);
     }
-    __m256i dot[MR];
-    block_dots<K, Vnni, MR>(dot, blk, qx, offset);
+    __m256i dot[MR], dot_hi[MR];
+    block_dots<K, Vnni, MR>(dot, dot_hi, blk, qx, offset, offset_hi);
     const uint8_t* scales = blk + scales_offset(K);
     const __m256 dw = eight_scales<K>(scales, 0);
     for (int m = 0; m < MR; ++m) {
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[(m0 + m) * nb + b]));
       acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), scale, acc[m][0]);
+    }
+    if constexpr (K == Kind::Q8H) {
+      const __m256 dw_hi = eight_scales<K>(scales, 1);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 scale = _mm256_mul_ps(dw_hi, _mm256_set1_ps(x.d[(m0 + m) * nb + b]));
+        acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_hi[m]), scale, acc[m][0]);
+      }
     }
     if constexpr (is_q4(K)) {
       const __m256 mw = eight_scales<K>(scales, 1);
@@ -334,7 +369,7 @@ void micro_pair(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows&
     const uint8_t* b1 = b0 + nb * bytes;
     const int8_t* qx[MR];
     for (int m = 0; m < MR; ++m) qx[m] = x.q + ((m0 + m) * nb + b) * kBlock;
-    __m512i dot[MR];
+    __m512i dot[MR], dot_hi[MR];
     if constexpr (is_q4(K)) {
       const __m512i low4 = _mm512_set1_epi8(0x0F);
       for (int m = 0; m < MR; ++m) dot[m] = _mm512_setzero_si512();
@@ -350,18 +385,32 @@ void micro_pair(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows&
     } else {
       // Signed weights as in block_dots: w + 128 unsigned, -128 * sum qx back out.
       const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      for (int m = 0; m < MR; ++m)
-        dot[m] = _mm512_set1_epi32(-128 * x.qsum[(m0 + m) * nb + b]);
+      // Q8H: the halves apart, each from its own offset (block_dots).
+      constexpr bool halves = K == Kind::Q8H;
+      for (int m = 0; m < MR; ++m) {
+        const int64_t i = (m0 + m) * nb + b;
+        dot[m] = _mm512_set1_epi32(-128 * (halves ? x.qsum_lo[i] : x.qsum[i]));
+        dot_hi[m] = _mm512_set1_epi32(-128 * (x.qsum[i] - x.qsum_lo[i]));
+      }
       for (int g = 0; g < 8; ++g) {
         const __m512i w = _mm512_xor_si512(two_tiles(b0 + g * 32, b1 + g * 32), flip);
-        for (int m = 0; m < MR; ++m)
-          dot[m] = _mm512_dpbusd_epi32(dot[m], w, broadcast4x16(qx[m] + 4 * g));
+        for (int m = 0; m < MR; ++m) {
+          __m512i& into = halves && g >= 4 ? dot_hi[m] : dot[m];
+          into = _mm512_dpbusd_epi32(into, w, broadcast4x16(qx[m] + 4 * g));
+        }
       }
     }
     const __m512 dw = two_scales<K>(b0 + scales_offset(K), b1 + scales_offset(K), 0);
     for (int m = 0; m < MR; ++m) {
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(m0 + m) * nb + b]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), scale, acc[m]);
+    }
+    if constexpr (K == Kind::Q8H) {
+      const __m512 dw_hi = two_scales<K>(b0 + scales_offset(K), b1 + scales_offset(K), 1);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 scale = _mm512_mul_ps(dw_hi, _mm512_set1_ps(x.d[(m0 + m) * nb + b]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_hi[m]), scale, acc[m]);
+      }
     }
     if constexpr (is_q4(K)) {
       const __m512 mw = two_scales<K>(b0 + scales_offset(K), b1 + scales_offset(K), 1);
@@ -441,6 +490,7 @@ void run_quantized(const at::Tensor& packed, const QuantizedRows& q, int64_t M, 
   switch (kind_of(packed)) {
     case Kind::Q4: return run<Kind::Q4>(packed, q, M, o, isa);
     case Kind::Q4F: return run<Kind::Q4F>(packed, q, M, o, isa);
+    case Kind::Q8H: return run<Kind::Q8H>(packed, q, M, o, isa);
     default: return run<Kind::Q8>(packed, q, M, o, isa);
   }
 }
@@ -449,7 +499,7 @@ void run_quantized(const at::Tensor& packed, const QuantizedRows& q, int64_t M, 
 
 void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& packed, Isa isa) {
   TORCH_CHECK(takes_int8(kind_of(packed)),
-              "int8 activations need Q4, Q4F or Q8 weights, not BF16 or Q8H");
+              "int8 activations need integer blocks (Q4, Q4F, Q8, Q8H), not BF16");
   const RowSource src{x.data_ptr<float>(), x.stride(0), x.size(1), false};
   run_quantized(packed, quantize_rows(src, x.size(0), packed.size(1), isa), x.size(0), o, isa);
 }
@@ -457,7 +507,7 @@ void quant_linear_int8(const OutTile& o, const at::Tensor& x, const at::Tensor& 
 void quant_linear_int8_silu(const OutTile& o, const at::Tensor& gate_up, const at::Tensor& packed,
                             Isa isa) {
   TORCH_CHECK(takes_int8(kind_of(packed)),
-              "int8 activations need Q4, Q4F or Q8 weights, not BF16 or Q8H");
+              "int8 activations need integer blocks (Q4, Q4F, Q8, Q8H), not BF16");
   const RowSource src{gate_up.data_ptr<float>(), gate_up.stride(0), gate_up.size(1) / 2, true};
   const int64_t M = gate_up.size(0);
   run_quantized(packed, quantize_rows(src, M, packed.size(1), isa), M, o, isa);

@@ -80,10 +80,9 @@ constexpr bool is_q4(Kind k) { return k == Kind::Q4 || k == Kind::Q4F; }
 // int8-activation kernels.
 constexpr bool float_scales(Kind k) { return k == Kind::Q4F || k == Kind::Q8H; }
 
-// Whether quant_linear has an int8-activation kernel for the kind: Q4, Q4F
-// (GGUF Q4_K) and Q8. Not Q8H (GGUF Q6_K): its two scales per block would
-// need each half block's activation sum; nor BF16.
-constexpr bool takes_int8(Kind k) { return k == Kind::Q4 || k == Kind::Q4F || k == Kind::Q8; }
+// Whether quant_linear has an int8-activation kernel for the kind: every
+// integer one (Q8H sums each half block apart), not BF16.
+constexpr bool takes_int8(Kind k) { return k != Kind::BF16; }
 
 constexpr int64_t tile_block_bytes(Kind k) {
   return k == Kind::Q4    ? kQ4Bytes

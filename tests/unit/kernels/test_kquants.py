@@ -103,22 +103,25 @@ def _int8_act(fmt: str) -> QuantizedWeight:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", ROWS)
-def test_q4_k_takes_int8_activations_within_their_rounding(rows: int, isa: str) -> None:
-    """Q4_K's tiles are Q4's nibbles under float32 scales: the int8 kernels
-    take them as they take Q4_1 (each input off by up to absmax(its block of
-    32) / 254)."""
-    _, _, ref = _weight("q4_k")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_k_quants_take_int8_activations_within_rounding(fmt: str, rows: int, isa: str) -> None:
+    """Q4_K's tiles are Q4's nibbles under float32 scales, Q6_K's Q8's int8s
+    under a scale per half block (each half's integer sum apart): the int8
+    kernels take both (each input off by up to absmax(its block of 32) /
+    254)."""
+    _, _, ref = _weight(fmt)
     torch.manual_seed(rows)
     x = torch.randn(rows, IN)
-    got = quant_linear(x, _int8_act("q4_k"), None, isa=_isa(isa))
+    got = quant_linear(x, _int8_act(fmt), None, isa=_isa(isa))
     err = (got - torch.nn.functional.linear(x, ref)).abs()
     bound = int8_error_bound(x, ref)
     assert bool((err <= bound).all()), f"worst error / bound {(err / bound).max().item():.3f}"
     assert err.max().item() > 1e-4  # the rounding is really there
 
 
-def test_q4_k_int8_paths_fuse_silu_and_keep_rows_batch_invariant() -> None:
-    qw = _int8_act("q4_k")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_k_quant_int8_paths_fuse_silu_and_keep_rows_batch_invariant(fmt: str) -> None:
+    qw = _int8_act(fmt)
     torch.manual_seed(1)
     gate_up = torch.randn(9, 2 * IN) * 3
     act = torch.empty(9, IN)
@@ -130,22 +133,6 @@ def test_q4_k_int8_paths_fuse_silu_and_keep_rows_batch_invariant() -> None:
         whole = quant_linear(x, qw, None, isa=isa)
         eights = [quant_linear(x[i : i + 8], qw, None, isa=isa) for i in range(0, 128, 8)]
         assert torch.equal(whole, torch.cat(eights))
-
-
-def test_q6_k_takes_float_inputs_even_with_int8_activations_asked() -> None:
-    """Q6_K's two scales per block of 32 have no int8 kernel (it would need
-    each half block's input sum): float32 inputs, as without the flag."""
-    _, qw, _ = _weight("q6_k")
-    asked = _int8_act("q6_k")
-    torch.manual_seed(0)
-    x = torch.randn(5, IN)
-    assert torch.equal(quant_linear(x, asked, None), quant_linear(x, qw, None))
-    gate_up = torch.randn(5, 2 * IN)
-    act = torch.empty(5, IN)
-    kernels().silu_mul(act, gate_up)
-    for isa in available_isas():
-        got = quant_linear_silu(gate_up, asked, None, isa=isa)
-        assert torch.equal(got, quant_linear(act, qw, None, isa=isa))
 
 
 def test_k_quant_rows_must_be_whole_super_blocks() -> None:
