@@ -304,7 +304,8 @@ void micro(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows& x, i
       const int64_t i = (m0 + m) * nb + b;
       qx[m] = x.q + i * kBlock;
       offset[m] = -128 * (K == Kind::Q8H ? x.qsum_lo[i] : x.qsum[i]);
-      offset_hi[m] = -128 * (x.qsum[i] - x.qsum_lo[i]);
+      // Only Q8H reads its halves' sums: the other kinds' hot loop is as before.
+      if constexpr (K == Kind::Q8H) offset_hi[m] = -128 * (x.qsum[i] - x.qsum_lo[i]);
     }
     __m256i dot[MR], dot_hi[MR];
     block_dots<K, Vnni, MR>(dot, dot_hi, blk, qx, offset, offset_hi);
@@ -390,7 +391,7 @@ void micro_pair(const uint8_t* base, int64_t nb, int64_t t, const QuantizedRows&
       for (int m = 0; m < MR; ++m) {
         const int64_t i = (m0 + m) * nb + b;
         dot[m] = _mm512_set1_epi32(-128 * (halves ? x.qsum_lo[i] : x.qsum[i]));
-        dot_hi[m] = _mm512_set1_epi32(-128 * (x.qsum[i] - x.qsum_lo[i]));
+        if constexpr (halves) dot_hi[m] = _mm512_set1_epi32(-128 * (x.qsum[i] - x.qsum_lo[i]));
       }
       for (int g = 0; g < 8; ++g) {
         const __m512i w = _mm512_xor_si512(two_tiles(b0 + g * 32, b1 + g * 32), flip);
