@@ -113,7 +113,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -137,6 +136,7 @@ from service.gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from service.grpc_server import ListenError, host_port, listen, new_server
 from service.pods import Pod, PodAccess, PodPool, PodState
 from service.router_metrics import RouterMetrics
+from service.stop_signals import stop_signals
 from service.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
@@ -1141,7 +1141,6 @@ async def serve_router(config: RouterConfig) -> None:
     await router.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await router.stop()
+    with stop_signals(loop, lambda _signum: stop.set()):
+        await stop.wait()
+        await router.stop()

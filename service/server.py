@@ -32,6 +32,7 @@ from service.kv_events_config import KvEventsConfig, recording_events
 from service.metrics import ServiceMetrics
 from service.servicer import GenerationServicer, new_input_pool
 from service.side_channel import KVTransferServicer, with_side_channel
+from service.stop_signals import stop_signals
 from service.tls import ServerTLS
 from service.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME
 from service.vllm_servicer import VllmEngineServicer
@@ -216,7 +217,7 @@ class TandemServer:
             self.engine.begin_drain()
             logger.info("draining: %d requests in flight", self.engine.num_live)
             if not await self.engine.wait_idle(grace):
-                logger.warning("drain grace (%.0f s) over: aborting the rest", grace)
+                logger.warning("drain grace (%g s) over: aborting the rest", grace)
             else:
                 await self._wait_kv_released(self.engine, deadline)
         await self.stop()
@@ -310,13 +311,12 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
             logger.info("%s: draining", signal.Signals(signum).name)
             draining.append(loop.create_task(server.drain()))
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    try:
-        await server.start()
-    except BaseException:
-        # Stop the listening gRPC server before the loop closes (it would
-        # otherwise complain from its finalizer after the real error).
-        await server.stop()
-        raise
-    await server.wait_stopped()
+    with stop_signals(loop, on_signal):
+        try:
+            await server.start()
+        except BaseException:
+            # Stop the listening gRPC server before the loop closes (it would
+            # otherwise complain from its finalizer after the real error).
+            await server.stop()
+            raise
+        await server.wait_stopped()
