@@ -7,7 +7,9 @@ layer its own cache with the batch's blocks scattered over twice as many
 blocks as it needs (reads come from memory), or with ``--contiguous`` each
 sequence's blocks in a row, as a fresh engine's prefills leave them (the
 hardware prefetcher then streams the reads: bfloat16 nearly doubles its
-rate, and int8 falls behind it; benchmarks/README.md). Two batches:
+rate; benchmarks/README.md). The int8 cache is head-major in memory, as
+the engine allocates it (kernels/kv_layout.py); ``--int8-layout
+token-major`` measures the order it had before. Two batches:
 16 sequences of 1.5k tokens (the issue's target: int8 at least 1.3x
 bfloat16) and 64 of 512. The two caches run interleaved (int8, bfloat16,
 int8, ...); reported: the milliseconds of the 30 layers' attention, median
@@ -33,7 +35,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
-from kernels import cpu_kernels, kv_int8, torch_attention  # noqa: E402
+from kernels import cpu_kernels, kv_int8, kv_layout, torch_attention  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -63,11 +65,14 @@ def decode_meta(num_seqs: int, seq_len: int, pool: int, contiguous: bool) -> Att
     )
 
 
-def make_caches(dtype: torch.dtype, pool: int) -> list[torch.Tensor]:
-    """LAYERS caches of random K/V (quantized for int8): one layer filled,
-    the others copies of it."""
+def make_caches(dtype: torch.dtype, pool: int, int8_layout: str) -> list[torch.Tensor]:
+    """LAYERS caches of random K/V (quantized for int8, in `int8_layout`:
+    head-major as the engine allocates it, or token-major as before
+    2026-11-29): one layer filled, the others copies of it."""
     values = torch.randn(2, pool, BLOCK, KV_HEADS, HEAD_DIM)
     first = kv_int8.quantize_rows(values) if dtype == torch.int8 else values.to(dtype)
+    if dtype == torch.int8 and int8_layout == "head-major":
+        first = kv_layout.as_head_major(first)
     del values
     return [first] + [first.clone() for _ in range(LAYERS - 1)]
 
@@ -80,13 +85,15 @@ def timed_layers(query: torch.Tensor, caches: list[torch.Tensor], meta: Attentio
     return (time.perf_counter() - start) * 1e3
 
 
-def run_batch(num_seqs: int, seq_len: int, rounds: int, contiguous: bool) -> None:
+def run_batch(
+    num_seqs: int, seq_len: int, rounds: int, contiguous: bool, int8_layout: str
+) -> None:
     pool = 2 * num_seqs * -(-seq_len // BLOCK)
     meta = decode_meta(num_seqs, seq_len, pool, contiguous)
     query = torch.randn(num_seqs, HEADS, HEAD_DIM)
     # Both sets of caches stay allocated (~1.7 GB at 16 x 1.5k): 30 layers'
     # K/V are far more than the CPU's caches hold, so every pass reads memory.
-    caches = {name: make_caches(dtype, pool) for name, dtype in DTYPES.items()}
+    caches = {name: make_caches(dtype, pool, int8_layout) for name, dtype in DTYPES.items()}
     times: dict[str, list[float]] = {name: [] for name in DTYPES}
     for name in DTYPES:
         timed_layers(query, caches[name], meta)  # warm: the plan, the pages
@@ -99,7 +106,10 @@ def run_batch(num_seqs: int, seq_len: int, rounds: int, contiguous: bool) -> Non
         for name in DTYPES
     }
     layout = "contiguous" if contiguous else "scattered"
-    print(f"decode, {num_seqs} x {seq_len} tokens, {LAYERS} layers, blocks {layout}:")
+    print(
+        f"decode, {num_seqs} x {seq_len} tokens, {LAYERS} layers, blocks {layout}, "
+        f"int8 {int8_layout}:"
+    )
     for name, values in times.items():
         print(
             f"  {name:<8} median {statistics.median(values):7.2f} ms "
@@ -121,13 +131,19 @@ def main() -> None:
         action="store_true",
         help="each sequence's blocks in a row (a fresh engine's layout), not scattered",
     )
+    parser.add_argument(
+        "--int8-layout",
+        choices=("head-major", "token-major"),
+        default="head-major",
+        help="the int8 cache's memory order (kernels/kv_layout.py; the engine's is head-major)",
+    )
     args = parser.parse_args()
     if cpu_kernels.load() is None:
         sys.exit("the compiled CPU kernels are unavailable: nothing to measure")
     torch.manual_seed(0)
     print(f"load before: {os.getloadavg()}; threads: {torch.get_num_threads()}")
     for num_seqs, seq_len in ((16, 1536), (64, 512)):
-        run_batch(num_seqs, seq_len, args.rounds, args.contiguous)
+        run_batch(num_seqs, seq_len, args.rounds, args.contiguous, args.int8_layout)
     print(f"load after: {os.getloadavg()}")
 
 

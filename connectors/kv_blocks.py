@@ -3,8 +3,11 @@
 The cache is one tensor per layer, ``[2, num_blocks, block_size, heads,
 head_dim]``. A block's payload is every layer's K then V for that block,
 ``[num_layers, 2, block_size * heads * head_dim]``, contiguous: the unit a
-store keeps under one key. Gather and scatter touch each layer once for a
-whole batch of blocks, not once per block.
+store keeps under one key. Each block's bytes go as they lie in memory
+(head-major for int8: kernels/kv_layout.py), so pods exchange blocks only
+with pods of the same cache dtype, which block keys already ensure. Gather
+and scatter touch each layer once for a whole batch of blocks, not once per
+block.
 
 The frame variants work on rows of one ``[n, header + payload]`` byte
 array, the payload after a header the caller fills: the store's frames are
@@ -32,6 +35,7 @@ import numpy.typing as npt
 import torch
 
 from kernels import cpu_kernels
+from kernels.kv_layout import in_memory_order
 
 # Same-size integer types: numpy has no bfloat16, and a copy is a copy.
 _INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -46,8 +50,9 @@ class KVBlockIO:
             raise ValueError("kv_caches: expected at least one layer's cache")
         first = kv_caches[0]
         self.num_blocks = first.shape[1]
-        # Each layer as [2, num_blocks, elements of one block's K (or V)].
-        self.layers = [c.view(2, self.num_blocks, -1) for c in kv_caches]
+        # Each layer as [2, num_blocks, elements of one block's K (or V)]: a
+        # block is one unit of memory in either order (kernels/kv_layout.py).
+        self.layers = [in_memory_order(c).view(2, self.num_blocks, -1) for c in kv_caches]
         self.dtype = first.dtype
         self.itemsize = first.element_size()
         self.device = first.device

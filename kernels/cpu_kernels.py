@@ -88,6 +88,7 @@ _HEADERS = (
     "decode_stack.h",
     "kv_copy.h",
     "kv_int8.h",
+    "kv_layout.h",
     "quant_expand.h",
     "quant_tiles.h",
     "shm_index.h",

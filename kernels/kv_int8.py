@@ -71,6 +71,21 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((q, scale_bytes), dim=-1)
 
 
+def decode_query(query: torch.Tensor, scale: float) -> torch.Tensor:
+    """The query ``[..., head_dim]`` as the compiled decode kernel reads it
+    over an int8 cache where it takes integer scores (AVX-512 VNNI:
+    ``cpu_kernels.load().decode_int8_quantizes_query``): each head's
+    ``query * scale`` rounded to int8 with its own scale ``max|x| / 127``,
+    as llama.cpp quantizes the query for a q8_0 cache. Returned in float32
+    and divided by ``scale`` again, so attention over it (with ``scale``)
+    gives the kernel's scores: for tests, never a serving path."""
+    x = query.float() * scale
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv).clamp_(-128, 127)
+    return q * (amax / 127.0) / scale
+
+
 def row_scales(rows: torch.Tensor) -> torch.Tensor:
     """float32 ``[..., 1]``: each int8 row's scale."""
     return rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)

@@ -56,7 +56,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernels, kv_int8
+from kernels import cpu_kernels, kv_int8, kv_layout
 from kernels.metadata import AttentionMetadata
 from kernels.reference import check_sliding_window
 
@@ -83,6 +83,12 @@ def reshape_and_cache(
     if kernel is not None:
         write = kernel.cache_kv_int8 if kv_int8.is_int8_cache(kv_cache) else kernel.cache_kv
         write(kv_cache, key, value, slot_mapping)
+        return
+    if not kv_cache.is_contiguous():  # head-major (kernels/kv_layout.py): index by slot
+        block_size = kv_cache.shape[2]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        kv_cache[0, blocks, offsets] = kv_int8.cache_rows(key, kv_cache)
+        kv_cache[1, blocks, offsets] = kv_int8.cache_rows(value, kv_cache)
         return
     # One row per slot: blocks and offsets flatten into a single slot index.
     slots = kv_cache.view(2, -1, key.shape[1], kv_cache.shape[-1])
@@ -417,13 +423,25 @@ _WORKSPACE = _Workspace()
 
 
 def _gather_blocks(kv_cache: torch.Tensor, gather_rows: torch.Tensor) -> torch.Tensor:
-    """Rows of the cache viewed as `[2 * num_blocks, block_size * heads * dim]`:
-    K and V blocks in one dim-0 `index_select` (the contiguous row-copy path)."""
-    flat = kv_cache.view(2 * kv_cache.shape[1], -1)
+    """Rows of the cache's memory viewed as `[2 * num_blocks, block elements]`:
+    K and V blocks in one dim-0 `index_select` (the contiguous row-copy path).
+    `_token_rows` reads them back as tokens."""
+    flat = kv_layout.in_memory_order(kv_cache).view(2 * kv_cache.shape[1], -1)
     if kv_cache.device.type != "cpu":
         return flat.index_select(0, gather_rows)
     out = _WORKSPACE.take(gather_rows.shape[0], flat.shape[1], flat.dtype)
     return torch.index_select(flat, 0, gather_rows, out=out)
+
+
+def _token_rows(kv: torch.Tensor, kv_cache: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Gathered blocks (each sequence's in order) as `[2, num_seqs, tokens,
+    heads, row]`: a view for a token-major cache, a copy for a head-major one
+    (kernels/kv_layout.py)."""
+    _, _, block_size, heads, row = kv_cache.shape
+    if kv_cache.is_contiguous():
+        return kv.view(2, num_seqs, -1, heads, row)
+    blocks = kv.view(2, num_seqs, -1, heads, block_size, row).transpose(3, 4)
+    return blocks.reshape(2, num_seqs, -1, heads, row)
 
 
 def _decode(
@@ -440,8 +458,7 @@ def _decode(
             out, query, kv_cache, plan.block_table, plan.seq_lens, scale, plan.window or 0
         )
         return out
-    kv = _gather_blocks(kv_cache, plan.gather_rows)
-    kv = kv.view(2, plan.num_seqs, plan.padded_len, num_kv_heads, kv_cache.shape[-1])
+    kv = _token_rows(_gather_blocks(kv_cache, plan.gather_rows), kv_cache, plan.num_seqs)
     # [seqs, kv_heads, group, dim]: a KV head's query heads become its rows.
     dtype = torch.promote_types(query.dtype, _values_dtype(kv_cache))
     kv = _as_values(kv, kv_cache, dtype)
@@ -490,7 +507,8 @@ def _compiled_cache_write(
         kv_cache.device.type == "cpu"
         and key.dtype == value.dtype == torch.float32
         and kv_cache.dtype in KERNEL_CACHE_DTYPES
-        and kv_cache.is_contiguous()
+        and (kv_cache.is_contiguous() or kv_int8.is_int8_cache(kv_cache))
+        and kv_layout.is_kernel_layout(kv_cache)
         and key.stride(-1) == value.stride(-1) == 1
         and key.shape == value.shape
     ):
@@ -506,7 +524,7 @@ def _compiled_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> ModuleType 
         kv_cache.device.type == "cpu"
         and query.dtype == torch.float32
         and kv_cache.dtype in KERNEL_CACHE_DTYPES
-        and kv_cache.is_contiguous()
+        and kv_layout.is_kernel_layout(kv_cache)
         and query.stride(-1) == 1
         and query.shape[-1] in cpu_kernels.HEAD_DIMS
         and kv_int8.head_dim_of(kv_cache) == query.shape[-1]
@@ -558,8 +576,8 @@ def _prefill(
     positions it can see."""
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
-    kv = _gather_blocks(kv_cache, plan.gather_rows)
-    kv = kv.view(2, -1, num_kv_heads, kv_cache.shape[-1])[:, : plan.kv_len]
+    kv = _token_rows(_gather_blocks(kv_cache, plan.gather_rows), kv_cache, 1)[:, 0]
+    kv = kv[:, : plan.kv_len]
     # 4-d [1, heads, len, dim]: 3-d inputs miss the CPU flash kernel and fall
     # back to materialising the whole score matrix. A cache narrower than the
     # model (--kv-cache-dtype) is widened: attention runs in the model's dtype

@@ -65,7 +65,7 @@ from engine.models.weight_names import (
     hf_parameter_names,
     is_ignored,
 )
-from kernels import cpu_kernels
+from kernels import cpu_kernels, kv_layout
 from kernels.backend import select_layer_ops
 from kernels.huge_pages import move_to_huge_pages
 from kernels.layer_ops import (
@@ -313,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lora_state.batch is not None:
             return None  # adapters apply in Linear.forward, which the stack skips
         cache = kv_caches[0]
-        if cache.dtype not in KERNEL_CACHE_DTYPES or not cache.is_contiguous():
+        if cache.dtype not in KERNEL_CACHE_DTYPES or not kv_layout.is_kernel_layout(cache):
             return None
         return stack
 

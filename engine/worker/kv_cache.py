@@ -18,6 +18,7 @@ import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError
 from kernels.kv_int8 import int8_row_bytes
+from kernels.kv_layout import new_cache
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,9 @@ def allocate_kv_caches(
     getting tensor ``layer_slot[l]`` (None: one tensor per layer)."""
     # Zeroed, not empty: the null block and padded reads must be finite.
     # (An int8 cache's zero rows have scale 0.0: they read as zeros.)
+    # int8 caches are head-major in memory (kernels/kv_layout.py).
     tensors = [
-        torch.zeros(shape.layer_shape(num_blocks), dtype=shape.dtype, device=device)
+        new_cache(shape.layer_shape(num_blocks), shape.dtype, device)
         for _ in range(shape.num_layers)
     ]
     if layer_slot is None:

@@ -14,6 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32 queries; float32, bfloat16 or int8 cache)", arg("out"),
         arg("query"), arg("kv_cache"), arg("block_table"), arg("seq_lens"), arg("scale"),
         arg("window") = 0);
+  m.def("decode_int8_quantizes_query", &decode_int8_quantizes_query,
+        "whether decode over an int8 cache quantizes the query (AVX-512 VNNI)", arg("head_dim"),
+        arg("group"));
   m.def("prefill_attention", &prefill_attention,
         "paged causal attention of prefill chunks (float32 queries)", arg("out"), arg("query"),
         arg("kv_cache"), arg("block_table"), arg("seq_lens"), arg("query_starts"),

@@ -9,6 +9,10 @@
 void decode_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                       at::Tensor block_table, at::Tensor seq_lens, double scale,
                       int64_t window = 0);
+// Whether decode_attention over an int8 cache quantizes the query (integer
+// scores on AVX-512 VNNI; kernels/kv_int8.py's decode_query says how) for
+// this head size and GQA group, or reads it as float32.
+bool decode_int8_quantizes_query(int64_t head_dim, int64_t group);
 
 // prefill_attention.cpp: causal attention of prefill chunks (AVX-512 builds)
 bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_size);

@@ -88,26 +88,13 @@ void copy_into_slots(T* k_cache, T* v_cache, int64_t num_slots, int64_t row_floa
   });
 }
 
-// K and V rows quantized into an int8 cache [2, blocks, block_size, heads,
-// dim + 4] (kv_int8.h's rows: values, then the scale), bit for bit as
-// cache_kv_int8 writes them for the Python layers.
+// K and V rows quantized into an int8 cache (tandem_kv_int8::quantize_rows_at:
+// bit for bit as cache_kv_int8 writes them for the Python layers).
 void quantize_rows_into_cache(const at::Tensor& kv_cache, const float* key, const float* value,
                               int64_t stride, const int64_t* slot, int64_t num_tokens) {
-  const int64_t heads = kv_cache.size(3), row = kv_cache.size(4);
-  const int64_t dim = row - tandem_kv_int8::kScaleBytes;
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), slot_elems = heads * row;
-  for (int64_t t = 0; t < num_tokens; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache");
-  auto* k_cache = static_cast<int8_t*>(kv_cache.data_ptr());
-  int8_t* v_cache = k_cache + num_slots * slot_elems;
-  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t at_row = slot[t] * slot_elems + h * row;
-        tandem_kv_int8::quantize_row(k_cache + at_row, key + t * stride + h * dim, dim);
-        tandem_kv_int8::quantize_row(v_cache + at_row, value + t * stride + h * dim, dim);
-      }
-  });
+  const int64_t dim = kv_cache.size(4) - tandem_kv_int8::kScaleBytes;
+  tandem_kv_int8::quantize_rows_at(kv_cache, key, value, stride, dim, stride, dim, slot,
+                                   num_tokens);
 }
 
 // K and V rows (float32, token t's at key/value + t * stride) into a float32,
@@ -118,6 +105,7 @@ void copy_rows_into_cache(const at::Tensor& kv_cache, const float* key, const fl
     quantize_rows_into_cache(kv_cache, key, value, stride, slot, num_tokens);
     return;
   }
+  TORCH_CHECK(kv_cache.is_contiguous(), "a float32 or bfloat16 KV cache must be token-major");
   const int64_t row = kv_cache.size(3) * kv_cache.size(4);
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   if (kv_cache.scalar_type() == at::kBFloat16) {

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "cpu_ops.h"
+#include "kv_layout.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -65,16 +66,36 @@ void quantize_row(int8_t* dst, const float* src, int64_t n) {
   std::memcpy(dst + n, &scale, sizeof(float));
 }
 
+void quantize_rows_at(const at::Tensor& kv_cache, const float* key, const float* value,
+                      int64_t k_token, int64_t k_head, int64_t v_token, int64_t v_head,
+                      const int64_t* slot, int64_t num_tokens) {
+  const tandem_kv::Layout L = tandem_kv::layout_of(kv_cache, "int8 KV write");
+  const int64_t dim = L.row - kScaleBytes, num_slots = L.num_blocks * L.block_size;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "int8 KV write: slot ", slot[t],
+                " outside the cache (", num_slots, " slots)");
+  int8_t* k_cache = static_cast<int8_t*>(kv_cache.data_ptr());
+  int8_t* v_cache = k_cache + L.v_offset;
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < L.heads; ++h) {
+        const int64_t at_row = L.at_slot(slot[t], h);
+        quantize_row(k_cache + at_row, key + t * k_token + h * k_head, dim);
+        quantize_row(v_cache + at_row, value + t * v_token + h * v_head, dim);
+      }
+  });
+}
+
 }  // namespace tandem_kv_int8
 
 // K and V rows [T, heads, dim] (float32, last dim contiguous) quantized into
-// an int8 cache [2, blocks, block_size, heads, dim + 4] at their slots.
+// an int8 cache [2, blocks, block_size, heads, dim + 4] (token- or
+// head-major: kv_layout.h) at their slots.
 void cache_kv_int8(at::Tensor kv_cache, at::Tensor key, at::Tensor value,
                    at::Tensor slot_mapping) {
-  TORCH_CHECK(kv_cache.scalar_type() == at::kChar && kv_cache.is_contiguous() &&
-                  kv_cache.dim() == 5,
-              "cache_kv_int8: kv_cache must be a contiguous int8 [2, blocks, block_size, heads, "
-              "dim + 4] tensor");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kChar && kv_cache.dim() == 5,
+              "cache_kv_int8: kv_cache must be an int8 [2, blocks, block_size, heads, dim + 4] "
+              "tensor");
   const int64_t T = key.size(0), heads = kv_cache.size(3);
   const int64_t dim = kv_cache.size(4) - tandem_kv_int8::kScaleBytes;
   for (const at::Tensor* t : {&key, &value})
@@ -85,24 +106,7 @@ void cache_kv_int8(at::Tensor kv_cache, at::Tensor key, at::Tensor value,
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == T,
               "cache_kv_int8: slot_mapping must be contiguous int64, one per token");
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "cache_kv_int8: slot ", slot[t],
-                " outside the cache (", num_slots, " slots)");
-  const int64_t row = tandem_kv_int8::row_elems(dim), slot_elems = heads * row;
-  int8_t* k_cache = static_cast<int8_t*>(kv_cache.data_ptr());
-  int8_t* v_cache = k_cache + num_slots * slot_elems;
-  const float* k = key.data_ptr<float>();
-  const float* v = value.data_ptr<float>();
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t at_row = slot[t] * slot_elems + h * row;
-        tandem_kv_int8::quantize_row(k_cache + at_row, k + t * key.stride(0) + h * key.stride(1),
-                                     dim);
-        tandem_kv_int8::quantize_row(v_cache + at_row,
-                                     v + t * value.stride(0) + h * value.stride(1), dim);
-      }
-  });
+  tandem_kv_int8::quantize_rows_at(kv_cache, key.data_ptr<float>(), value.data_ptr<float>(),
+                                   key.stride(0), key.stride(1), value.stride(0),
+                                   value.stride(1), slot_mapping.data_ptr<int64_t>(), T);
 }

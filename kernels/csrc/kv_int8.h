@@ -2,6 +2,8 @@
 // (token, head) row is head_dim int8 values, then the row's float32 scale in
 // its last 4 bytes. A value dequantizes to q * scale.
 #pragma once
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -24,5 +26,12 @@ inline float row_scale(const int8_t* row) {
 // exactly as kernels/kv_int8.py's quantize_rows: scale = max|x| * fl(1/127),
 // q = round-half-even(x * fl(1/scale)) clamped to [-127, 127].
 void quantize_row(int8_t* dst, const float* src, int64_t n);
+
+// Token t's K row of head h at key + t * k_token + h * k_head (V's alike),
+// each quantized into its slot of the int8 cache (token- or head-major:
+// kv_layout.h). Checks the slots.
+void quantize_rows_at(const at::Tensor& kv_cache, const float* key, const float* value,
+                      int64_t k_token, int64_t k_head, int64_t v_token, int64_t v_head,
+                      const int64_t* slot, int64_t num_tokens);
 
 }  // namespace tandem_kv_int8

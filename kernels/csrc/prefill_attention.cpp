@@ -49,6 +49,7 @@
 
 #include "cpu_ops.h"
 #include "kv_int8.h"
+#include "kv_layout.h"
 
 namespace {
 // allow_bf16_attention_products: process-wide, read once per call.
@@ -83,6 +84,7 @@ struct Task {
   int64_t v_off;
   const int32_t* blocks;  // the sequence's block-table row
   int64_t block_size, row;  // cache rows per block; elements between rows
+  int64_t block_elems;      // elements between blocks
   int64_t tokens;         // query tokens in the tile
   int64_t first_pos;      // context position of the tile's first token
   int64_t window;         // sliding window; 0: the whole causal context
@@ -287,7 +289,7 @@ void finish_task(const Task<T>& t, const Scratch& s) {
 // block sizes are multiples of kChunk).
 template <typename T>
 inline const T* chunk_rows(const Task<T>& t, int64_t c0) {
-  return t.k + (t.blocks[c0 / t.block_size] * t.block_size + c0 % t.block_size) * t.row;
+  return t.k + t.blocks[c0 / t.block_size] * t.block_elems + c0 % t.block_size * t.row;
 }
 
 // The first chunk a task reads: its first token's first in-window key's
@@ -440,9 +442,8 @@ void prefill_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_ca
                               at::Tensor query_starts, at::Tensor query_lens, double scale,
                               int64_t window) {
   const int64_t P = seq_lens.size(0), H = query.size(1);
-  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
-  // Cache elements per (token, head) row: D, or D + 4 for int8 (the scale).
-  constexpr int64_t R = std::is_same_v<T, int8_t> ? tandem_kv_int8::row_elems(D) : D;
+  const tandem_kv::Layout L = tandem_kv::layout_of(kv_cache, "prefill_attention");
+  const int64_t HKV = L.heads;
   const int group = static_cast<int>(H / HKV);
   const int64_t tile = kRows / group;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -482,11 +483,12 @@ void prefill_attention_avx512(at::Tensor out, at::Tensor query, at::Tensor kv_ca
                          o_base + row0 * out.stride(0) + head0 * out.stride(1),
                          out.stride(0),
                          out.stride(1),
-                         cache + ti.head * R,
-                         NB * BS * HKV * R,
+                         cache + ti.head * L.head_stride,
+                         L.v_offset,
                          bt + ti.seq * block_table.stride(0),
-                         BS,
-                         HKV * R,
+                         L.block_size,
+                         L.token_stride,
+                         L.block_stride,
                          ti.tokens,
                          lens[ti.seq] - q_len + ti.first_token,
                          window,
@@ -546,8 +548,9 @@ void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "prefill_attention: query and out must be float32");
   TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0 (0: none), got ", window);
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.is_contiguous(),
-              "prefill_attention: head rows must be contiguous, and the cache");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1,
+              "prefill_attention: head rows must be contiguous");
+  tandem_kv::layout_of(kv_cache, "prefill_attention");  // token- or head-major, else an error
   for (const at::Tensor* t : {&block_table, &seq_lens, &query_starts, &query_lens})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1,
                 "prefill_attention: block_table, seq_lens, query_starts and query_lens must be "

@@ -10,7 +10,7 @@ import torch
 from connectors.block_codec import BlockCodec
 from connectors.kv_blocks import KVBlockIO
 from engine.kv_transfer.base import KVLayout
-from kernels import cpu_kernels
+from kernels import cpu_kernels, kv_layout
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 10
@@ -18,6 +18,7 @@ BLOCK_SIZE = 4
 HEADS = 2
 HEAD_DIM = 8
 # int8: rows of HEAD_DIM values and their 4-byte scale (kernels/kv_int8.py),
+# head-major in memory as the engine allocates them (kernels/kv_layout.py),
 # moved as bytes like any block.
 DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 
@@ -26,19 +27,20 @@ def make_caches(dtype: torch.dtype, *, random: bool, seed: int = 0) -> list[torc
     row = HEAD_DIM + 4 if dtype == torch.int8 else HEAD_DIM
     shape = (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, row)
     if not random:
-        return [torch.zeros(shape, dtype=dtype) for _ in range(NUM_LAYERS)]
+        return [kv_layout.new_cache(shape, dtype, "cpu") for _ in range(NUM_LAYERS)]
     gen = torch.Generator().manual_seed(seed)
     if dtype == torch.int8:
         return [
-            torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+            kv_layout.as_head_major(torch.randint(-128, 128, shape, generator=gen, dtype=dtype))
             for _ in range(NUM_LAYERS)
         ]
     return [torch.randn(shape, generator=gen).to(dtype) for _ in range(NUM_LAYERS)]
 
 
 def expected_payload(caches: list[torch.Tensor], block: int) -> bytes:
-    """The documented payload: for each layer, K then V of the block."""
-    parts = [cache[kv, block].contiguous() for cache in caches for kv in (0, 1)]
+    """The documented payload: for each layer, K then V of the block, each
+    its bytes as they lie in memory."""
+    parts = [kv_layout.in_memory_order(cache)[kv, block] for cache in caches for kv in (0, 1)]
     return torch.stack(parts).view(torch.uint8).numpy().tobytes()
 
 

@@ -5,14 +5,31 @@ Bounds. Each path is compared with the reference attention over the
 dequantized cache, i.e. over the very values `q * scale` the kernels read:
 the only differences are float32 rounding in another order (the compiled
 decode applies a key's scale to its dot product, not to each element), so
-the float32 cache's tolerance applies (`_SAME_VALUES`). Against attention
-over the unquantized K/V the bound follows from the format: an element is
-off by at most half its row's scale, s/2 (plus float32 rounding); a score
-q.k * c then by at most eps = c * |q|_1 * max(s_k) / 2, so every
-probability moves by a factor within [e^-2eps, e^2eps] and their changes sum
-to at most e^2eps - 1; the output, a probability-weighted mean of V rows
-each off by at most max(s_v) / 2, moves by at most
-max(s_v) / 2 + (e^2eps - 1) * max|v| (`_format_bound`).
+the float32 cache's tolerance applies (`_SAME_VALUES`). Where the compiled
+decode takes integer scores (AVX-512 VNNI), its decode rows' reference
+reads the query as the kernel does (`kv_int8.decode_query`). Against
+attention over the unquantized K/V the bound follows from the format: an
+element is off by at most half its row's scale, s/2 (plus float32
+rounding); a score q.k * c then by at most eps = c * |q|_1 * max(s_k) / 2,
+so every probability moves by a factor within [e^-2eps, e^2eps] and their
+changes sum to at most e^2eps - 1; the output, a probability-weighted mean
+of V rows each off by at most max(s_v) / 2, moves by at most
+max(s_v) / 2 + (e^2eps - 1) * max|v| (`_format_bound`). A quantized query
+(q * c off by at most s_q / 2 per element, s_q = max|q * c| / 127) adds
+s_q / 2 * max|k|_1 to eps, with k the dequantized keys.
+
+The same decode kernel sums V in integers: per group of 16 keys, each
+weight w = p * s_v (p <= 1, the softmax's unnormalized probability) is
+rounded to int16 against the group's largest, so it is off by at most
+w_max / 65534. A group then moves the weighted sum of V's int8 values by at
+most w_max / 65534 * 16 * 127, and since w_max <= max(s_v) * (the group's
+sum of p), the groups together, divided by the sum of p, move an output
+element by at most max(s_v) * 16 * 127 / 65534 (`_int16_weights_bound`),
+which the decode rows' tolerance adds.
+
+Caches are head-major in memory as the engine allocates int8 caches
+(kernels/kv_layout.py); the writers and the compiled kernels are also run
+over token-major ones, which they read through the same strides.
 
 The sliding-window cases poison the blocks a window hides: an int8 row
 cannot hold NaN, but its scale can, and any read of such a row turns the
@@ -29,7 +46,7 @@ import pytest
 import torch
 
 from engine.worker.kv_cache import KVCacheShape, allocate_kv_caches
-from kernels import cpu_kernels, kv_int8, reference, torch_attention
+from kernels import cpu_kernels, kv_int8, kv_layout, reference, torch_attention
 from tests.unit.kernels.batches import SHAPES, PagedBatch, Shape, make_batch
 
 _KERNEL = cpu_kernels.load()
@@ -52,12 +69,57 @@ def _label(shape: Shape) -> str:
     return shape.label
 
 
-def int8_batch(shape: Shape, seed: int = 0) -> tuple[PagedBatch, torch.Tensor]:
+LAYOUTS = ("head-major", "token-major")
+
+
+def in_layout(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    return kv_layout.as_head_major(cache) if layout == "head-major" else cache.contiguous()
+
+
+def int8_batch(
+    shape: Shape, seed: int = 0, layout: str = "head-major"
+) -> tuple[PagedBatch, torch.Tensor]:
     """The batch with its cache quantized (unused slots quantize to zero
-    rows of scale 0), and the float32 cache it was quantized from."""
+    rows of scale 0) in `layout`, and the float32 cache it was quantized from."""
     batch = make_batch(shape, seed=seed)
-    quantized = kv_int8.quantize_rows(batch.kv_cache)
+    quantized = in_layout(kv_int8.quantize_rows(batch.kv_cache), layout)
     return dataclasses.replace(batch, kv_cache=quantized), batch.kv_cache
+
+
+def quantizes_query(shape: Shape) -> bool:
+    """Whether the compiled decode reads this shape's query as int8."""
+    group = shape.num_heads // shape.num_kv_heads
+    return _KERNEL is not None and bool(_KERNEL.decode_int8_quantizes_query(shape.head_dim, group))
+
+
+def _int16_weights_bound(batch: PagedBatch) -> float:
+    """The module docstring's bound for the integer V sums."""
+    return kv_int8.row_scales(batch.kv_cache)[1].max().item() * 16 * 127 / 65534
+
+
+def row_tolerance(batch: PagedBatch, shape: Shape, compiled: bool) -> torch.Tensor:
+    """Per query row: `_SAME_VALUES`, plus the integer V sums' bound on the
+    rows the compiled decode kernel takes with integer arithmetic."""
+    tol = torch.full((batch.query.shape[0], 1, 1), _SAME_VALUES)
+    if compiled and quantizes_query(shape):
+        starts = [sum(shape.q_lens[:i]) for i in range(len(shape.q_lens))]
+        for start, q_len in zip(starts, shape.q_lens, strict=True):
+            if q_len == 1:
+                tol[start] += _int16_weights_bound(batch)
+    return tol
+
+
+def as_decode_reads(batch: PagedBatch, shape: Shape, scale: float) -> PagedBatch:
+    """The batch with its decode rows' queries as the compiled kernel reads
+    them over an int8 cache (unchanged where it reads floats)."""
+    if not quantizes_query(shape):
+        return batch
+    query = batch.query.clone()
+    starts = [sum(shape.q_lens[:i]) for i in range(len(shape.q_lens))]
+    for start, q_len in zip(starts, shape.q_lens, strict=True):
+        if q_len == 1:
+            query[start] = kv_int8.decode_query(query[start], scale)
+    return dataclasses.replace(batch, query=query)
 
 
 @pytest.fixture
@@ -120,8 +182,8 @@ def _ragged_write(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     qkv[5, heads] = 0.0
     key, value = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     slots = torch.randperm(6 * 16, generator=gen)[:tokens]
-    cache = torch.zeros(2, 6, 16, kv_heads, kv_int8.int8_row_bytes(dim), dtype=torch.int8)
-    return key, value, slots, cache
+    shape = (2, 6, 16, kv_heads, kv_int8.int8_row_bytes(dim))
+    return key, value, slots, kv_layout.new_cache(shape, torch.int8, "cpu")
 
 
 def _written_by_reference(
@@ -133,8 +195,10 @@ def _written_by_reference(
 
 
 @needs_kernel
-def test_compiled_writer_matches_the_reference_bit_for_bit() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_writer_matches_the_reference_bit_for_bit(layout: str) -> None:
     key, value, slots, cache = _ragged_write(seed=1)
+    cache = in_layout(cache, layout)
     assert torch_attention._compiled_cache_write(key, value, cache) is not None
     torch_attention.reshape_and_cache(key, value, cache, slots)
     assert torch.equal(cache, _written_by_reference(key, value, slots, cache))
@@ -150,8 +214,10 @@ def test_compiled_writer_rounds_halves_to_even() -> None:
 
 
 @pytest.mark.usefixtures("no_kernels")
-def test_torch_fallback_writer_matches_the_reference_bit_for_bit() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_fallback_writer_matches_the_reference_bit_for_bit(layout: str) -> None:
     key, value, slots, cache = _ragged_write(seed=2)
+    cache = in_layout(cache, layout)
     torch_attention.reshape_and_cache(key, value, cache, slots)
     assert torch.equal(cache, _written_by_reference(key, value, slots, cache))
 
@@ -161,38 +227,45 @@ def test_write_then_read_round_trip() -> None:
     other slot stays zero."""
     key, value, slots, cache = _ragged_write(seed=3)
     torch_attention.reshape_and_cache(key, value, cache, slots)
-    values = kv_int8.dequantize_cache(cache).view(2, -1, *key.shape[1:])
-    scales = kv_int8.row_scales(cache).view(2, -1, key.shape[1], 1)
+    values = kv_int8.dequantize_cache(cache).reshape(2, -1, *key.shape[1:])
+    scales = kv_int8.row_scales(cache).reshape(2, -1, key.shape[1], 1)
     for half, rows in enumerate((key, value)):
         error = (values[half, slots] - rows).abs()
         assert (error <= scales[half, slots] * (0.5 + 2**-16)).all()
     untouched = torch.ones(cache.shape[1] * cache.shape[2], dtype=torch.bool)
     untouched[slots] = False
-    assert not cache.view(2, -1, *cache.shape[3:])[:, untouched].any()
+    assert not cache.reshape(2, -1, *cache.shape[3:])[:, untouched].any()
 
 
 # --- reading ---------------------------------------------------------------------
 
 
-def _check_paths(batch: PagedBatch, window: int | None) -> None:
+def _check_paths(
+    batch: PagedBatch, window: int | None, reads: PagedBatch, tol: torch.Tensor
+) -> None:
+    """``reads``: the batch as the path under test reads its queries; `tol`
+    per query row."""
     scale = batch.query.shape[-1] ** -0.5
     dequantized = kv_int8.dequantize_cache(batch.kv_cache)
-    want = reference.paged_attention(batch.query, dequantized, batch.meta, scale, window)
-    ref = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, scale, window)
+    want = reference.paged_attention(reads.query, dequantized, batch.meta, scale, window)
+    ref = reference.paged_attention(reads.query, batch.kv_cache, batch.meta, scale, window)
     assert torch.equal(ref, want)
     got = torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, scale, window)
     assert got.dtype == torch.float32 and got.isfinite().all()
-    torch.testing.assert_close(got, want, atol=_SAME_VALUES, rtol=0, msg=str(window))
+    error = (got - want).abs()
+    assert (error <= tol).all(), (window, (error - tol).max().item())
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", INT8_SHAPES, ids=_label)
-def test_compiled_kernels_over_an_int8_cache(shape: Shape) -> None:
+def test_compiled_kernels_over_an_int8_cache(shape: Shape, layout: str) -> None:
     for window in WINDOWS:
-        batch, _ = int8_batch(shape, seed=5)
+        batch, _ = int8_batch(shape, seed=5, layout=layout)
         kernel = torch_attention._compiled_decode(batch.query, batch.kv_cache)
         assert (kernel is not None) == (shape.head_dim in cpu_kernels.HEAD_DIMS)
-        _check_paths(batch, window)
+        reads = as_decode_reads(batch, shape, shape.head_dim**-0.5)
+        _check_paths(batch, window, reads, row_tolerance(batch, shape, compiled=True))
 
 
 @pytest.mark.usefixtures("no_kernels")
@@ -200,7 +273,7 @@ def test_compiled_kernels_over_an_int8_cache(shape: Shape) -> None:
 def test_torch_fallback_over_an_int8_cache(shape: Shape) -> None:
     for window in WINDOWS:
         batch, _ = int8_batch(shape, seed=6)
-        _check_paths(batch, window)
+        _check_paths(batch, window, batch, row_tolerance(batch, shape, compiled=False))
 
 
 @needs_kernel
@@ -209,12 +282,22 @@ def test_compiled_prefill_takes_an_int8_cache() -> None:
     assert torch_attention._compiled_prefill(batch.query, batch.kv_cache)
 
 
-def _format_bound(batch: PagedBatch, float_cache: torch.Tensor, scale: float) -> float:
-    """The module docstring's bound, with maxima over the whole cache."""
+def _format_bound(
+    batch: PagedBatch, float_cache: torch.Tensor, scale: float, integer_decode: bool
+) -> float:
+    """The module docstring's bound, with maxima over the whole cache
+    (`integer_decode`: with the compiled decode's quantized query and
+    integer V sums)."""
     scales = kv_int8.row_scales(batch.kv_cache)
     eps = scale * batch.query.abs().sum(-1).max().item() * scales[0].max().item() / 2
+    bound = 1e-5
+    if integer_decode:
+        bound += _int16_weights_bound(batch)
+        s_q = (batch.query * scale).abs().amax().item() / 127
+        k_l1 = kv_int8.dequantize_cache(batch.kv_cache)[0].abs().sum(-1).max().item()
+        eps += s_q / 2 * k_l1
     v_max = float_cache[1].abs().max().item()
-    return scales[1].max().item() / 2 + math.expm1(2 * eps) * v_max + 1e-5
+    return scales[1].max().item() / 2 + math.expm1(2 * eps) * v_max + bound
 
 
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=_label)
@@ -224,7 +307,7 @@ def test_attention_over_int8_is_within_the_format_bound(shape: Shape) -> None:
     exact = reference.paged_attention(batch.query, float_cache, batch.meta, scale)
     got = torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, scale)
     error = (got - exact).abs().max().item()
-    assert error <= _format_bound(batch, float_cache, scale)
+    assert error <= _format_bound(batch, float_cache, scale, quantizes_query(shape))
     # Far inside it in practice: the rounding errors mostly cancel.
     assert error <= 0.05 * exact.abs().max().item()
 
@@ -281,10 +364,12 @@ def test_no_path_reads_blocks_before_the_window(
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     batch = _spare_padded(int8_batch(shape, seed=8)[0])
     scale = shape.head_dim**-0.5
-    want = reference.paged_attention(batch.query, batch.kv_cache, batch.meta, scale, window)
+    reads = as_decode_reads(batch, shape, scale) if compiled else batch
+    want = reference.paged_attention(reads.query, batch.kv_cache, batch.meta, scale, window)
+    tol = row_tolerance(batch, shape, compiled)  # before the NaN scales
     assert _poison_unread_blocks(batch, window)
     got = torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, scale, window)
-    torch.testing.assert_close(got, want, atol=_SAME_VALUES, rtol=0)
+    assert ((got - want).abs() <= tol).all()
 
 
 # --- allocation ------------------------------------------------------------------
@@ -298,6 +383,8 @@ def test_kv_cache_shape_counts_the_scales() -> None:
     caches = allocate_kv_caches(shape, 5, torch.device("cpu"))
     assert len(caches) == 3
     assert caches[0].shape == (2, 5, 16, 2, 68) and caches[0].dtype == torch.int8
+    # Head-major memory: a KV head's 16 rows of a block are one run of bytes.
+    assert caches[0].stride() == (5 * 16 * 2 * 68, 16 * 2 * 68, 68, 16 * 68, 1)
     assert kv_int8.head_dim_of(caches[0]) == 64
     assert sum(c.numel() for c in caches) == 5 * shape.bytes_per_block
 

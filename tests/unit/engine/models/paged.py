@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.llama import LlamaForCausalLM
-from kernels import reference
+from kernels import kv_layout, reference
 from kernels.kv_int8 import int8_row_bytes
 from kernels.metadata import AttentionMetadata
 
@@ -56,10 +56,8 @@ def allocate(
         taken += n
     # An int8 cache's rows carry their float32 scale (kernels/kv_int8.py).
     row = int8_row_bytes(spec.head_dim) if dtype == torch.int8 else spec.head_dim
-    caches = [
-        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, row, dtype=dtype)
-        for _ in range(spec.num_layers)
-    ]
+    shape = (2, num_blocks, block_size, spec.num_kv_heads, row)
+    caches = [kv_layout.new_cache(shape, dtype, "cpu") for _ in range(spec.num_layers)]
     return PagedSequences(tokens, blocks, block_size, caches)
 
 

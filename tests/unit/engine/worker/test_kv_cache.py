@@ -1,5 +1,5 @@
-"""The KV cache's tensors (engine/worker/kv_cache.py): on CPU, views of one
-lazily zeroed mapping, which must behave as separate zeroed tensors."""
+"""The KV cache's tensors (engine/worker/kv_cache.py): zeroed, disjoint,
+shaped, in their dtype's memory order (kernels/kv_layout.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.worker.kv_cache import KVCacheShape, allocate_kv_caches
+from kernels import kv_layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
@@ -17,7 +18,9 @@ def test_cpu_layers_are_zeroed_disjoint_and_shaped(dtype: torch.dtype) -> None:
     for cache in caches:
         assert cache.shape == shape.layer_shape(5)
         assert cache.dtype == dtype
-        assert cache.is_contiguous()
+        # int8 caches are head-major in memory, the others token-major.
+        assert cache.is_contiguous() == (dtype != torch.int8)
+        assert kv_layout.in_memory_order(cache).is_contiguous()
         assert not cache.any()
         assert cache.data_ptr() % 64 == 0
     # Writing all of one layer leaves the others zero: no overlap.

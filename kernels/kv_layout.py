@@ -1,0 +1,79 @@
+"""How a KV cache tensor lies in memory: token-major or head-major blocks.
+
+Every layer's cache has the same *shape*, ``[2, num_blocks, block_size,
+num_kv_heads, row]`` (K at 0, V at 1; ``row`` is ``head_dim``, or
+``head_dim + 4`` for int8: ``kernels.kv_int8``), so ``cache[kv, block,
+slot, head]`` names the same row whatever the memory order. The order is
+in the strides:
+
+* **token-major** (float32, bfloat16, fp8): the tensor is contiguous; a
+  token's heads lie side by side.
+* **head-major** (int8): memory is ``[2, num_blocks, num_kv_heads,
+  block_size, row]`` and the cache is its ``transpose(2, 3)`` view. A KV
+  head's rows of a block are one run of ``block_size * row`` bytes (1,088
+  for head_dim 64 and 16-token blocks: 17 whole cache lines). The decode
+  kernel's work is one (sequence, KV head); with 68-byte rows token-major,
+  each row it read straddled two lines shared with the other heads' rows,
+  and int8 decode ran at 0.90x bfloat16's speed; head-major, with integer
+  scores, 1.29x (benchmarks/README.md, kv_int8_bench.py).
+
+Either way a block is one contiguous unit (``block_size * num_kv_heads *
+row`` elements, K's and V's blocks apart), so connectors that move whole
+blocks move bytes and need not know the order, as long as the receiving
+cache has the same order (block keys include the cache dtype, and the
+order follows from the dtype). The compiled CPU kernels read the order
+from the strides (``kernels/csrc/kv_layout.h``); torch code indexes the
+cache by its shape and gets either for free. Code that needs the flat
+bytes (``view``) takes ``in_memory_order(cache)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def head_major(dtype: torch.dtype) -> bool:
+    """Whether caches of `dtype` are allocated head-major (see above)."""
+    return dtype == torch.int8
+
+
+def new_cache(
+    shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A zeroed cache of `shape` ``[2, blocks, block_size, heads, row]`` in
+    `dtype`'s memory order."""
+    kv, blocks, block_size, heads, row = shape
+    if head_major(dtype):
+        memory = torch.zeros(kv, blocks, heads, block_size, row, dtype=dtype, device=device)
+        return memory.transpose(2, 3)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def in_memory_order(cache: torch.Tensor) -> torch.Tensor:
+    """The contiguous tensor over the cache's memory: the cache itself
+    (token-major) or its ``[2, blocks, heads, block_size, row]`` view
+    (head-major). Raises ValueError for any other strides."""
+    if cache.is_contiguous():
+        return cache
+    memory = cache.transpose(2, 3)
+    if cache.dim() != 5 or not memory.is_contiguous():
+        raise ValueError(
+            f"a KV cache must be token- or head-major [2, blocks, block_size, heads, row]; "
+            f"got shape {tuple(cache.shape)} with strides {cache.stride()}"
+        )
+    return memory
+
+
+def is_kernel_layout(cache: torch.Tensor) -> bool:
+    """Whether the compiled kernels can read `cache` in place."""
+    try:
+        in_memory_order(cache)
+    except ValueError:
+        return False
+    return True
+
+
+def as_head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A head-major copy of `cache` (tests and benchmarks: the engine
+    allocates its caches in order with `new_cache`)."""
+    return cache.transpose(2, 3).contiguous().transpose(2, 3)
