@@ -85,9 +85,7 @@ def timed_layers(query: torch.Tensor, caches: list[torch.Tensor], meta: Attentio
     return (time.perf_counter() - start) * 1e3
 
 
-def run_batch(
-    num_seqs: int, seq_len: int, rounds: int, contiguous: bool, int8_layout: str
-) -> None:
+def run_batch(num_seqs: int, seq_len: int, rounds: int, contiguous: bool, int8_layout: str) -> None:
     pool = 2 * num_seqs * -(-seq_len // BLOCK)
     meta = decode_meta(num_seqs, seq_len, pool, contiguous)
     query = torch.randn(num_seqs, HEADS, HEAD_DIM)

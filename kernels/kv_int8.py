@@ -1,18 +1,24 @@
 """The int8 KV cache's format: int8 values and a float32 scale per row.
 
-Layout. Still one tensor per layer, of dtype int8:
-``[2, num_blocks, block_size, num_kv_heads, head_dim + 4]``. Each (token,
-head) row holds its ``head_dim`` int8 values followed by that row's float32
-scale in the last 4 bytes (little-endian, i.e. ``row[head_dim:]`` viewed as
-``torch.float32``). Why inside the rows and not a side tensor of scales:
+Layout. Still one tensor per layer, of dtype int8, of shape
+``[2, num_blocks, block_size, num_kv_heads, head_dim + 4]``, head-major in
+memory (a KV head's rows of a block in one run: ``kernels/kv_layout.py``
+says why). Each (token, head) row holds its ``head_dim`` int8 values
+followed by that row's float32 scale in the last 4 bytes (little-endian,
+i.e. ``row[head_dim:]`` viewed as ``torch.float32``). Why inside the rows
+and not a side tensor of scales:
 
 * a block stays one contiguous unit with its scales in it, so the KV budget
   (``engine.worker.kv_cache.KVCacheShape.bytes_per_block``) counts them, and
   every connector that copies whole blocks (shared memory, Redis, NIXL,
   offload: ``kernels/csrc/kv_copy.cpp`` and its Python peers copy bytes)
   moves them with no change;
-* a kernel reading a row finds its scale right after it, in the same or the
-  next cache line, with no second stream of addresses to walk.
+* a kernel reading a head's rows of a block reads one run of bytes, scales
+  included, with no second stream of addresses to walk.
+
+Where the CPU has AVX-512 VNNI, the compiled decode kernel also rounds each
+query head to int8 (``decode_query`` gives the values it reads) and sums V
+with int16 weights; tests/unit/kernels/test_kv_int8.py derives the bounds.
 
 The head size is recovered from the tensor as ``shape[-1] - 4``
 (``head_dim_of``); ``head_dim + 4`` stays a multiple of 4, so every scale is

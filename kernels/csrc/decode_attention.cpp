@@ -21,8 +21,12 @@
 // Where the CPU has AVX-512 VNNI, the scores of an int8 cache are integer
 // dot products instead (vpdpbusd, 64 products an instruction): each query
 // head is quantized to int8 with its own scale, as llama.cpp quantizes the
-// query for a q8_0 cache. Converting every K value to float cost more than
-// reading it (the float path read 9.4 GiB/s where bfloat16 reached 14).
+// query for a q8_0 cache; and V's weighted sum is integer too (vpdpwssd:
+// each 16 keys' weights rounded to int16 against their largest). Converting
+// every K and V value to float cost more than reading it: with the cache
+// head-major (kv_layout.h: a head's rows of a block in one run), the float
+// path read 13.8 GiB/s where bfloat16 streamed 25; integer, 17.5
+// (benchmarks/README.md, kv_int8_bench.py).
 //
 // A sliding window (window > 0; 0 is the whole context) starts each
 // sequence's walk at its first in-window key, len - window, skipping the
@@ -195,7 +199,8 @@ namespace {
 // third of the read bandwidth (10.8 GB/s against 20-21 into L2, 64
 // sequences x ~300 keys, two threads; benchmarks/JOURNAL.md).
 // An int8 row (D + 4 bytes) is not line-aligned: its last byte may sit on
-// one more line than its first bytes' span.
+// one more line than its first bytes' span. (Asking for each line of a
+// head-major run once instead measured slower, 2026-11-29.)
 template <int D, typename T>
 inline void prefetch_rows(const T* first, int64_t n, int64_t row) {
   constexpr int64_t bytes = kRow<T, D> * sizeof(T);
