@@ -60,6 +60,7 @@ the path, so tests run every one the CPU has.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -74,6 +75,7 @@ WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "q8_0", "int8", "bf16"
 # The kernels' code paths, plainest first; a build has a prefix of them.
 ISAS = ("portable", "avx2", "avx512")
 BLOCK = 32
+TILE_ROWS = 8  # output rows per tile (quant_tiles.h's kTile)
 _Q8_0_BLOCK_BYTES = 2 + BLOCK
 
 
@@ -125,6 +127,29 @@ def from_gguf_rows(
         raise ValueError(f"GGUF format {fmt!r} is not one the kernels take: {sorted(GGML_TYPES)}")
     packed = kernels().pack_gguf_blocks(rows.contiguous(), GGML_TYPES[fmt])
     return QuantizedWeight(fmt, rows.shape[0], in_features, packed, int8_activations)
+
+
+def concat_rows(weights: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
+    """One weight with `weights`' rows in order (a fused qkv of shards in
+    different GGUF formats), or None where their tiles differ in kind (the
+    bytes of a tile's block name it: Q5_0 and Q8_0 are both Q8 tiles, Q4_K
+    and Q6_K are not) or a shard before the last ends inside a tile."""
+    first = weights[0]
+    if any(
+        w.in_features != first.in_features
+        or w.int8_activations != first.int8_activations
+        or w.packed.shape[1:] != first.packed.shape[1:]
+        for w in weights
+    ) or any(w.out_features % TILE_ROWS for w in weights[:-1]):
+        return None
+    formats = sorted({w.format for w in weights})
+    return QuantizedWeight(
+        "/".join(formats),
+        sum(w.out_features for w in weights),
+        first.in_features,
+        torch.cat([w.packed for w in weights]),
+        first.int8_activations,
+    )
 
 
 def quantize_int8(weight: torch.Tensor, int8_activations: bool = False) -> QuantizedWeight:

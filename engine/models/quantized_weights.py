@@ -12,9 +12,12 @@ What gets quantized: every tensor that arrives in GGUF blocks
 (`BlockRows`), and with ``quantize="int8"`` (or ``"bf16"``) every projection and the LM
 head (a tied embedding with it, since it is the same matrix; an untied
 embedding stays float: it is looked up a row a token, never streamed).
-Shards of one fused weight in different GGUF formats (a Q4_K_M file's Q4_K
-q/k with a Q6_K v), or some in blocks and some float (an F16 shard, in
-either order), are expanded to float32 (int8 mode quantizes that instead).
+Shards of one fused weight in different GGUF formats whose tiles are of one
+kind (Gemma 3 270M's Q5_0 q/k with a Q8_0 v: both Q8 tiles) join as they
+are (`kernels.quant.concat_rows`); of different kinds (a Q4_K_M file's
+Q4_K q/k with a Q6_K v), or some in blocks and some float (an F16 shard, in
+either order), they are expanded to float32 (int8 mode quantizes that
+instead).
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ import torch
 from torch import nn
 
 from engine.models.gguf_weights import BlockRows
-from kernels.quant import QuantizedWeight, from_gguf_rows, quantize_int8, to_bf16
+from kernels.quant import (
+    QuantizedWeight,
+    concat_rows,
+    from_gguf_rows,
+    quantize_int8,
+    to_bf16,
+)
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
@@ -108,8 +117,19 @@ class QuantizedLoad:
             self._install(module, module_name, weight)
             return
         if self.quantize is None:
-            # Mixed GGUF formats (or blocks and floats) in one fused weight:
-            # float32, like the conversion.
+            blocks = [p for p in parts if isinstance(p, BlockRows)]
+            if len(blocks) == len(parts):  # mixed formats whose tiles may still join
+                joined = concat_rows(
+                    [
+                        from_gguf_rows(p.rows, p.format, p.shape[1], self.int8_activations)
+                        for p in blocks
+                    ]
+                )
+                if joined is not None:
+                    self._install(module, module_name, joined)
+                    return
+            # Blocks of other kinds (or blocks and floats) in one fused
+            # weight: float32, like the conversion.
             self._fill_rows(module, parts)
             return
         floats = torch.cat(

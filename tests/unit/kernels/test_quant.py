@@ -25,6 +25,7 @@ from kernels.quant import (
     QuantizedWeight,
     available_isas,
     bf16_dot_rows,
+    concat_rows,
     format_summary,
     from_gguf_rows,
     quant_linear,
@@ -72,6 +73,26 @@ def int8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     w_sums = w.abs().view(w.shape[0], blocks, 32).sum(-1)
     rounding = 1e-5 * (x.abs() @ w.abs().T)
     return (amax / 254) @ w_sums.T + rounding + 1e-6
+
+
+def test_shards_of_one_tile_kind_join_and_multiply_as_one() -> None:
+    q5, q5_ref = _weights("q5_0", out=64)
+    q8, q8_ref = _weights("q8_0", out=OUT)  # the last shard may end inside a tile
+    joined = concat_rows([q5, q8])
+    assert joined is not None and joined.format == "q5_0/q8_0"
+    assert (joined.out_features, joined.in_features) == (64 + OUT, IN)
+    want = torch.cat([q5_ref, q8_ref])
+    assert torch.equal(joined.dequantize(), want)
+    x = torch.randn(7, IN)
+    torch.testing.assert_close(quant_linear(x, joined, None), x @ want.T, rtol=1e-4, atol=1e-4)
+
+
+def test_shards_of_other_kinds_or_ragged_tiles_do_not_join() -> None:
+    assert concat_rows([_weights("q4_1", out=64)[0], _weights("q8_0", out=64)[0]]) is None
+    # A shard before the last ending inside a tile would shift the next one's rows.
+    assert concat_rows([_weights("q8_0", out=OUT)[0], _weights("q5_0", out=64)[0]]) is None
+    narrow, wide = _weights("q8_0", out=64)[0], _weights("q8_0", out=64, width=640)[0]
+    assert concat_rows([narrow, wide]) is None
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q8_0", "int8", "bf16"])

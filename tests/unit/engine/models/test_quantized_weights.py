@@ -36,7 +36,11 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels 
 
 VOCAB = 256
 CPU = torch.device("cpu")
-_GGML = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+_GGML = {
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q5_0": GGMLQuantizationType.Q5_0,
+    "q8_0": GGMLQuantizationType.Q8_0,
+}
 
 
 def _save(path: Path, tie: bool) -> Path:
@@ -136,6 +140,20 @@ def test_a_fused_weight_of_mixed_formats_is_expanded(untied) -> None:
     assert not isinstance(attn.qkv_proj.packed, QuantizedWeight)
     assert isinstance(attn.o_proj.packed, QuantizedWeight)
     assert native.model.weight_format.startswith("q4_1+float32")
+    reference = _reload(untied, list(floats.items()))
+    for got, want in zip(_logits(native, TOKENS), _logits(reference, TOKENS), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_fused_weight_of_one_tile_kind_joins_in_its_blocks(untied) -> None:
+    """Q5_0 q/k and a Q8_0 v (Gemma 3 270M's file): both are Q8 tiles, so
+    the fused qkv stays in blocks, with the float model's logits."""
+    blocks, floats = _as_blocks(untied, {"q_proj": "q5_0", "k_proj": "q5_0", "v_proj": "q8_0"})
+    native = _reload(untied, blocks)
+    attn = cast(LlamaDecoderLayer, native.model.model.layers[0]).self_attn
+    packed = attn.qkv_proj.packed
+    assert isinstance(packed, QuantizedWeight) and packed.format == "q5_0/q8_0"
+    assert "float32" not in native.model.weight_format
     reference = _reload(untied, list(floats.items()))
     for got, want in zip(_logits(native, TOKENS), _logits(reference, TOKENS), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
