@@ -5,11 +5,17 @@ of 16 greedy answers equal the plain engine's, and fails unless all do.
 Both run the exact path (`exact=True`): the fast CPU default (int8
 activations, a bfloat16 cache) is not batch- or chunk-invariant, so a
 32-token budget or drafts may part its answers at a near tie (measured
-14/16 on it, 2026-11-28).
+14/16 on it, 2026-11-28). ``--kv-cache-dtype int8`` runs both engines over
+an int8 KV cache instead (float activations): not invariant either, since
+its decode steps take integer arithmetic (a rounded query) where prefill
+chunks and draft verification read the rows as floats (12/16 on
+2026-11-29; every answer complete, none an error).
 
     .venv/bin/python benchmarks/compose_check.py
+    .venv/bin/python benchmarks/compose_check.py --kv-cache-dtype int8
 """
 
+import argparse
 import json
 import sys
 import tempfile
@@ -24,6 +30,16 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputParams
 from tests.lora_adapters import ADAPTERS, make_adapters
 
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument(
+    "--kv-cache-dtype", default=None, help="both engines' KV cache (default: the exact path)"
+)
+args = parser.parse_args()
+numerics: dict[str, Any] = (
+    {"exact": True}
+    if args.kv_cache_dtype is None
+    else {"kv_cache_dtype": args.kv_cache_dtype, "int8_activations": False}
+)
 path = resolve_model(None)
 adapters = make_adapters(path, Path(tempfile.mkdtemp()), ADAPTERS[:1])
 schema = {
@@ -45,7 +61,8 @@ json_p = SamplingParams(
 
 
 def build(**kw: Any) -> LLM:
-    llm = LLM(max_model_len=256, lora=LoRAConfig(max_loras=2, max_lora_rank=16), exact=True, **kw)
+    lora = LoRAConfig(max_loras=2, max_lora_rank=16)
+    llm = LLM(max_model_len=256, lora=lora, **numerics, **kw)
     llm.load_lora("qv8", str(adapters["qv8"]))
     return llm
 

@@ -17,18 +17,16 @@ after (2 cores: a foreign busy process slows both alike).
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
+import functools
 import sys
 from pathlib import Path
 
-import torch
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from offline_throughput import decode_step_times, make_prompts, run_tandem  # noqa: E402
+from offline_throughput import make_prompts, switched_runs  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
 from engine.models.layers import Linear  # noqa: E402
@@ -71,30 +69,8 @@ def main() -> None:
     joined = JoinedWeights(llm)
     prompts = make_prompts(64, 32, 512, llm.core.info.vocab_size)
     ways = {"joined blocks": True, "float32": False}
-    single: dict[str, list[float]] = {name: [] for name in ways}
-    offline: dict[str, list[float]] = {name: [] for name in ways}
-    print(f"load before: {os.getloadavg()}; threads: {torch.get_num_threads()}")
-    for r in range(args.rounds):
-        for name, blocks in ways.items():
-            count = joined.use(blocks)
-            steps = decode_step_times(llm, steps=args.new_tokens - 1)
-            single[name].append(1 / statistics.median(steps))
-            offline[name].append(run_tandem(llm, prompts, args.new_tokens))
-            print(
-                f"  round {r + 1}: {name:<13} ({count} weights) single "
-                f"{single[name][-1]:6.1f} tok/s  64 requests {offline[name][-1]:6.1f} tok/s",
-                flush=True,
-            )
-    print(f"load after: {os.getloadavg()}")
-    for label, table in (("single stream", single), ("64 mixed requests", offline)):
-        print(f"{label}, tokens/s:")
-        for name, values in table.items():
-            print(
-                f"  {name:<13} median {statistics.median(values):7.1f} "
-                f"(min {min(values):.1f}, max {max(values):.1f})"
-            )
-        ratios = [a / b for a, b in zip(table["joined blocks"], table["float32"], strict=True)]
-        print(f"  joined / float32 per round: {[f'{x:.2f}' for x in ratios]}")
+    switches = {name: functools.partial(joined.use, blocks) for name, blocks in ways.items()}
+    switched_runs(llm, switches, args.rounds, args.new_tokens, prompts)
 
 
 if __name__ == "__main__":

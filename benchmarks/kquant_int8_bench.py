@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import statistics
+import functools
 import sys
 from pathlib import Path
-
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from offline_throughput import decode_step_times, make_prompts, run_tandem  # noqa: E402
+from offline_throughput import make_prompts, switched_runs  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
 from engine.models.loader import GEMMA3_MODEL  # noqa: E402
@@ -57,30 +54,8 @@ def main() -> None:
     print(f"numerics: {numerics.path}, {numerics.activations}, KV {numerics.kv_cache_dtype}")
     prompts = make_prompts(64, 32, 512, llm.core.info.vocab_size)
     ways = {"K-quant int8 act": True, "K-quant float act": False}
-    single: dict[str, list[float]] = {name: [] for name in ways}
-    offline: dict[str, list[float]] = {name: [] for name in ways}
-    print(f"load before: {os.getloadavg()}; threads: {torch.get_num_threads()}")
-    for r in range(args.rounds):
-        for name, on in ways.items():
-            switched = set_k_quant_int8(llm, on)
-            steps = decode_step_times(llm, steps=args.new_tokens - 1)
-            single[name].append(1 / statistics.median(steps))
-            offline[name].append(run_tandem(llm, prompts, args.new_tokens))
-            print(
-                f"  round {r + 1}: {name:<17} ({switched} weights) single "
-                f"{single[name][-1]:6.1f} tok/s  64 requests {offline[name][-1]:6.1f} tok/s",
-                flush=True,
-            )
-    print(f"load after: {os.getloadavg()}")
-    for label, table in (("single stream", single), ("64 mixed requests", offline)):
-        print(f"{label}, tokens/s:")
-        for name, values in table.items():
-            print(
-                f"  {name:<17} median {statistics.median(values):7.1f} "
-                f"(min {min(values):.1f}, max {max(values):.1f})"
-            )
-        a, b = (table[name] for name in ways)
-        print(f"  int8 / float per round: {[f'{x / y:.2f}' for x, y in zip(a, b, strict=True)]}")
+    switches = {name: functools.partial(set_k_quant_int8, llm, on) for name, on in ways.items()}
+    switched_runs(llm, switches, args.rounds, args.new_tokens, prompts)
 
 
 if __name__ == "__main__":

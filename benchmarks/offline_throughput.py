@@ -17,10 +17,11 @@ the weights once from memory (read bandwidth measured here, in this run).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -106,6 +107,47 @@ def interleave(rounds: int, runs: dict[str, Callable[[], float]]) -> dict[str, l
             results[name].append(value)
             print(f"  round {r + 1}: {name:<28} {value:7.1f} output tok/s", flush=True)
     return results
+
+
+def switched_runs(
+    llm: LLM,
+    ways: Mapping[str, Callable[[], int]],
+    rounds: int,
+    new_tokens: int,
+    prompts: list[list[int]],
+) -> None:
+    """One engine run several ways, interleaved (A, B, A, B): each way's
+    callable switches the engine's weights and says how many it switched.
+    Prints single-stream tokens/s (1 / the median decode step) and the
+    `prompts`' output tokens/s per round, medians with min and max, the
+    first way over the second per round, and the load before and after."""
+    single: dict[str, list[float]] = {name: [] for name in ways}
+    offline: dict[str, list[float]] = {name: [] for name in ways}
+    width = max(len(name) for name in ways)
+    print(f"load before: {os.getloadavg()}; threads: {torch.get_num_threads()}")
+    for r in range(rounds):
+        for name, switch in ways.items():
+            count = switch()
+            steps = decode_step_times(llm, steps=new_tokens - 1)
+            single[name].append(1 / statistics.median(steps))
+            offline[name].append(run_tandem(llm, prompts, new_tokens))
+            print(
+                f"  round {r + 1}: {name:<{width}} ({count} weights) single "
+                f"{single[name][-1]:6.1f} tok/s  {len(prompts)} requests "
+                f"{offline[name][-1]:6.1f} tok/s",
+                flush=True,
+            )
+    print(f"load after: {os.getloadavg()}")
+    first, second = ways
+    for label, table in (("single stream", single), (f"{len(prompts)} mixed requests", offline)):
+        print(f"{label}, tokens/s:")
+        for name, values in table.items():
+            print(
+                f"  {name:<{width}} median {statistics.median(values):7.1f} "
+                f"(min {min(values):.1f}, max {max(values):.1f})"
+            )
+        ratios = [a / b for a, b in zip(table[first], table[second], strict=True)]
+        print(f"  {first} / {second} per round: {[f'{x:.2f}' for x in ratios]}")
 
 
 def main() -> None:

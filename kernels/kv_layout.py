@@ -15,7 +15,7 @@ in the strides:
   kernel's work is one (sequence, KV head); with 68-byte rows token-major,
   each row it read straddled two lines shared with the other heads' rows,
   and int8 decode ran at 0.90x bfloat16's speed; head-major, with integer
-  scores, 1.29x (benchmarks/README.md, kv_int8_bench.py).
+  arithmetic, 1.31x (benchmarks/README.md, kv_int8_bench.py).
 
 Either way a block is one contiguous unit (``block_size * num_kv_heads *
 row`` elements, K's and V's blocks apart), so connectors that move whole
@@ -49,14 +49,21 @@ def new_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _memory(cache: torch.Tensor) -> torch.Tensor | None:
+    if cache.is_contiguous():
+        return cache
+    if cache.dim() != 5:
+        return None
+    memory = cache.transpose(2, 3)
+    return memory if memory.is_contiguous() else None
+
+
 def in_memory_order(cache: torch.Tensor) -> torch.Tensor:
     """The contiguous tensor over the cache's memory: the cache itself
     (token-major) or its ``[2, blocks, heads, block_size, row]`` view
     (head-major). Raises ValueError for any other strides."""
-    if cache.is_contiguous():
-        return cache
-    memory = cache.transpose(2, 3)
-    if cache.dim() != 5 or not memory.is_contiguous():
+    memory = _memory(cache)
+    if memory is None:
         raise ValueError(
             f"a KV cache must be token- or head-major [2, blocks, block_size, heads, row]; "
             f"got shape {tuple(cache.shape)} with strides {cache.stride()}"
@@ -65,12 +72,9 @@ def in_memory_order(cache: torch.Tensor) -> torch.Tensor:
 
 
 def is_kernel_layout(cache: torch.Tensor) -> bool:
-    """Whether the compiled kernels can read `cache` in place."""
-    try:
-        in_memory_order(cache)
-    except ValueError:
-        return False
-    return True
+    """Whether the compiled kernels can read `cache` in place (checked per
+    layer and step: no exception on the way)."""
+    return _memory(cache) is not None
 
 
 def as_head_major(cache: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,12 @@ def quantizes_query(shape: Shape) -> bool:
     return _KERNEL is not None and bool(_KERNEL.decode_int8_quantizes_query(shape.head_dim, group))
 
 
+def decode_rows(shape: Shape) -> list[int]:
+    """The query rows of the sequences that decode one token."""
+    starts = [sum(shape.q_lens[:i]) for i in range(len(shape.q_lens))]
+    return [start for start, q_len in zip(starts, shape.q_lens, strict=True) if q_len == 1]
+
+
 def _int16_weights_bound(batch: PagedBatch) -> float:
     """The module docstring's bound for the integer V sums."""
     return kv_int8.row_scales(batch.kv_cache)[1].max().item() * 16 * 127 / 65534
@@ -102,10 +108,7 @@ def row_tolerance(batch: PagedBatch, shape: Shape, compiled: bool) -> torch.Tens
     rows the compiled decode kernel takes with integer arithmetic."""
     tol = torch.full((batch.query.shape[0], 1, 1), _SAME_VALUES)
     if compiled and quantizes_query(shape):
-        starts = [sum(shape.q_lens[:i]) for i in range(len(shape.q_lens))]
-        for start, q_len in zip(starts, shape.q_lens, strict=True):
-            if q_len == 1:
-                tol[start] += _int16_weights_bound(batch)
+        tol[decode_rows(shape)] += _int16_weights_bound(batch)
     return tol
 
 
@@ -115,10 +118,8 @@ def as_decode_reads(batch: PagedBatch, shape: Shape, scale: float) -> PagedBatch
     if not quantizes_query(shape):
         return batch
     query = batch.query.clone()
-    starts = [sum(shape.q_lens[:i]) for i in range(len(shape.q_lens))]
-    for start, q_len in zip(starts, shape.q_lens, strict=True):
-        if q_len == 1:
-            query[start] = kv_int8.decode_query(query[start], scale)
+    rows = decode_rows(shape)
+    query[rows] = kv_int8.decode_query(query[rows], scale)
     return dataclasses.replace(batch, query=query)
 
 
