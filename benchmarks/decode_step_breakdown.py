@@ -7,6 +7,7 @@ layers' linear layers alone (the same 120 weights, one input row each,
 called from Python in layer order) and the lm_head alone. Medians per round.
 
     .venv/bin/python benchmarks/decode_step_breakdown.py --rounds 3
+    .venv/bin/python benchmarks/decode_step_breakdown.py --model gemma-3-270m
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def _linears_alone(model: Any) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="as LLM(model=...); default: Tandem's")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantization", default="auto", help="as LLM(quantization=...)")
@@ -85,6 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(
+        **({"model": args.model} if args.model else {}),
         max_model_len=1024,
         quantization=args.quantization,
         int8_activations=args.int8_activations,

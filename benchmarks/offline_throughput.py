@@ -117,7 +117,8 @@ def switched_runs(
     prompts: list[list[int]],
 ) -> None:
     """One engine run several ways, interleaved (A, B, A, B): each way's
-    callable switches the engine's weights and says how many it switched.
+    callable switches the engine (its weights, its decode path) and says
+    how many parts it switched.
     Prints single-stream tokens/s (1 / the median decode step) and the
     `prompts`' output tokens/s per round, medians with min and max, the
     first way over the second per round, and the load before and after."""
@@ -132,7 +133,7 @@ def switched_runs(
             single[name].append(1 / statistics.median(steps))
             offline[name].append(run_tandem(llm, prompts, new_tokens))
             print(
-                f"  round {r + 1}: {name:<{width}} ({count} weights) single "
+                f"  round {r + 1}: {name:<{width}} ({count} switched) single "
                 f"{single[name][-1]:6.1f} tok/s  {len(prompts)} requests "
                 f"{offline[name][-1]:6.1f} tok/s",
                 flush=True,

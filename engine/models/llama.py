@@ -269,18 +269,17 @@ class LlamaForCausalLM(nn.Module):
         residual = self.model.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             residual.mul_(self.spec.embedding_multiplier)
-        # The compiled stack takes one block table.
-        stack = self._decode_stack_for(meta, kv_caches) if layer_metas is None else None
+        metas = layer_metas if layer_metas is not None else [meta] * len(layers)
+        stack = self._decode_stack_for(meta, kv_caches)
         if stack is not None:
             hidden: torch.Tensor = stack.forward(
                 residual,
                 positions,
-                self.cos_cache,
-                self.sin_cache,
+                self._rope_tables,
                 kv_caches,
-                meta.block_table,
+                [m.block_table for m in metas],
                 meta.seq_lens,
-                meta.slot_mapping,
+                [m.slot_mapping for m in metas],
             )
             return hidden
         rope = self.lops.rope_tables(self.cos_cache, self.sin_cache, positions)
@@ -289,7 +288,6 @@ class LlamaForCausalLM(nn.Module):
             sliding_rope = self.lops.rope_tables(*self.sliding_rope_cache, positions)
         delta = None
         windows = self.spec.layer_windows
-        metas = layer_metas if layer_metas is not None else [meta] * len(layers)
         for layer, kv_cache, window, layer_meta in zip(
             layers, kv_caches, windows, metas, strict=True
         ):
@@ -307,15 +305,21 @@ class LlamaForCausalLM(nn.Module):
         stack = self.decode_stack
         if stack is None or not meta.decode_only or meta.num_tokens > stack.max_rows:
             return None
-        window = self.spec.sliding_window
-        if window is not None and meta.max_seq_len > window:
-            return None  # the stack attends to whole contexts: exact only inside the window
         if self.lora_state.batch is not None:
             return None  # adapters apply in Linear.forward, which the stack skips
         cache = kv_caches[0]
         if cache.dtype not in KERNEL_CACHE_DTYPES or not kv_layout.is_kernel_layout(cache):
             return None
         return stack
+
+    @property
+    def _rope_tables(self) -> list[torch.Tensor]:
+        """(cos, sin) pairs for the decode stack: the global base's, then the
+        windowed layers' where they have their own (a layer's rope_table)."""
+        tables = [self.cos_cache, self.sin_cache]
+        if self.sliding_rope_cache is not None:
+            tables.extend(self.sliding_rope_cache)
+        return tables
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the N rows the caller samples from."""
@@ -433,58 +437,63 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
     (shared, not copied), or None where the model does not run the compiled
     CPU ops and the torch attention backend, whose kernels it calls."""
     spec = model.spec
-    decoder = [cast(LlamaDecoderLayer, layer) for layer in model.model.layers]
     module = cpu_kernels.load() if model.lops.name == "compiled" else None
-    if (
-        module is None
-        or not decoder
-        or getattr(decoder[0].self_attn.ops, "name", None) != "torch"
-        or spec.head_dim not in cpu_kernels.HEAD_DIMS
-    ):
+    layers = [cast(LlamaDecoderLayer | SandwichDecoderLayer, layer) for layer in model.model.layers]
+    if module is None or not layers or getattr(layers[0].self_attn.ops, "name", None) != "torch":
         return None
-    if not spec.plain_llama_layers:
-        # The C++ layer loop has no QK-norm, partial or skipped RoPE, or
-        # residual multiplier: such models decode through the Python loop.
+    if spec.head_dim not in cpu_kernels.HEAD_DIMS:
         logger.info(
-            "%s decodes without the compiled decode stack, which runs plain Llama "
-            "layers only (this model: qk_norm=%s, rotary_dim=%d of head_dim=%d, "
-            "RoPE in %d of %d layers, residual_multiplier=%s, hidden_act=%s, "
-            "sandwich_norms=%s, sliding_rope_theta=%s)",
+            "%s decodes without the compiled decode stack: its attention kernels take "
+            "head dims %s, this model's is %d",
             spec.architecture,
-            spec.qk_norm,
-            spec.rotary_dim,
+            cpu_kernels.HEAD_DIMS,
             spec.head_dim,
-            sum(spec.rope_layers),
-            spec.num_layers,
-            spec.residual_multiplier,
-            spec.hidden_act,
-            spec.sandwich_norms,
-            spec.sliding_rope_theta,
         )
         return None
-    none = torch.empty(0)
-    layers = []
-    for layer in decoder:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        qkv, o, gate_up, down = (
-            (lin.weight, lin.bias if lin.bias is not None else none) for lin in linears
-        )
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        packed = [_packed_tensor(lin.packed, none) for lin in linears]
-        layers.append([norms[0], *qkv, *o, norms[1], *gate_up, *down, *packed])
-    return module.DecodeStack(
-        layers,
-        model.model.norm.weight,
-        spec.rms_norm_eps,
-        spec.num_heads,
-        spec.num_kv_heads,
-        spec.head_dim,
-        spec.attention_scale,
-        SMALL_LINEAR_ROWS,
-        PACKED_LINEAR_MAX_ROWS,
-        any(isinstance(p, QuantizedWeight) and p.int8_activations for p in _linears(model)),
+    options = module.StackOptions()
+    options.eps = spec.rms_norm_eps
+    options.num_heads, options.num_kv_heads = spec.num_heads, spec.num_kv_heads
+    options.head_dim, options.scale = spec.head_dim, spec.attention_scale
+    options.residual_multiplier = spec.residual_multiplier
+    options.gelu_tanh = spec.hidden_act == "gelu_tanh"
+    options.small_rows, options.packed_rows = SMALL_LINEAR_ROWS, PACKED_LINEAR_MAX_ROWS
+    options.int8_activations = any(
+        isinstance(p, QuantizedWeight) and p.int8_activations for p in _linears(model)
     )
+    stack_layers = [_stack_layer(module, layer, spec, i) for i, layer in enumerate(layers)]
+    return module.DecodeStack(stack_layers, model.model.norm.weight, options)
+
+
+def _stack_layer(
+    module: Any, layer: LlamaDecoderLayer | SandwichDecoderLayer, spec: ModelSpec, index: int
+) -> Any:
+    """One layer as the C++ stack takes it (kernels/csrc/decode_stack.h)."""
+    none = torch.empty(0)
+    attn, mlp = layer.self_attn, layer.mlp
+    out = module.StackLayer()
+    out.input_norm = layer.input_layernorm.weight
+    if attn.q_norm is not None and attn.k_norm is not None:
+        out.q_norm, out.k_norm = attn.q_norm.weight, attn.k_norm.weight
+    if isinstance(layer, SandwichDecoderLayer):
+        out.attn_out_norm = layer.post_attention_layernorm.weight
+        out.mlp_in_norm = layer.pre_feedforward_layernorm.weight
+        out.mlp_out_norm = layer.post_feedforward_layernorm.weight
+    else:
+        out.mlp_in_norm = layer.post_attention_layernorm.weight
+    linears: tuple[tuple[str, Linear], ...] = (
+        ("qkv", attn.qkv_proj),
+        ("o", attn.o_proj),
+        ("gate_up", mlp.gate_up_proj),
+        ("down", mlp.down_proj),
+    )
+    for name, lin in linears:
+        bias = lin.bias if lin.bias is not None else none
+        setattr(out, name, module.StackLinear(lin.weight, bias, _packed_tensor(lin.packed, none)))
+    window = spec.layer_windows[index]
+    out.rotary_dim = attn.rotary_dim
+    out.rope_table = int(window is not None and spec.sliding_rope_theta is not None)
+    out.window = window or 0
+    return out
 
 
 def _linears(model: LlamaForCausalLM) -> list[Packed]:

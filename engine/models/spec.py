@@ -143,21 +143,6 @@ class ModelSpec:
             )
 
     @property
-    def plain_llama_layers(self) -> bool:
-        """Whether every layer is a plain Llama layer: no QK-norm, whole-head
-        RoPE in every layer, no residual multiplier (what the compiled decode
-        stack implements)."""
-        return (
-            not self.qk_norm
-            and self.rotary_dim == self.head_dim
-            and all(self.rope_layers)
-            and self.residual_multiplier == 1.0
-            and self.hidden_act == "silu"
-            and not self.sandwich_norms
-            and self.sliding_rope_theta is None
-        )
-
-    @property
     def sliding_window(self) -> int | None:
         """The smallest layer window, None when no layer is windowed."""
         windows = [w for w in self.layer_windows if w is not None]

@@ -53,9 +53,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_kv", &cache_kv, "reshape_and_cache for a float32 cache: K/V rows into slots");
   m.def("cache_kv_int8", &cache_kv_int8,
         "reshape_and_cache for an int8 cache: K/V rows quantized into slots (kv_int8.h)");
+  pybind11::class_<StackLinear>(m, "StackLinear")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor>(), arg("weight"), arg("bias"),
+           arg("packed"));
+  pybind11::class_<StackLayer>(m, "StackLayer")
+      .def(pybind11::init<>())
+      .def_readwrite("input_norm", &StackLayer::input_norm)
+      .def_readwrite("q_norm", &StackLayer::q_norm)
+      .def_readwrite("k_norm", &StackLayer::k_norm)
+      .def_readwrite("attn_out_norm", &StackLayer::attn_out_norm)
+      .def_readwrite("mlp_in_norm", &StackLayer::mlp_in_norm)
+      .def_readwrite("mlp_out_norm", &StackLayer::mlp_out_norm)
+      .def_readwrite("qkv", &StackLayer::qkv)
+      .def_readwrite("o", &StackLayer::o)
+      .def_readwrite("gate_up", &StackLayer::gate_up)
+      .def_readwrite("down", &StackLayer::down)
+      .def_readwrite("rotary_dim", &StackLayer::rotary_dim)
+      .def_readwrite("rope_table", &StackLayer::rope_table)
+      .def_readwrite("window", &StackLayer::window);
+  pybind11::class_<StackOptions>(m, "StackOptions")
+      .def(pybind11::init<>())
+      .def_readwrite("eps", &StackOptions::eps)
+      .def_readwrite("num_heads", &StackOptions::num_heads)
+      .def_readwrite("num_kv_heads", &StackOptions::num_kv_heads)
+      .def_readwrite("head_dim", &StackOptions::head_dim)
+      .def_readwrite("scale", &StackOptions::scale)
+      .def_readwrite("residual_multiplier", &StackOptions::residual_multiplier)
+      .def_readwrite("gelu_tanh", &StackOptions::gelu_tanh)
+      .def_readwrite("small_rows", &StackOptions::small_rows)
+      .def_readwrite("packed_rows", &StackOptions::packed_rows)
+      .def_readwrite("int8_activations", &StackOptions::int8_activations);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, double, int64_t,
-                          int64_t, int64_t, double, int64_t, int64_t, bool>())
+      .def(pybind11::init<std::vector<StackLayer>, at::Tensor, StackOptions>(), arg("layers"),
+           arg("final_norm"), arg("options"))
       .def_property_readonly("max_rows", &DecodeStack::max_rows)
       // No Python object is touched inside: other threads run meanwhile.
       .def("forward", &DecodeStack::forward,

@@ -129,37 +129,56 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tenso
 
 }  // namespace
 
-DecodeStack::DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm,
-                         double eps, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, double scale, int64_t small_rows,
-                         int64_t packed_rows, bool int8_activations)
+DecodeStack::Linear DecodeStack::linear_of(const StackLinear& w) {
+  return {w.weight, bias_or_none(w.bias), undefined_if_empty(w.packed)};
+}
+
+DecodeStack::Layer DecodeStack::checked_layer(const StackLayer& w) const {
+  Layer layer{w.input_norm,
+              undefined_if_empty(w.q_norm),
+              undefined_if_empty(w.k_norm),
+              undefined_if_empty(w.attn_out_norm),
+              w.mlp_in_norm,
+              undefined_if_empty(w.mlp_out_norm),
+              linear_of(w.qkv),
+              linear_of(w.o),
+              linear_of(w.gate_up),
+              linear_of(w.down),
+              w.rotary_dim,
+              w.rope_table,
+              w.window};
+  for (const at::Tensor* t : {&layer.input_norm, &layer.mlp_in_norm, &layer.qkv.weight,
+                              &layer.o.weight, &layer.gate_up.weight, &layer.down.weight})
+    check_weight(*t, "a layer weight");
+  for (const at::Tensor* t : {&layer.q_norm, &layer.k_norm, &layer.attn_out_norm,
+                              &layer.mlp_out_norm})
+    if (t->defined()) check_weight(*t, "a norm weight");
+  TORCH_CHECK(layer.q_norm.defined() == layer.k_norm.defined(), "QK-norm needs both norms");
+  TORCH_CHECK(!layer.q_norm.defined() || layer.q_norm.numel() == opt_.head_dim,
+              "QK-norm weights must have head_dim elements");
+  TORCH_CHECK(layer.rotary_dim >= 0 && layer.rotary_dim <= opt_.head_dim &&
+                  layer.rotary_dim % 2 == 0,
+              "rotary_dim must be even and at most head_dim, got ", layer.rotary_dim);
+  TORCH_CHECK(layer.rope_table >= 0, "rope_table must be >= 0");
+  TORCH_CHECK(layer.window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(layer.qkv.weight.size(0) == (opt_.num_heads + 2 * opt_.num_kv_heads) * opt_.head_dim,
+              "qkv weight rows do not match the head counts");
+  return layer;
+}
+
+DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm,
+                         StackOptions options)
     : final_norm_(std::move(final_norm)),
-      eps_(eps),
-      heads_(num_heads),
-      kv_heads_(num_kv_heads),
-      head_dim_(head_dim),
-      scale_(scale),
-      small_rows_(small_rows),
-      max_rows_(std::max(small_rows, packed_rows)),
-      int8_activations_(int8_activations) {
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(small_rows >= 1, "small_rows must be >= 1");
+      opt_(options),
+      max_rows_(std::max(options.small_rows, options.packed_rows)) {
+  TORCH_CHECK(opt_.num_kv_heads > 0 && opt_.num_heads % opt_.num_kv_heads == 0,
+              "query heads must be a multiple of KV heads");
+  TORCH_CHECK(opt_.small_rows >= 1, "small_rows must be >= 1");
   check_weight(final_norm_, "final norm");
-  for (auto& w : layers) {
-    TORCH_CHECK(w.size() == 14, "each layer takes 14 tensors, got ", w.size());
-    Layer layer{w[0],
-                {w[1], bias_or_none(w[2]), undefined_if_empty(w[10])},
-                {w[3], bias_or_none(w[4]), undefined_if_empty(w[11])},
-                w[5],
-                {w[6], bias_or_none(w[7]), undefined_if_empty(w[12])},
-                {w[8], bias_or_none(w[9]), undefined_if_empty(w[13])}};
-    for (const at::Tensor* t : {&layer.input_norm, &layer.qkv.weight, &layer.o.weight,
-                                &layer.post_norm, &layer.gate_up.weight, &layer.down.weight})
-      check_weight(*t, "a layer weight");
-    TORCH_CHECK(layer.qkv.weight.size(0) == (num_heads + 2 * num_kv_heads) * head_dim,
-                "qkv weight rows do not match the head counts");
+  for (const StackLayer& w : layers) {
+    Layer layer = checked_layer(w);
     for (const Linear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
-      if (!lin->packed.defined()) max_rows_ = small_rows;  // MKL needs every weight packed
+      if (!lin->packed.defined()) max_rows_ = opt_.small_rows;  // MKL needs every weight packed
       // A quantized weight's float tensor is an [out, 0] placeholder.
       TORCH_CHECK(is_quantized(*lin) || lin->weight.size(1) > 0, "a float weight is empty");
     }
@@ -170,19 +189,53 @@ DecodeStack::DecodeStack(std::vector<std::vector<at::Tensor>> layers, at::Tensor
 at::Tensor DecodeStack::linear(at::Tensor& buffer, const at::Tensor& x, const Linear& w) const {
   if (is_quantized(w)) {
     at::Tensor out = buffer.defined() ? buffer : at::empty({x.size(0), w.weight.size(0)}, x.options());
-    quant_linear(out, x, w.packed, w.bias, int8_activations_, quant_linear_best_isa());
+    quant_linear(out, x, w.packed, w.bias, opt_.int8_activations, quant_linear_best_isa());
     return out;
   }
-  if (x.size(0) <= small_rows_) {
+  if (x.size(0) <= opt_.small_rows) {
     small_linear(buffer, x, w.weight, w.bias);
     return buffer;
   }
   return mkl_packed_linear(x, w.packed, w.weight, w.bias);
 }
 
+namespace {
+
+// RMSNorm of each [head_dim] row of heads [T, n, D] (a strided view), in
+// place: through a contiguous copy, as the Python layers' _norm_heads_.
+void norm_heads_(const at::Tensor& heads, const at::Tensor& weight, double eps) {
+  const at::Tensor rows = heads.reshape({-1, heads.size(2)}).contiguous();
+  at::Tensor normed = at::empty_like(rows);
+  rms_norm(normed, rows, weight, eps);
+  heads.copy_(normed.view(heads.sizes()));
+}
+
+}  // namespace
+
+void DecodeStack::norm_and_rotate(const at::Tensor& heads, const Layer& w,
+                                  const at::Tensor& positions,
+                                  const std::vector<at::Tensor>& rope_tables) const {
+  const int64_t h = opt_.num_heads, hkv = opt_.num_kv_heads;
+  if (w.q_norm.defined()) {
+    norm_heads_(heads.narrow(1, 0, h), w.q_norm, opt_.eps);
+    norm_heads_(heads.narrow(1, h, hkv), w.k_norm, opt_.eps);
+  }
+  if (w.rotary_dim == 0) return;
+  // q and k are adjacent heads of the fused output: one rotation covers both.
+  rope_(heads.narrow(1, 0, h + hkv).narrow(2, 0, w.rotary_dim), positions,
+        rope_tables[2 * w.rope_table], rope_tables[2 * w.rope_table + 1]);
+}
+
 at::Tensor DecodeStack::down(at::Tensor& buffer, at::Tensor& act, const at::Tensor& gate_up,
                              const Linear& w) const {
-  if (int8_activations_ && is_quantized(w)) {
+  if (opt_.gelu_tanh) {
+    // As the Python layers: gelu(gate, approximate="tanh") * up.
+    const int64_t inter = act.size(1);
+    at::mul_out(act, at::gelu(gate_up.narrow(1, 0, inter), "tanh"),
+                gate_up.narrow(1, inter, inter));
+    return linear(buffer, act, w);
+  }
+  if (opt_.int8_activations && is_quantized(w)) {
     at::Tensor out = buffer.defined() ? buffer
                                       : at::empty({gate_up.size(0), w.weight.size(0)}, gate_up.options());
     quant_linear_silu(out, gate_up, w.packed, w.bias, quant_linear_best_isa());
@@ -192,57 +245,93 @@ at::Tensor DecodeStack::down(at::Tensor& buffer, at::Tensor& act, const at::Tens
   return linear(buffer, act, w);
 }
 
-at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions, at::Tensor cos_cache,
-                                at::Tensor sin_cache, std::vector<at::Tensor> kv_caches,
-                                at::Tensor block_table, at::Tensor seq_lens,
-                                at::Tensor slot_mapping) {
-  TORCH_CHECK(kv_caches.size() == layers_.size(), "got ", kv_caches.size(),
-              " KV caches for ", layers_.size(), " layers");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
-              "slot_mapping must be contiguous int64");
-  const int64_t T = residual.size(0), hidden = residual.size(1);
-  TORCH_CHECK(slot_mapping.numel() == T && positions.numel() == T, "one slot and position per row");
+void DecodeStack::check_inputs(const at::Tensor& residual, const at::Tensor& positions,
+                               const std::vector<at::Tensor>& rope_tables,
+                               const std::vector<at::Tensor>& kv_caches,
+                               const std::vector<at::Tensor>& block_tables,
+                               const at::Tensor& seq_lens,
+                               const std::vector<at::Tensor>& slot_mappings) const {
+  const size_t n = layers_.size();
+  TORCH_CHECK(kv_caches.size() == n && block_tables.size() == n && slot_mappings.size() == n,
+              "got ", kv_caches.size(), " KV caches, ", block_tables.size(), " block tables and ",
+              slot_mappings.size(), " slot mappings for ", n, " layers");
+  const int64_t T = residual.size(0);
+  TORCH_CHECK(positions.numel() == T, "one position per row");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == T,
               "seq_lens must be contiguous int32, one per row");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
-                  block_table.size(0) == T && block_table.stride(1) == 1,
-              "block_table must be int32 [rows, blocks] with contiguous rows");
+  TORCH_CHECK(rope_tables.size() % 2 == 0, "rope_tables holds (cos, sin) pairs");
+  for (size_t i = 0; i < n; ++i) {
+    const Layer& w = layers_[i];
+    TORCH_CHECK(w.rotary_dim == 0 || 2 * w.rope_table + 1 < static_cast<int64_t>(rope_tables.size()),
+                "layer ", i, " rotates by RoPE table ", w.rope_table, ": not given");
+    const at::Tensor& slots = slot_mappings[i];
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+                "slot_mapping must be contiguous int64, one slot per row");
+    const at::Tensor& table = block_tables[i];
+    TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 2 && table.size(0) == T &&
+                    table.stride(1) == 1,
+                "block_table must be int32 [rows, blocks] with contiguous rows");
+  }
   TORCH_CHECK(T <= max_rows_, "decode batch of ", T, " rows: the stack takes at most ",
               max_rows_);
-  const int64_t qkv_width = (heads_ + 2 * kv_heads_) * head_dim_;
+}
+
+at::Tensor DecodeStack::forward(at::Tensor residual, at::Tensor positions,
+                                std::vector<at::Tensor> rope_tables,
+                                std::vector<at::Tensor> kv_caches,
+                                std::vector<at::Tensor> block_tables, at::Tensor seq_lens,
+                                std::vector<at::Tensor> slot_mappings) {
+  check_inputs(residual, positions, rope_tables, kv_caches, block_tables, seq_lens,
+               slot_mappings);
+  const int64_t T = residual.size(0), hidden = residual.size(1);
+  const int64_t h = opt_.num_heads, hkv = opt_.num_kv_heads, D = opt_.head_dim;
   const int64_t inter = layers_.empty() ? 0 : layers_[0].gate_up.weight.size(0) / 2;
   const auto opts = residual.options();
   // Buffers shared by every layer: each is fully rewritten before it is read
   // (the small_linear outputs only for batches it serves).
-  const bool small = T <= small_rows_;
+  const bool small = T <= opt_.small_rows;
   auto small_buffer = [&](int64_t cols) {
     return small ? at::empty({T, cols}, opts) : at::Tensor();
   };
-  at::Tensor x = at::empty({T, hidden}, opts), qkv_buf = small_buffer(qkv_width);
-  at::Tensor attn = at::empty({T, heads_ * head_dim_}, opts), proj_buf = small_buffer(hidden);
+  at::Tensor x = at::empty({T, hidden}, opts), qkv_buf = small_buffer((h + 2 * hkv) * D);
+  at::Tensor attn = at::empty({T, h * D}, opts), proj_buf = small_buffer(hidden);
   at::Tensor gate_up_buf = small_buffer(2 * inter), act = at::empty({T, inter}, opts);
   at::Tensor delta = small_buffer(hidden);
-  const at::Tensor attn_heads = attn.view({T, heads_, head_dim_});
+  const at::Tensor attn_heads = attn.view({T, h, D});
+  const double multiplier = opt_.residual_multiplier;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& w = layers_[i];
     if (i == 0)
-      rms_norm(x, residual, w.input_norm, eps_);
+      rms_norm(x, residual, w.input_norm, opt_.eps);
     else
-      add_rms_norm(x, residual, delta, w.input_norm, eps_);
+      add_rms_norm(x, residual, delta, w.input_norm, opt_.eps);
     const at::Tensor qkv = linear(qkv_buf, x, w.qkv);
-    const at::Tensor heads = qkv.view({T, heads_ + 2 * kv_heads_, head_dim_});
-    rope_(heads.narrow(1, 0, heads_ + kv_heads_), positions, cos_cache, sin_cache);
-    write_kv(qkv, kv_caches[i], slot_mapping, heads_, kv_heads_, head_dim_);
-    decode_attention(attn_heads, heads.narrow(1, 0, heads_), kv_caches[i], block_table, seq_lens,
-                     scale_);
-    add_rms_norm(x, residual, linear(proj_buf, attn, w.o), w.post_norm, eps_);
+    const at::Tensor heads = qkv.view({T, h + 2 * hkv, D});
+    norm_and_rotate(heads, w, positions, rope_tables);
+    write_kv(qkv, kv_caches[i], slot_mappings[i], h, hkv, D);
+    decode_attention(attn_heads, heads.narrow(1, 0, h), kv_caches[i], block_tables[i], seq_lens,
+                     opt_.scale, w.window);
+    at::Tensor attn_out = linear(proj_buf, attn, w.o);
+    if (multiplier != 1.0) attn_out.mul_(multiplier);
+    if (w.attn_out_norm.defined()) {
+      at::Tensor normed = at::empty_like(attn_out);
+      rms_norm(normed, attn_out, w.attn_out_norm, opt_.eps);
+      attn_out = normed;
+    }
+    add_rms_norm(x, residual, attn_out, w.mlp_in_norm, opt_.eps);
     delta = down(delta, act, linear(gate_up_buf, x, w.gate_up), w.down);
+    if (multiplier != 1.0) delta.mul_(multiplier);
+    if (w.mlp_out_norm.defined()) {
+      at::Tensor normed = at::empty_like(delta);
+      rms_norm(normed, delta, w.mlp_out_norm, opt_.eps);
+      delta = normed;
+    }
   }
   at::Tensor out = at::empty({T, hidden}, opts);
   if (layers_.empty())
-    rms_norm(out, residual, final_norm_, eps_);
+    rms_norm(out, residual, final_norm_, opt_.eps);
   else
-    add_rms_norm(out, residual, delta, final_norm_, eps_);
+    add_rms_norm(out, residual, delta, final_norm_, opt_.eps);
   return out;
 }
 

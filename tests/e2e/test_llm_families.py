@@ -125,14 +125,13 @@ def test_tiny_kv_cache_preempts_and_resumes(family, prompts):
     assert llm.totals.num_preemptions > 0
 
 
-def test_decode_stack_only_for_plain_layers(family):
+def test_decode_stack_for_every_family_with_a_kernel_head_dim(family):
     path, _ = family
     llm = LLM(str(path), enable_prefix_caching=False, exact=True)
     if cpu_kernels.load() is None:
         pytest.skip("no compiled CPU kernels here")
     model = llm.core.worker.loaded.model
-    spec = model.spec
-    runs_stack = spec.plain_llama_layers and spec.head_dim in cpu_kernels.HEAD_DIMS
+    runs_stack = model.spec.head_dim in cpu_kernels.HEAD_DIMS
     assert (model.decode_stack is not None) == runs_stack
 
 

@@ -65,24 +65,45 @@ def step(
     model: LlamaForCausalLM,
     seqs: PagedSequences,
     chunks: Sequence[tuple[int, int, int]],
+    layer_blocks: Sequence[PagedSequences] | None = None,
 ) -> list[torch.Tensor]:
     """Run one forward over `chunks` of (sequence, start, end) token ranges, each
-    sequence's earlier tokens already cached; returns each chunk's logits [end-start, V]."""
+    sequence's earlier tokens already cached; returns each chunk's logits [end-start, V].
+
+    ``layer_blocks``: per layer, whose block ids it uses (as KV cache groups
+    give each layer its group's block table and slots); the caches are
+    ``seqs``' whichever. None: ``seqs``' for every layer."""
+    ids = [t for s, start, end in chunks for t in seqs.tokens[s][start:end]]
+    positions = [p for _, start, end in chunks for p in range(start, end)]
+    meta = _metadata(seqs, chunks)
+    layer_metas = None
+    if layer_blocks is not None:
+        by_id = {id(blocks): _metadata(blocks, chunks) for blocks in layer_blocks}
+        layer_metas = [by_id[id(blocks)] for blocks in layer_blocks]
+    with torch.inference_mode():
+        hidden = model(
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            seqs.kv_caches,
+            meta,
+            layer_metas,
+        )
+        logits = model.compute_logits(hidden)
+    return list(torch.split(logits, [end - start for _, start, end in chunks]))
+
+
+def _metadata(seqs: PagedSequences, chunks: Sequence[tuple[int, int, int]]) -> AttentionMetadata:
     bs = seqs.block_size
-    ids: list[int] = []
-    positions: list[int] = []
     slots: list[int] = []
     starts = [0]
     width = max(len(b) for b in seqs.blocks)
     table = []
     for s, start, end in chunks:
-        ids += seqs.tokens[s][start:end]
-        positions += range(start, end)
         slots += [seqs.blocks[s][p // bs] * bs + p % bs for p in range(start, end)]
         starts.append(starts[-1] + end - start)
         table.append(seqs.blocks[s] + [0] * (width - len(seqs.blocks[s])))
     query_lens = [end - start for _, start, end in chunks]
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor([end for _, _, end in chunks], dtype=torch.int32),
@@ -91,12 +112,3 @@ def step(
         max_seq_len=max(end for _, _, end in chunks),
         decode_only=all(n == 1 for n in query_lens),
     )
-    with torch.inference_mode():
-        hidden = model(
-            torch.tensor(ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            seqs.kv_caches,
-            meta,
-        )
-        logits = model.compute_logits(hidden)
-    return list(torch.split(logits, query_lens))

@@ -57,44 +57,48 @@ _SHAPE: dict[str, Any] = dict(
 
 
 def _configs() -> dict[str, PretrainedConfig]:
+    """Every family, each with its odd switches on (the stack's options)."""
     return {
         "llama": LlamaConfig(**_SHAPE),
         "llama-bias": LlamaConfig(**_SHAPE, attention_bias=True, mlp_bias=True),
         "qwen2-qkv-bias": Qwen2Config(**_SHAPE),
-        # The stack takes Granite's attention scale; the embedding multiplier
-        # and logit divisor apply outside it.
-        "granite-no-residual-multiplier": GraniteConfig(
-            **_SHAPE, embedding_multiplier=3.0, attention_multiplier=0.2, logits_scaling=4.0
+        # The embedding multiplier and logit divisor apply outside the stack.
+        "granite-multipliers": GraniteConfig(
+            **_SHAPE,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+            residual_multiplier=0.5,
         ),
-    }
-
-
-def _configs_it_refuses() -> dict[str, PretrainedConfig]:
-    return {
         "qwen3-qk-norm": Qwen3Config(**_SHAPE),
-        "granite-residual-multiplier": GraniteConfig(**_SHAPE, residual_multiplier=0.5),
         "phi3-partial-rotary": Phi3Config(
             **_SHAPE,
             rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5},
             pad_token_id=0,
         ),
         "smollm3-no-rope-layers": SmolLM3Config(**_SHAPE, no_rope_layer_interval=2, pad_token_id=0),
-        "gemma3-sandwich-norms": Gemma3TextConfig(**_SHAPE, pad_token_id=0),
+        # A 16-token window (the contexts reach 73) on the local layers,
+        # which rotate with their own RoPE base; QK-norm, GeGLU, sandwich norms.
+        "gemma3-windowed": Gemma3TextConfig(
+            **_SHAPE,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=16,
+            pad_token_id=0,
+        ),
     }
 
 
-@pytest.mark.parametrize("name", list(_configs_it_refuses()))
-def test_refused_for_layers_it_does_not_implement(name, tmp_path, caplog) -> None:
-    config = _configs_it_refuses()[name]
+def test_no_stack_for_a_head_dim_the_kernels_lack(tmp_path, caplog) -> None:
+    config = LlamaConfig(**{**_SHAPE, "head_dim": 32})
     config.architectures = [architecture_name(config)]
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     hf.save_pretrained(tmp_path, safe_serialization=True)
     ops = select_backend(torch.device("cpu"), "torch")
     with caplog.at_level("INFO", logger="engine.models.llama"):
         loaded = load_model(tmp_path, dtype=torch.float32, device=torch.device("cpu"), ops=ops)
-    assert not loaded.spec.plain_llama_layers
     assert loaded.model.decode_stack is None
     assert "without the compiled decode stack" in caplog.text
+    assert "this model's is 32" in caplog.text
 
 
 @pytest.fixture(scope="module", params=list(_configs()))
@@ -118,18 +122,28 @@ def _stack(model: LoadedModel) -> Any:
     return stack
 
 
-def _decode(model: LoadedModel, seqs: PagedSequences, lens: list[int], use_stack: bool):
+def _decode(
+    model: LoadedModel,
+    seqs: PagedSequences,
+    lens: list[int],
+    use_stack: bool,
+    layer_blocks: list[PagedSequences] | None = None,
+):
     stack = model.model.decode_stack
     if not use_stack:
         model.model.decode_stack = None
     try:
-        return step(model.model, seqs, [(i, n, n + 1) for i, n in enumerate(lens)])
+        return step(model.model, seqs, [(i, n, n + 1) for i, n in enumerate(lens)], layer_blocks)
     finally:
         model.model.decode_stack = stack
 
 
 def _assert_decodes_match(
-    model: LoadedModel, seqs: PagedSequences, lens: list[int], steps: int
+    model: LoadedModel,
+    seqs: PagedSequences,
+    lens: list[int],
+    steps: int,
+    layer_blocks: list[PagedSequences] | None = None,
 ) -> None:
     """`steps` decodes with the stack and, on a copy of the caches, without:
     logits and KV caches equal bit for bit after each."""
@@ -137,8 +151,9 @@ def _assert_decodes_match(
         twin = PagedSequences(
             seqs.tokens, seqs.blocks, seqs.block_size, copy.deepcopy(seqs.kv_caches)
         )
-        fast = _decode(model, seqs, [n + k for n in lens], use_stack=True)
-        slow = _decode(model, twin, [n + k for n in lens], use_stack=False)
+        now = [n + k for n in lens]
+        fast = _decode(model, seqs, now, use_stack=True, layer_blocks=layer_blocks)
+        slow = _decode(model, twin, now, use_stack=False, layer_blocks=layer_blocks)
         for got, want in zip(fast, slow, strict=True):
             assert torch.equal(got, want), f"step {k}: logits differ"
         for got, want in zip(seqs.kv_caches, twin.kv_caches, strict=True):
@@ -174,6 +189,23 @@ def test_matches_the_python_layers_over_a_narrow_cache(
     step(model.model, seqs, [(i, 0, n) for i, n in enumerate(lens)])
     _assert_decodes_match(model, seqs, lens, steps=2)
     assert calls == [3, 3]  # both decodes ran the stack
+
+
+def test_each_layer_reads_its_kv_cache_groups_blocks(model: LoadedModel, monkeypatch) -> None:
+    """With KV cache groups (engine/kv_cache/groups.py: Gemma's windowed and
+    global layers), layers hold their group's block ids: the stack takes
+    each layer's block table and slots, as the Python layers do."""
+    calls: list[int] = []
+    monkeypatch.setattr(model.model, "decode_stack", _Spy(_stack(model), calls))
+    lens = [5, 40, 23]
+    tokens = [[(5 * i + j) % VOCAB for j in range(n + 3)] for i, n in enumerate(lens)]
+    first = allocate(model.model, tokens, block_size=16, seed=1)
+    other = allocate(model.model, tokens, block_size=16, seed=2)
+    assert first.blocks != other.blocks
+    groups = [first if i % 2 == 0 else other for i in range(model.spec.num_layers)]
+    step(model.model, first, [(i, 0, n) for i, n in enumerate(lens)], groups)
+    _assert_decodes_match(model, first, lens, steps=2, layer_blocks=groups)
+    assert calls == [3, 3]
 
 
 def test_takes_decodes_up_to_packed_linear_max_rows_where_mkl_packs(model: LoadedModel) -> None:

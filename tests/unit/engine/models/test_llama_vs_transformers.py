@@ -202,8 +202,6 @@ def test_spec_reads_family_switches(tandem):
         assert spec.embedding_multiplier == spec.hidden_size**0.5
     else:
         assert spec.sliding_window is None
-    plain = arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-    assert spec.plain_llama_layers == plain
     assert spec.qk_norm == (arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"))
     assert spec.fused_checkpoint_projections == (arch == "Phi3ForCausalLM")
     if arch == "Qwen3ForCausalLM":
