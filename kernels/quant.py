@@ -119,6 +119,58 @@ class QuantizedWeight:
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class ShardedWeight:
+    """One fused weight (a q/k/v or gate/up) whose row shards are tiles of
+    different kinds: a Q4_K_M file's Q4_K q and k with a Q6_K v. Each shard
+    multiplies into its own columns of the output (`quant_linear`: one
+    kernel call a shard), so every shard stays in its blocks where one tile
+    kind would have needed a float32 expansion."""
+
+    shards: tuple[QuantizedWeight, ...]
+
+    def __post_init__(self) -> None:
+        first = self.shards[0]
+        if any(
+            w.in_features != first.in_features or w.int8_activations != first.int8_activations
+            for w in self.shards
+        ):
+            raise ValueError("the shards of a weight must share in_features and int8_activations")
+
+    @property
+    def format(self) -> str:
+        return "|".join(w.format for w in self.shards)
+
+    @property
+    def out_features(self) -> int:
+        return sum(w.out_features for w in self.shards)
+
+    @property
+    def in_features(self) -> int:
+        return self.shards[0].in_features
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.shards[0].int8_activations
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.shards)
+
+    def columns(self) -> list[tuple[QuantizedWeight, int]]:
+        """Each shard with its first output column."""
+        starts = np.cumsum([0] + [w.out_features for w in self.shards[:-1]])
+        return list(zip(self.shards, (int(s) for s in starts), strict=True))
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        full = torch.cat([w.dequantize() for w in self.shards])
+        return full if rows is None else full[rows]
+
+
+# A weight in blocks: one tile kind, or shards of several.
+BlockWeight = QuantizedWeight | ShardedWeight
+
+
 def from_gguf_rows(
     rows: torch.Tensor, fmt: str, in_features: int, int8_activations: bool = False
 ) -> QuantizedWeight:
@@ -150,6 +202,13 @@ def concat_rows(weights: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
         torch.cat([w.packed for w in weights]),
         first.int8_activations,
     )
+
+
+def join_rows(weights: Sequence[QuantizedWeight]) -> BlockWeight:
+    """`weights`' rows in order as one weight: joined tiles where their
+    kinds allow (`concat_rows`), shards multiplied apart where not."""
+    joined = concat_rows(weights)
+    return joined if joined is not None else ShardedWeight(tuple(weights))
 
 
 def quantize_int8(weight: torch.Tensor, int8_activations: bool = False) -> QuantizedWeight:
@@ -205,17 +264,27 @@ def _isa_level(isa: str | None) -> int:
 
 
 def quant_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, *, isa: str | None = None
+    x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, *, isa: str | None = None
 ) -> torch.Tensor:
     """x [T, in] float32 @ weight.T + bias -> [T, out]. `isa` caps the code
     path (one of `ISAS`; None: the best this build has): "portable" is the
     scalar C++ a CPU without AVX2 runs, "avx2" what one without AVX-512
-    VNNI runs."""
+    VNNI runs. A sharded weight's shards each write their columns."""
     level = _isa_level(isa)
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = x.new_empty(x.shape[0], weight.out_features)
-    kernels().quant_linear(out, x, weight.packed, bias, weight.int8_activations, level)
+    if isinstance(weight, QuantizedWeight):
+        kernels().quant_linear(out, x, weight.packed, bias, weight.int8_activations, level)
+        return out
+    if bias is not None and bias.shape != (weight.out_features,):
+        raise ValueError(f"bias must be [{weight.out_features}], got {list(bias.shape)}")
+    for part, start in weight.columns():
+        n = part.out_features
+        part_bias = None if bias is None else bias[start : start + n]
+        kernels().quant_linear(
+            out[:, start : start + n], x, part.packed, part_bias, part.int8_activations, level
+        )
     return out
 
 
@@ -247,11 +316,12 @@ def quant_linear_silu(
     return out
 
 
-def format_summary(weights: list[QuantizedWeight | torch.Tensor]) -> str:
+def format_summary(weights: Sequence[BlockWeight | torch.Tensor]) -> str:
     """The formats of a model's weights, largest share of parameters first,
-    e.g. 'q4_1+q8_0' or 'float32'."""
+    e.g. 'q4_1+q8_0' or 'float32' (a sharded weight's shards count apart)."""
     counts: dict[str, int] = {}
-    for w in weights:
+    flat = [s for w in weights for s in (w.shards if isinstance(w, ShardedWeight) else (w,))]
+    for w in flat:
         if isinstance(w, QuantizedWeight):
             name, n = w.format, w.out_features * w.in_features
         else:

@@ -4,8 +4,9 @@ The `gguf` package's GGUFReader builds a numpy view for every part of every
 metadata field: the default model's tokenizer (49,152 tokens and 48,900
 merges) alone makes ~150,000 of them, 6.4 s of each model load. The weights
 need none of it: this reader walks past the metadata values (reading only
-their lengths), keeps the two keys it needs (the architecture and the data
-alignment), reads the tensor infos and maps the file. Types and block sizes
+their lengths), keeps the scalar ones (numbers and strings: the
+architecture, the data alignment, a few hyperparameters transformers'
+reader drops), reads the tensor infos and maps the file. Types and block sizes
 come from the gguf package's constants.
 """
 
@@ -35,6 +36,20 @@ _SCALAR_SIZES = {
     GGUFValueType.FLOAT64: 8,
 }
 
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.BOOL: "<B",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
 
 @dataclass(frozen=True)
 class GGUFTensor:
@@ -47,10 +62,18 @@ class GGUFTensor:
     data: np.ndarray
 
 
+Scalar = int | float | bool | str
+
+
 @dataclass(frozen=True)
 class GGUFTable:
     architecture: str
     tensors: list[GGUFTensor]
+    # Metadata keys whose values are one number or string (arrays skipped).
+    scalars: dict[str, Scalar]
+
+    def tensor(self, name: str) -> GGUFTensor | None:
+        return next((t for t in self.tensors if t.name == name), None)
 
 
 class _Cursor:
@@ -70,6 +93,17 @@ class _Cursor:
 
     def string(self) -> str:
         return self._bytes(self.read("<Q")).decode("utf-8")
+
+    def scalar(self, value_type: int) -> Scalar | None:
+        """The value of a scalar type (None, skipped, for an array)."""
+        vtype = GGUFValueType(value_type)
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            self.skip_value(value_type)
+            return None
+        value: Scalar = struct.unpack(_SCALAR_FORMATS[vtype], self._bytes(_SCALAR_SIZES[vtype]))[0]
+        return bool(value) if vtype == GGUFValueType.BOOL else value
 
     def skip_value(self, value_type: int) -> None:
         vtype = GGUFValueType(value_type)
@@ -96,15 +130,16 @@ def read_gguf_table(path: Path) -> GGUFTable:
         if version < 2:
             raise ValueError(f"{path}: GGUF version {version} is not supported (2 or later)")
         n_tensors, n_fields = cur.read("<Q"), cur.read("<Q")
-        architecture, alignment = "", _DEFAULT_ALIGNMENT
+        scalars: dict[str, Scalar] = {}
         for _ in range(n_fields):
             key, value_type = cur.string(), cur.read("<I")
-            if key == "general.architecture" and value_type == GGUFValueType.STRING:
-                architecture = cur.string()
-            elif key == "general.alignment" and value_type == GGUFValueType.UINT32:
-                alignment = cur.read("<I")
-            else:
-                cur.skip_value(value_type)
+            value = cur.scalar(value_type)
+            if value is not None:
+                scalars[key] = value
+        architecture = scalars.get("general.architecture", "")
+        alignment = scalars.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if not isinstance(architecture, str) or not isinstance(alignment, int):
+            raise ValueError(f"{path}: general.architecture or general.alignment has a bad type")
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -120,4 +155,4 @@ def read_gguf_table(path: Path) -> GGUFTable:
         if data.size != nbytes:
             raise ValueError(f"{path}: tensor {name} runs past the end of the file")
         tensors.append(GGUFTensor(name, tensor_type, tuple(reversed(dims)), data))
-    return GGUFTable(architecture, tensors)
+    return GGUFTable(architecture, tensors, scalars)

@@ -24,7 +24,7 @@ from kernels.layer_ops import (
 )
 from kernels.lora import LoRALayer
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QuantizedWeight, quant_linear_silu
+from kernels.quant import BlockWeight, QuantizedWeight, quant_linear_silu
 
 
 class AttentionOps(Protocol):
@@ -79,7 +79,7 @@ class Linear(nn.Module):
         # LoRA adapters' device slots for this projection (engine/lora/slots.py).
         self.lora: LoRALayer | None = None
 
-    def set_quantized(self, weight: QuantizedWeight) -> None:
+    def set_quantized(self, weight: BlockWeight) -> None:
         """Multiply by `weight`'s blocks from now on. The float weight becomes
         an [out, 0] placeholder: its shape's first dimension, dtype and device
         stay what callers read, and it holds no memory."""
@@ -87,7 +87,7 @@ class Linear(nn.Module):
         self.packed = weight
 
     def pack(self) -> None:
-        if not isinstance(self.packed, QuantizedWeight):
+        if not isinstance(self.packed, BlockWeight):
             self.packed = self.lops.pack_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

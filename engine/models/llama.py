@@ -77,7 +77,7 @@ from kernels.layer_ops import (
 )
 from kernels.lora import LoRAState
 from kernels.metadata import AttentionMetadata
-from kernels.quant import QuantizedWeight, format_summary
+from kernels.quant import BlockWeight, QuantizedWeight, ShardedWeight, format_summary
 from kernels.torch_attention import KERNEL_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -382,8 +382,10 @@ class LlamaForCausalLM(nn.Module):
         found: dict[int, QuantizedWeight] = {}
         for module in self.modules():
             for packed in (getattr(module, "packed", None), getattr(module, "quant", None)):
-                if isinstance(packed, QuantizedWeight):
-                    found[id(packed)] = packed
+                shards = packed.shards if isinstance(packed, ShardedWeight) else (packed,)
+                for shard in shards:
+                    if isinstance(shard, QuantizedWeight):
+                        found[id(shard)] = shard
         return list(found.values())
 
     @property
@@ -399,12 +401,10 @@ class LlamaForCausalLM(nn.Module):
     def weight_format(self) -> str:
         """The linear layers' weight formats, most parameters first: e.g.
         'float32' or 'q4_1+q8_0' (see kernels/quant.py)."""
-        seen: dict[int, QuantizedWeight | torch.Tensor] = {}
+        seen: dict[int, BlockWeight | torch.Tensor] = {}
         for module in self.modules():
             if isinstance(module, Linear):
-                weight = (
-                    module.packed if isinstance(module.packed, QuantizedWeight) else module.weight
-                )
+                weight = module.packed if isinstance(module.packed, BlockWeight) else module.weight
                 seen[id(weight)] = weight
         return format_summary(list(seen.values()))
 
@@ -458,7 +458,7 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
     options.gelu_tanh = spec.hidden_act == "gelu_tanh"
     options.small_rows, options.packed_rows = SMALL_LINEAR_ROWS, PACKED_LINEAR_MAX_ROWS
     options.int8_activations = any(
-        isinstance(p, QuantizedWeight) and p.int8_activations for p in _linears(model)
+        isinstance(p, BlockWeight) and p.int8_activations for p in _linears(model)
     )
     stack_layers = [_stack_layer(module, layer, spec, i) for i, layer in enumerate(layers)]
     return module.DecodeStack(stack_layers, model.model.norm.weight, options)
@@ -487,8 +487,7 @@ def _stack_layer(
         ("down", mlp.down_proj),
     )
     for name, lin in linears:
-        bias = lin.bias if lin.bias is not None else none
-        setattr(out, name, module.StackLinear(lin.weight, bias, _packed_tensor(lin.packed, none)))
+        setattr(out, name, _stack_linear(module, lin, none))
     window = spec.layer_windows[index]
     out.rotary_dim = attn.rotary_dim
     out.rope_table = int(window is not None and spec.sliding_rope_theta is not None)
@@ -500,9 +499,16 @@ def _linears(model: LlamaForCausalLM) -> list[Packed]:
     return [m.packed for m in model.modules() if isinstance(m, Linear)]
 
 
-def _packed_tensor(packed: Packed, none: torch.Tensor) -> torch.Tensor:
-    """What DecodeStack takes for a linear's packed form: MKL's float copy,
-    the quantized tiles (uint8), or an empty tensor."""
+def _stack_linear(module: Any, lin: Linear, none: torch.Tensor) -> Any:
+    """A linear as DecodeStack takes it: its float weight and bias, and its
+    packed form (MKL's float copy or the quantized tiles, uint8), or its
+    shards' tiles with their row counts; empty where there is none."""
+    bias = lin.bias if lin.bias is not None else none
+    packed = lin.packed
+    if isinstance(packed, ShardedWeight):
+        tiles = [w.packed for w in packed.shards]
+        rows = [w.out_features for w in packed.shards]
+        return module.StackLinear(lin.weight, bias, none, tiles, rows)
     if isinstance(packed, QuantizedWeight):
-        return packed.packed
-    return packed if packed is not None else none
+        packed = packed.packed
+    return module.StackLinear(lin.weight, bias, packed if packed is not None else none, [], [])

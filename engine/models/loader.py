@@ -26,14 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from engine.models.gguf_table import read_gguf_table
+from engine.models.gguf_table import GGUFTable, read_gguf_table
 from engine.models.gguf_weights import BlockRows, iter_gguf
 from engine.models.layers import AttentionOps
 from engine.models.llama import LlamaForCausalLM
@@ -309,14 +311,6 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
 
 def _gguf_config(gguf_path: Path) -> PretrainedConfig:
-    # Before transformers parses the file (seconds, for the tokenizer).
-    if any(name.startswith("rope_factors_") for name in _gguf_tensor_names(gguf_path)):
-        # llama.cpp keeps LongRoPE's factors as tensors; transformers' config
-        # reader drops them, which would run the model on plain RoPE.
-        raise ModelNotFoundError(
-            f"GGUF file {str(gguf_path)!r} has LongRoPE factors (rope_factors_* tensors), "
-            "which Tandem does not read from GGUF yet: load the HF checkpoint instead"
-        )
     config = AutoConfig.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
     )
@@ -324,8 +318,62 @@ def _gguf_config(gguf_path: Path) -> PretrainedConfig:
     # Fail before the slow tensor pass, with the registry's message.
     model_class(architecture or f"<GGUF model_type {config.model_type!r}>")
     config.architectures = [architecture]
+    table = read_gguf_table(gguf_path)
+    if config.model_type == "phi3":
+        _read_partial_rotary(table, config)
+    _read_longrope(gguf_path, table, config)
     checked: PretrainedConfig = config
     return checked
+
+
+def _read_partial_rotary(table: GGUFTable, config: PretrainedConfig) -> None:
+    """Phi-3's partial rotary (Phi-4-mini rotates 3/4 of each head) from
+    ``phi3.rope.dimension_count``, which transformers' reader drops."""
+    dims = table.scalars.get("phi3.rope.dimension_count")
+    head_dim = config.hidden_size // config.num_attention_heads
+    if not isinstance(dims, int) or dims == head_dim:
+        return
+    factor = dims / head_dim
+    config.rope_parameters = {**(config.rope_parameters or {}), "partial_rotary_factor": factor}
+    config.partial_rotary_factor = factor
+
+
+def _read_longrope(gguf_path: Path, table: GGUFTable, config: PretrainedConfig) -> None:
+    """LongRoPE (Phi-3 128k, Phi-4-mini) into ``config.rope_parameters``:
+    llama.cpp keeps its factors as tensors (``rope_factors_long`` /
+    ``_short``, float32, one per rotary pair) and its pretraining length and
+    attention factor as metadata, none of which transformers' config reader
+    takes; without them the model would run plain RoPE."""
+    found = {t.name.removesuffix(".weight"): t for t in table.tensors}
+    factors = {k: found.get(f"rope_factors_{k}") for k in ("long", "short")}
+    if all(t is None for t in factors.values()):
+        return
+    where = f"GGUF file {str(gguf_path)!r}"
+    values: dict[str, list[float]] = {}
+    for kind, tensor in factors.items():
+        if tensor is None or tensor.tensor_type != GGMLQuantizationType.F32:
+            raise ModelNotFoundError(
+                f"{where} has LongRoPE factors but no float32 rope_factors_{kind} tensor"
+            )
+        values[kind] = tensor.data.view(np.float32).astype(float).tolist()
+    prefix = f"{table.architecture}.rope.scaling"
+    original = table.scalars.get(f"{prefix}.original_context_length")
+    if not isinstance(original, int):
+        raise ModelNotFoundError(
+            f"{where} has LongRoPE factors but no {prefix}.original_context_length"
+        )
+    params = dict(config.rope_parameters or {})
+    params.update(
+        rope_type="longrope",
+        long_factor=values["long"],
+        short_factor=values["short"],
+        original_max_position_embeddings=original,
+    )
+    attention = table.scalars.get(f"{prefix}.attn_factor")
+    if isinstance(attention, float):
+        params["attention_factor"] = attention
+    config.rope_parameters = params
+    config.original_max_position_embeddings = original
 
 
 @dataclass(frozen=True)
@@ -364,10 +412,6 @@ def _gguf_tensors(
             f"GGUF file {str(gguf_path)!r} lacks tensors the config implies: {missing}"
         )
     return {name: tensors[name].contiguous() for name in names}
-
-
-def _gguf_tensor_names(gguf_path: Path) -> list[str]:
-    return [t.name for t in read_gguf_table(gguf_path).tensors]
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

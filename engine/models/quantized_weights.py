@@ -12,12 +12,13 @@ What gets quantized: every tensor that arrives in GGUF blocks
 (`BlockRows`), and with ``quantize="int8"`` (or ``"bf16"``) every projection and the LM
 head (a tied embedding with it, since it is the same matrix; an untied
 embedding stays float: it is looked up a row a token, never streamed).
-Shards of one fused weight in different GGUF formats whose tiles are of one
-kind (Gemma 3 270M's Q5_0 q/k with a Q8_0 v: both Q8 tiles) join as they
-are (`kernels.quant.concat_rows`); of different kinds (a Q4_K_M file's
-Q4_K q/k with a Q6_K v), or some in blocks and some float (an F16 shard, in
-either order), they are expanded to float32 (int8 mode quantizes that
-instead).
+Shards of one fused weight in different GGUF formats stay in their blocks
+(`kernels.quant.join_rows`): tiles of one kind join as they are (Gemma 3
+270M's Q5_0 q/k with a Q8_0 v: both Q8 tiles); tiles of different kinds (a
+Q4_K_M file's Q4_K q/k with a Q6_K v) stay shards, each multiplied into
+its own output columns (`ShardedWeight`). Some in blocks and some float (an
+F16 shard, in either order) are expanded to float32 (int8 mode quantizes
+that instead).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from torch import nn
 
 from engine.models.gguf_weights import BlockRows
 from kernels.quant import (
-    QuantizedWeight,
-    concat_rows,
+    BlockWeight,
     from_gguf_rows,
+    join_rows,
     quantize_int8,
     to_bf16,
 )
@@ -118,18 +119,14 @@ class QuantizedLoad:
             return
         if self.quantize is None:
             blocks = [p for p in parts if isinstance(p, BlockRows)]
-            if len(blocks) == len(parts):  # mixed formats whose tiles may still join
-                joined = concat_rows(
-                    [
-                        from_gguf_rows(p.rows, p.format, p.shape[1], self.int8_activations)
-                        for p in blocks
-                    ]
-                )
-                if joined is not None:
-                    self._install(module, module_name, joined)
-                    return
-            # Blocks of other kinds (or blocks and floats) in one fused
-            # weight: float32, like the conversion.
+            if len(blocks) == len(parts):  # mixed formats: joined or sharded
+                shards = [
+                    from_gguf_rows(p.rows, p.format, p.shape[1], self.int8_activations)
+                    for p in blocks
+                ]
+                self._install(module, module_name, join_rows(shards))
+                return
+            # Blocks and floats in one fused weight: float32, like the conversion.
             self._fill_rows(module, parts)
             return
         floats = torch.cat(
@@ -157,7 +154,7 @@ class QuantizedLoad:
             target[start : start + values.shape[0]].copy_(values)
             start += values.shape[0]
 
-    def _install(self, module: nn.Module, name: str, weight: QuantizedWeight) -> None:
+    def _install(self, module: nn.Module, name: str, weight: BlockWeight) -> None:
         module.set_quantized(weight)  # type: ignore[operator]
         if name == _EMBEDDING.removesuffix(".weight") and self.model.spec.tie_word_embeddings:
             self.model.lm_head.set_quantized(weight)

@@ -53,9 +53,12 @@ def destination(name: str, params: dict[str, nn.Parameter], spec: ModelSpec) -> 
 
 def is_ignored(name: str, spec: ModelSpec) -> bool:
     # inv_freq is recomputed from the config; a tied checkpoint that still
-    # stores lm_head holds a copy of the embedding we already load.
-    return name.endswith("rotary_emb.inv_freq") or (
-        spec.tie_word_embeddings and name == "lm_head.weight"
+    # stores lm_head holds a copy of the embedding we already load; a GGUF's
+    # LongRoPE factors were read into the config (engine/models/loader.py).
+    return (
+        name.endswith("rotary_emb.inv_freq")
+        or name.startswith("rope_factors_")
+        or (spec.tie_word_embeddings and name == "lm_head.weight")
     )
 
 

@@ -54,8 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_kv_int8", &cache_kv_int8,
         "reshape_and_cache for an int8 cache: K/V rows quantized into slots (kv_int8.h)");
   pybind11::class_<StackLinear>(m, "StackLinear")
-      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor>(), arg("weight"), arg("bias"),
-           arg("packed"));
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>,
+                          std::vector<int64_t>>(),
+           arg("weight"), arg("bias"), arg("packed"), arg("shards"), arg("shard_rows"));
   pybind11::class_<StackLayer>(m, "StackLayer")
       .def(pybind11::init<>())
       .def_readwrite("input_norm", &StackLayer::input_norm)

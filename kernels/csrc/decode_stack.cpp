@@ -37,7 +37,7 @@ at::Tensor undefined_if_empty(const at::Tensor& t) { return t.numel() == 0 ? at:
 // Quantized linears carry their tiles (uint8, kernels/csrc/quant_linear.cpp)
 // where float ones carry MKL's packed copy.
 bool DecodeStack::is_quantized(const Linear& w) {
-  return w.packed.defined() && w.packed.scalar_type() == at::kByte;
+  return !w.shards.empty() || (w.packed.defined() && w.packed.scalar_type() == at::kByte);
 }
 
 namespace {
@@ -130,7 +130,15 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tenso
 }  // namespace
 
 DecodeStack::Linear DecodeStack::linear_of(const StackLinear& w) {
-  return {w.weight, bias_or_none(w.bias), undefined_if_empty(w.packed)};
+  TORCH_CHECK(w.shards.size() == w.shard_rows.size(), "one row count per shard");
+  int64_t rows = 0;
+  for (size_t i = 0; i < w.shards.size(); ++i) {
+    TORCH_CHECK(w.shards[i].scalar_type() == at::kByte, "shards must be quantized tiles (uint8)");
+    rows += w.shard_rows[i];
+  }
+  TORCH_CHECK(w.shards.empty() || (rows == w.weight.size(0) && w.packed.numel() == 0),
+              "a sharded weight's shards must cover its rows, with no packed tensor");
+  return {w.weight, bias_or_none(w.bias), undefined_if_empty(w.packed), w.shards, w.shard_rows};
 }
 
 DecodeStack::Layer DecodeStack::checked_layer(const StackLayer& w) const {
@@ -178,7 +186,8 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm,
   for (const StackLayer& w : layers) {
     Layer layer = checked_layer(w);
     for (const Linear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
-      if (!lin->packed.defined()) max_rows_ = opt_.small_rows;  // MKL needs every weight packed
+      if (!is_quantized(*lin) && !lin->packed.defined())
+        max_rows_ = opt_.small_rows;  // MKL needs every float weight packed
       // A quantized weight's float tensor is an [out, 0] placeholder.
       TORCH_CHECK(is_quantized(*lin) || lin->weight.size(1) > 0, "a float weight is empty");
     }
@@ -189,7 +198,20 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm,
 at::Tensor DecodeStack::linear(at::Tensor& buffer, const at::Tensor& x, const Linear& w) const {
   if (is_quantized(w)) {
     at::Tensor out = buffer.defined() ? buffer : at::empty({x.size(0), w.weight.size(0)}, x.options());
-    quant_linear(out, x, w.packed, w.bias, opt_.int8_activations, quant_linear_best_isa());
+    const int64_t isa = quant_linear_best_isa();
+    if (w.shards.empty()) {
+      quant_linear(out, x, w.packed, w.bias, opt_.int8_activations, isa);
+      return out;
+    }
+    // As kernels/quant.py's quant_linear: each shard into its columns.
+    int64_t start = 0;
+    for (size_t i = 0; i < w.shards.size(); ++i) {
+      const int64_t n = w.shard_rows[i];
+      c10::optional<at::Tensor> bias;
+      if (w.bias) bias = w.bias->narrow(0, start, n);
+      quant_linear(out.narrow(1, start, n), x, w.shards[i], bias, opt_.int8_activations, isa);
+      start += n;
+    }
     return out;
   }
   if (x.size(0) <= opt_.small_rows) {
@@ -235,7 +257,7 @@ at::Tensor DecodeStack::down(at::Tensor& buffer, at::Tensor& act, const at::Tens
                 gate_up.narrow(1, inter, inter));
     return linear(buffer, act, w);
   }
-  if (opt_.int8_activations && is_quantized(w)) {
+  if (opt_.int8_activations && is_quantized(w) && w.shards.empty()) {
     at::Tensor out = buffer.defined() ? buffer
                                       : at::empty({gate_up.size(0), w.weight.size(0)}, gate_up.options());
     quant_linear_silu(out, gate_up, w.packed, w.bias, quant_linear_best_isa());

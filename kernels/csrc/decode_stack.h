@@ -6,9 +6,22 @@
 // One linear layer. An empty tensor is "no bias" or "not packed". The packed
 // weight is MKL's (kernels/layer_ops.py mkl_pack_linear) or, as uint8,
 // quantized tiles (kernels/quant.py), whose float weight is then an [out, 0]
-// placeholder; quantized linears take any row count.
+// placeholder; quantized linears take any row count. A weight whose row
+// shards are tiles of different kinds (kernels/quant.py ShardedWeight) has
+// no packed tensor but shards: each shard's tiles and row count, multiplied
+// into its own output columns.
 struct StackLinear {
+  StackLinear() = default;
+  StackLinear(at::Tensor weight, at::Tensor bias, at::Tensor packed,
+              std::vector<at::Tensor> shards, std::vector<int64_t> shard_rows)
+      : weight(std::move(weight)),
+        bias(std::move(bias)),
+        packed(std::move(packed)),
+        shards(std::move(shards)),
+        shard_rows(std::move(shard_rows)) {}
   at::Tensor weight, bias, packed;
+  std::vector<at::Tensor> shards;
+  std::vector<int64_t> shard_rows;
 };
 
 // One decoder layer, as engine/models/llama.py builds it. Norm weights that
@@ -60,6 +73,8 @@ class DecodeStack {
     at::Tensor weight;
     c10::optional<at::Tensor> bias;
     at::Tensor packed;  // undefined: not packed
+    std::vector<at::Tensor> shards;  // quantized row shards, each its columns
+    std::vector<int64_t> shard_rows;
   };
   struct Layer {
     at::Tensor input_norm, q_norm, k_norm, attn_out_norm, mlp_in_norm, mlp_out_norm;

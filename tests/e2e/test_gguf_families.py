@@ -5,7 +5,10 @@ loaded by `--model <file>.gguf`, run on the GGUF's blocks, generate what
 transformers generates from the same file (its own GGUF loader dequantizes
 them: the directory Tandem's conversion keeps), greedy, 32 tokens on 4
 prompts. Qwen3 has QK-norm; Phi-3 keeps its
-fused q/k/v and gate/up in one tensor each (attn_qkv, ffn_up)."""
+fused q/k/v and gate/up in one tensor each (attn_qkv, ffn_up), and this one
+is Phi-4-mini's kind: partial rotary (``rope.dimension_count``) and LongRoPE
+(its factors as tensors, its pretraining length as metadata), which
+transformers' GGUF reader drops and Tandem's conversion reads."""
 
 from __future__ import annotations
 
@@ -16,12 +19,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Phi3Config, PretrainedConfig, Qwen3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen3Config,
+)
 
 from engine.llm import LLM
 from engine.models.loader import ModelNotFoundError, resolve_model
+from engine.models.spec import ModelSpec
 from engine.sampling_params import SamplingParams
 from tests.e2e.teacher_forcing import greedy_mismatches
+from tests.unit.engine.models.families import LONGROPE_LONG, LONGROPE_SHORT
 from tests.unit.engine.models.tiny_gguf import seeded, write_tiny_gguf
 
 VOCAB = 49152  # the tokenizer's (SmolLM2's, copied into each file)
@@ -37,11 +48,23 @@ SHAPE: dict[str, Any] = dict(
 CONFIGS: dict[str, PretrainedConfig] = {
     # Qwen3's GGUF config has no head_dim: transformers takes its default, 128.
     "qwen3": Qwen3Config(**SHAPE, head_dim=128, tie_word_embeddings=True),
+    # Rotary dim 12 of head dim 16, six LongRoPE pairs. The pretraining
+    # length (128) covers prompt and output: transformers switches a whole
+    # sequence to the long factors past it, Tandem a position (see
+    # engine/models/llama.py rope_cache).
     "phi3": Phi3Config(
         **SHAPE,
         pad_token_id=0,
         tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        original_max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": LONGROPE_SHORT,
+            "long_factor": LONGROPE_LONG,
+            "original_max_position_embeddings": 128,
+        },
     ),
 }
 
@@ -84,15 +107,34 @@ def test_greedy_output_equals_transformers_from_the_same_file(gguf_file: Path) -
     assert greedy_mismatches(hf.eval(), prompts, outputs) == []
 
 
-def test_a_phi3_gguf_with_longrope_factors_is_refused(tmp_path: Path, monkeypatch) -> None:
-    """llama.cpp keeps LongRoPE's factors as tensors transformers' config
-    reader drops: loading would run plain RoPE, so the file is refused."""
-    config = CONFIGS["phi3"]
+def test_phi3_rope_read_from_the_file(gguf_file: Path) -> None:
+    """The converted config holds what llama.cpp wrote: the rotary share and
+    LongRoPE's factors (float32 in the file), pretraining length and
+    attention factor."""
+    if "phi3" not in gguf_file.name:
+        pytest.skip("Phi-3's RoPE only")
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(resolve_model(str(gguf_file))))
+    want = ModelSpec.from_hf_config(CONFIGS["phi3"])
+    assert (spec.rotary_dim, spec.head_dim) == (want.rotary_dim, 16) == (12, 16)
+    got, expected = spec.rope_scaling, want.rope_scaling
+    assert got is not None and expected is not None and got.rope_type == "longrope"
+    assert got.original_max_position_embeddings == 128
+    for name in ("short_factor", "long_factor"):
+        rounded = tuple(float(np.float32(x)) for x in getattr(expected, name))
+        assert getattr(got, name) == rounded
+    assert got.attention_factor == pytest.approx(expected.attention_factor, rel=1e-6)
+
+
+def test_longrope_factors_without_the_pretraining_length_are_refused(
+    tmp_path: Path, monkeypatch
+) -> None:
+    config = Phi3Config(**SHAPE, pad_token_id=0)
     config.architectures = ["Phi3ForCausalLM"]
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    factors = np.ones(8, dtype=np.float32)
     path = tmp_path / "longrope.gguf"
-    write_tiny_gguf(hf, path, extra={"rope_factors_long.weight": factors})
+    factors = np.ones(8, dtype=np.float32)
+    extra = {"rope_factors_long.weight": factors, "rope_factors_short.weight": factors}
+    write_tiny_gguf(hf, path, extra=extra)
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(ModelNotFoundError, match="has LongRoPE factors"):
+    with pytest.raises(ModelNotFoundError, match="original_context_length"):
         resolve_model(str(path))

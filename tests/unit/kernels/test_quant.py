@@ -10,6 +10,7 @@ sum_b absmax(x[m, b]) / 254 * sum_{k in b} |w[n, k]|.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -23,11 +24,13 @@ from kernels import cpu_kernels
 from kernels.quant import (
     ISAS,
     QuantizedWeight,
+    ShardedWeight,
     available_isas,
     bf16_dot_rows,
     concat_rows,
     format_summary,
     from_gguf_rows,
+    join_rows,
     quant_linear,
     quant_linear_silu,
     quantize_int8,
@@ -93,6 +96,34 @@ def test_shards_of_other_kinds_or_ragged_tiles_do_not_join() -> None:
     assert concat_rows([_weights("q8_0", out=OUT)[0], _weights("q5_0", out=64)[0]]) is None
     narrow, wide = _weights("q8_0", out=64)[0], _weights("q8_0", out=64, width=640)[0]
     assert concat_rows([narrow, wide]) is None
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_shards_of_other_kinds_multiply_into_their_columns(int8_activations: bool) -> None:
+    """join_rows keeps tiles of different kinds as shards (split execution):
+    each writes its columns, with its part of the bias."""
+    shards = [_weights(f, out=n) for f, n in (("q4_1", 64), ("q8_0", 16), ("q4_1", OUT))]
+    weights = [dataclasses.replace(w, int8_activations=int8_activations) for w, _ in shards]
+    joined = join_rows(weights)
+    assert isinstance(joined, ShardedWeight) and joined.format == "q4_1|q8_0|q4_1"
+    assert (joined.out_features, joined.in_features) == (80 + OUT, IN)
+    assert joined.nbytes == sum(w.nbytes for w in weights)
+    want = torch.cat([ref for _, ref in shards])
+    assert torch.equal(joined.dequantize(), want)
+    assert torch.equal(joined.dequantize(torch.tensor([70, 3])), want[[70, 3]])
+    x, bias = torch.randn(7, IN), torch.randn(80 + OUT)
+    got = quant_linear(x, joined, bias)
+    parts = [quant_linear(x, w, bias[a : a + w.out_features]) for w, a in joined.columns()]
+    assert torch.equal(got, torch.cat(parts, dim=1))  # each shard's own kernel call
+    if not int8_activations:
+        torch.testing.assert_close(got, x @ want.T + bias, rtol=1e-4, atol=1e-4)
+
+
+def test_shards_of_one_weight_must_agree() -> None:
+    q4, q8 = _weights("q4_1", out=64)[0], _weights("q8_0", out=64, width=640)[0]
+    with pytest.raises(ValueError, match="in_features"):
+        ShardedWeight((q4, q8))
+    assert join_rows([q4, _weights("q4_1", out=8)[0]]).format == "q4_1"  # one kind: joined
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q8_0", "int8", "bf16"])

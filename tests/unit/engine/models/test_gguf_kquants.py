@@ -24,7 +24,7 @@ from engine.models.loader import LoadedModel, load_model
 from engine.models.weight_plan import WeightPlan
 from kernels import cpu_kernels
 from kernels.backend import select_backend
-from kernels.quant import QuantizedWeight
+from kernels.quant import QuantizedWeight, ShardedWeight
 from tests.unit.engine.models.paged import PagedSequences, allocate, step
 from tests.unit.kernels.kquant_blocks import Q4_K, Q6_K, random_rows
 
@@ -145,12 +145,13 @@ def test_k_quant_tensors_read_as_ggufs_values(model_dir: Path) -> None:
 def test_a_k_quant_gguf_gives_the_float_models_logits(model_dir: Path) -> None:
     native = _native(model_dir)
     model = native.model
-    assert native.weight_format == "q4_k+q6_k+float32+q5_0"
+    assert native.weight_format == "q4_k+q6_k+q5_0"
     assert model.model.embed_tokens.quant is not None  # Q4_K rows, looked up
     assert model.lm_head.packed is model.model.embed_tokens.quant  # tied
     layers = [layer for layer in model.model.layers if isinstance(layer, LlamaDecoderLayer)]
-    # Layer 0's q/k (Q4_K) and v (Q6_K) fuse into a float32 weight; layer 1's stay Q4_K.
-    assert not isinstance(layers[0].self_attn.qkv_proj.packed, QuantizedWeight)
+    # Layer 0's q/k (Q4_K) and v (Q6_K) stay shards in their blocks; layer 1's join as Q4_K.
+    qkv = layers[0].self_attn.qkv_proj.packed
+    assert isinstance(qkv, ShardedWeight) and qkv.format == "q4_k|q4_k|q6_k"
     assert isinstance(layers[1].self_attn.qkv_proj.packed, QuantizedWeight)
     assert isinstance(layers[0].mlp.gate_up_proj.packed, QuantizedWeight)
     o_proj = layers[1].self_attn.o_proj.packed

@@ -67,3 +67,14 @@ def test_a_truncated_file_is_refused(gguf_file: Path, tmp_path: Path) -> None:
     data_cut.write_bytes(whole[:-100])
     with pytest.raises(ValueError, match="runs past the end"):
         read_gguf_table(data_cut)
+
+
+def test_scalar_metadata_is_kept_and_arrays_skipped(gguf_file: Path) -> None:
+    table = read_gguf_table(gguf_file)
+    assert table.architecture == "llama"
+    assert table.scalars["llama.block_count"] == 2
+    assert table.scalars["llama.rope.freq_base"] == 10000.0
+    assert table.scalars["some.flag"] is True
+    assert table.scalars["general.name"] == "tiny"
+    assert not {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "nested"} & set(table.scalars)
+    assert table.tensor("q8.weight") is not None and table.tensor("absent") is None

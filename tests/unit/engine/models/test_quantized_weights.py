@@ -29,7 +29,7 @@ from engine.models.loader import LoadedModel, load_model
 from engine.models.weight_plan import FLOAT_WEIGHTS, QuantizationName, WeightPlan, plan_weights
 from kernels import cpu_kernels
 from kernels.backend import select_backend
-from kernels.quant import QuantizedWeight, bf16_dot_rows
+from kernels.quant import QuantizedWeight, ShardedWeight, bf16_dot_rows
 from tests.unit.engine.models.paged import PagedSequences, allocate, step
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels did not build")
@@ -133,12 +133,30 @@ def test_gguf_blocks_give_the_float_models_logits(untied, tied, tie: bool) -> No
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_a_fused_weight_of_mixed_formats_is_expanded(untied) -> None:
+def test_a_fused_weight_of_mixed_tile_kinds_runs_as_shards(untied) -> None:
+    """Q4_1 q/v with a Q8_0 k (as a Q4_K_M file's Q4_K q/k with a Q6_K v):
+    tiles of different kinds stay in their blocks as shards, each
+    multiplied into its columns, with the float model's logits; the
+    compiled decode stack takes the shards too, bit for bit."""
     blocks, floats = _as_blocks(untied, {"k_proj": "q8_0"})
     native = _reload(untied, blocks)
     attn = cast(LlamaDecoderLayer, native.model.model.layers[0]).self_attn
-    assert not isinstance(attn.qkv_proj.packed, QuantizedWeight)
-    assert isinstance(attn.o_proj.packed, QuantizedWeight)
+    packed = attn.qkv_proj.packed
+    assert isinstance(packed, ShardedWeight) and packed.format == "q4_1|q8_0|q4_1"
+    assert "float32" not in native.model.weight_format
+    assert len(native.model.quantized_weights()) == 2 * (3 + 3) + 2  # shards count apart
+    reference = _reload(untied, list(floats.items()))
+    for got, want in zip(_logits(native, TOKENS), _logits(reference, TOKENS), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _assert_stack_matches(native.model, batch=9)
+
+
+def test_a_fused_weight_of_blocks_and_floats_is_expanded(untied) -> None:
+    blocks, floats = _as_blocks(untied, {})
+    mixed = [(n, floats[n] if "k_proj" in n else t) for n, t in blocks]
+    native = _reload(untied, mixed)
+    attn = cast(LlamaDecoderLayer, native.model.model.layers[0]).self_attn
+    assert not isinstance(attn.qkv_proj.packed, QuantizedWeight | ShardedWeight)
     assert native.model.weight_format.startswith("q4_1+float32")
     reference = _reload(untied, list(floats.items()))
     for got, want in zip(_logits(native, TOKENS), _logits(reference, TOKENS), strict=True):
@@ -183,22 +201,23 @@ def _quantized_models(path: Path) -> Iterator[LoadedModel]:
 @pytest.mark.parametrize("batch", [1, 9, 37])
 def test_decode_stack_matches_the_python_layers(untied, batch: int) -> None:
     for loaded in _quantized_models(untied):
-        model = loaded.model
-        stack = model.decode_stack
-        assert stack is not None and stack.max_rows >= 37
-        lens = [3 + (5 * i) % 40 for i in range(batch)]
-        tokens = [[(i + j) % VOCAB for j in range(n + 1)] for i, n in enumerate(lens)]
-        seqs = allocate(model, tokens, block_size=16, seed=batch)
-        step(model, seqs, [(i, 0, n) for i, n in enumerate(lens)])
-        twin = PagedSequences(
-            seqs.tokens, seqs.blocks, seqs.block_size, copy.deepcopy(seqs.kv_caches)
-        )
-        fast = step(model, seqs, [(i, n, n + 1) for i, n in enumerate(lens)])
-        model.decode_stack = None
-        slow = step(model, twin, [(i, n, n + 1) for i, n in enumerate(lens)])
-        model.decode_stack = stack
-        for got, want in zip(fast, slow, strict=True):
-            assert torch.equal(got, want)
+        _assert_stack_matches(loaded.model, batch)
+
+
+def _assert_stack_matches(model: LlamaForCausalLM, batch: int) -> None:
+    stack = model.decode_stack
+    assert stack is not None and stack.max_rows >= 37
+    lens = [3 + (5 * i) % 40 for i in range(batch)]
+    tokens = [[(i + j) % VOCAB for j in range(n + 1)] for i, n in enumerate(lens)]
+    seqs = allocate(model, tokens, block_size=16, seed=batch)
+    step(model, seqs, [(i, 0, n) for i, n in enumerate(lens)])
+    twin = PagedSequences(seqs.tokens, seqs.blocks, seqs.block_size, copy.deepcopy(seqs.kv_caches))
+    fast = step(model, seqs, [(i, n, n + 1) for i, n in enumerate(lens)])
+    model.decode_stack = None
+    slow = step(model, twin, [(i, n, n + 1) for i, n in enumerate(lens)])
+    model.decode_stack = stack
+    for got, want in zip(fast, slow, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_bf16_weights_give_the_rounded_models_logits(untied) -> None:

@@ -9,6 +9,7 @@ file."""
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ def write_tiny_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     _copy_tokenizer(writer)
+    if arch == gguf.MODEL_ARCH.PHI3:
+        _write_phi3_rope(writer, config, head_dim)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for hf_name, tensor in hf.state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
@@ -64,6 +67,27 @@ def write_tiny_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _write_phi3_rope(writer: gguf.GGUFWriter, config: Any, head_dim: int) -> None:
+    """As llama.cpp's converter writes Phi-3's RoPE: the rotary dims and,
+    for LongRoPE, the pretraining length, the attention factor and the
+    factors as float32 tensors."""
+    params = config.rope_parameters
+    rotary = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(rotary)
+    if params.get("rope_type") != "longrope":
+        return
+    original = params.get("original_max_position_embeddings") or (
+        config.original_max_position_embeddings
+    )
+    scale = config.max_position_embeddings / original
+    attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(attention)
+    for kind in ("long", "short"):
+        factors = np.asarray(params[f"{kind}_factor"], dtype=np.float32)
+        writer.add_tensor(f"rope_factors_{kind}.weight", factors)
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
