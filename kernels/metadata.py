@@ -36,6 +36,15 @@ class AttentionMetadata:
     # True when every sequence has query_len == 1 (a pure decode batch); lets
     # backends pick a cheaper path without inspecting device tensors.
     decode_only: bool = False
+    # Host-side, per sequence: how many of its query rows (the first ones)
+    # are prompt tokens; the rest are output tokens. The CPU attention runs
+    # prompt rows with its prefill kernels and output rows with its decode
+    # kernels whatever the step's shape, so a token's arithmetic does not
+    # depend on how it was scheduled (a prompt's last token recomputed alone
+    # after a prefix hit, a P/D decode pod's first output token computed in
+    # one chunk with the prompt's tail). Empty: not told; a sequence of one
+    # row is then a decode, a longer one a prefill (kernels/torch_attention.py).
+    prompt_rows: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -228,45 +228,79 @@ def _make_plan(
     # Host copies of the layout: cheap on CPU, where this backend runs.
     starts: list[int] = meta.query_start_loc.tolist()
     seq_lens: list[int] = meta.seq_lens.tolist()
-    decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-    if len(decodes) == len(seq_lens):
+    decodes, chunks = _split_rows(meta, starts, seq_lens)
+    if len(decodes) == len(seq_lens) and all(d.row == starts[d.seq] for d in decodes):
         return _Plan(_all_decodes_plan(meta, kv_cache, window), None, None, (), window)
 
     decode: _DecodePlan | None = None
     decode_rows: torch.Tensor | None = None
     if decodes:
-        seqs = torch.tensor(decodes, device=kv_cache.device)
+        device = kv_cache.device
+        seqs = torch.tensor([d.seq for d in decodes], dtype=torch.int64, device=device)
         decode = _decode_plan(
             meta.block_table.index_select(0, seqs),
-            meta.seq_lens.index_select(0, seqs),
-            max(seq_lens[i] for i in decodes),
+            torch.tensor([d.seq_len for d in decodes], dtype=torch.int32, device=device),
+            max(d.seq_len for d in decodes),
             kv_cache,
             window,
         )
-        decode_rows = torch.tensor([starts[i] for i in decodes], device=kv_cache.device)
-    chunks = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
+        decode_rows = torch.tensor([d.row for d in decodes], dtype=torch.int64, device=device)
+    if not chunks:
+        return _Plan(decode, decode_rows, None, (), window)
     if compiled_prefill:
-        compiled = _compiled_prefills(meta, chunks, starts)
-        return _Plan(decode, decode_rows, compiled, (), window)
+        return _Plan(decode, decode_rows, _compiled_prefills(meta, chunks), (), window)
     prefills = tuple(
         plan
-        for i in chunks
+        for c in chunks
         for plan in _prefill_plans(
-            (starts[i], starts[i + 1]), meta.block_table[i], seq_lens[i], kv_cache, window
+            (c.start, c.end), meta.block_table[c.seq], c.seq_len, kv_cache, window
         )
     )
     return _Plan(decode, decode_rows, None, prefills, window)
 
 
-def _compiled_prefills(
-    meta: AttentionMetadata, chunks: list[int], starts: list[int]
-) -> _CompiledPrefills:
-    seqs = torch.tensor(chunks, device=meta.seq_lens.device)
+@dataclass(frozen=True, slots=True)
+class _DecodeRow:
+    row: int  # the query row
+    seq: int  # its sequence
+    seq_len: int  # the context it sees, itself included
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    seq: int
+    start: int  # query rows start..end-1
+    end: int
+    seq_len: int  # the context its last row sees
+
+
+def _split_rows(
+    meta: AttentionMetadata, starts: list[int], seq_lens: list[int]
+) -> tuple[list[_DecodeRow], list[_Chunk]]:
+    """Each sequence's query rows as a prefill chunk (its prompt rows) and
+    decode rows (its output rows), per ``meta.prompt_rows``; where that is
+    not given, a one-row sequence is a decode and a longer one a chunk. An
+    output row after prompt rows sees the context up to itself: every row's
+    K/V is in the cache before attention reads it."""
+    decodes: list[_DecodeRow] = []
+    chunks: list[_Chunk] = []
+    for i, seq_len in enumerate(seq_lens):
+        lo, hi = starts[i], starts[i + 1]
+        by_length = 0 if hi - lo == 1 else hi - lo
+        prompt = meta.prompt_rows[i] if meta.prompt_rows else by_length
+        if prompt:
+            chunks.append(_Chunk(i, lo, lo + prompt, seq_len - (hi - lo - prompt)))
+        decodes.extend(_DecodeRow(r, i, seq_len - (hi - 1 - r)) for r in range(lo + prompt, hi))
+    return decodes, chunks
+
+
+def _compiled_prefills(meta: AttentionMetadata, chunks: list[_Chunk]) -> _CompiledPrefills:
+    seqs = torch.tensor([c.seq for c in chunks], dtype=torch.int64, device=meta.seq_lens.device)
     return _CompiledPrefills(
         meta.block_table.index_select(0, seqs).to(torch.int32),
-        meta.seq_lens.index_select(0, seqs).to(torch.int32),
-        torch.tensor([starts[i] for i in chunks], dtype=torch.int32),
-        torch.tensor([starts[i + 1] - starts[i] for i in chunks], dtype=torch.int32),
+        torch.tensor([c.seq_len for c in chunks], dtype=torch.int32),
+        torch.tensor([c.start for c in chunks], dtype=torch.int32),
+        torch.tensor([c.end - c.start for c in chunks], dtype=torch.int32),
     )
 
 

@@ -118,6 +118,9 @@ class StepInputs:
     slot_mapping: npt.NDArray[np.int64]  # [KV cache groups, tokens]
     query_start_loc: npt.NDArray[np.int32]
     seq_lens: npt.NDArray[np.int32]
+    # Per request: how many of its scheduled tokens are prompt tokens (the
+    # first ones; AttentionMetadata.prompt_rows).
+    prompt_rows: npt.NDArray[np.int64]
     # Rows (batch indices) that sample this step and the token rows whose
     # logits they need: one each, or 1 + k for a row verifying k drafts.
     sample_rows: npt.NDArray[np.int64]
@@ -348,6 +351,7 @@ class ModelRunner:
             block_ids.astype(np.int64) * self.block_size + positions % self.block_size
         )
         seq_lens = computed + num_sched
+        prompt_rows = np.clip(batch.output_start[:n] - computed, 0, num_sched)
         # A row samples once its chunk reaches the last token it knows.
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:n])
         query_start_loc = np.zeros(n + 1, np.int32)
@@ -368,6 +372,7 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens.astype(np.int32),
+            prompt_rows=prompt_rows,
             sample_rows=sample_rows,
             logits_indices=logits_indices,
             drafts=drafts,
@@ -399,7 +404,9 @@ class ModelRunner:
             ),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
-            decode_only=inputs.max_query_len == 1,
+            # A prompt token alone in its chunk still takes the prefill kernels.
+            decode_only=inputs.max_query_len == 1 and not inputs.prompt_rows.any(),
+            prompt_rows=tuple(inputs.prompt_rows.tolist()),
         )
         return self._per_group(meta, inputs, np.arange(n), max_blocks)
 

@@ -141,3 +141,29 @@ def test_a_float16_cache_takes_the_torch_path(float32_cache: LLM) -> None:
 def test_an_unknown_dtype_names_the_field() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
+def test_a_prompt_token_recomputed_alone_keeps_the_cold_runs_output(kv_cache_dtype: str) -> None:
+    """The default path (int8 activations: every linear's row is the same
+    at any batch), prompts one token past whole blocks: run again, every
+    block is a prefix hit and the last prompt token is recomputed alone. It
+    still takes the prefill kernels (AttentionMetadata.prompt_rows), as in
+    the cold run; with the decode kernels (float32 against bfloat16
+    products, an int8 query against a float one) outputs parted (measured on
+    6 prompts x 120 tokens: 2 and 3 of 6 equal before, 6 of 6 after)."""
+    llm = LLM(max_model_len=512, kv_cache_memory=MEMORY, kv_cache_dtype=kv_cache_dtype)
+    assert llm.core.info.numerics.activations == "int8"
+    assert llm.core.config.cache.enable_prefix_caching
+    block = llm.core.config.cache.block_size
+    lengths = (4, 6, 9, 12)
+    prompts = [
+        [(97 * i + 31 * j) % 40000 + 100 for j in range(n * block + 1)]
+        for i, n in enumerate(lengths)
+    ]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    cold = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    hits = llm.totals.prefix_cache_hits
+    warm = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.totals.prefix_cache_hits - hits == block * sum(lengths)
+    assert warm == cold

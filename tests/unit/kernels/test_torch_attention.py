@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu_kernels, reference, torch_attention
+from kernels.metadata import AttentionMetadata
 from tests.unit.kernels.batches import SHAPES, Shape, make_batch, new_kv_rows, over_bfloat16
 
 TOLERANCES = {
@@ -66,6 +67,45 @@ def test_all_decode_batch_not_flagged_decode_only() -> None:
     want = reference.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
     got = torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.1)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def _one_row(meta: AttentionMetadata, seq: int, row: int, prompt: bool) -> AttentionMetadata:
+    """Row `row` of sequence `seq` alone, as a prompt row or an output row."""
+    starts = meta.query_start_loc.tolist()
+    seq_len = int(meta.seq_lens[seq]) - (starts[seq + 1] - 1 - row)
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[row : row + 1],
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        block_table=meta.block_table[seq : seq + 1],
+        max_query_len=1,
+        max_seq_len=seq_len,
+        decode_only=not prompt,
+        prompt_rows=(int(prompt),),
+    )
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_take_their_kind_of_arithmetic_whatever_the_batch(cache_dtype: torch.dtype) -> None:
+    """prompt_rows: a chunk's prompt rows take the prefill kernels, its
+    output rows the decode kernels, each row bit for bit as when it runs
+    alone as that kind (a prompt token recomputed alone after a prefix hit;
+    a P/D decode pod's first output token after the prompt's tail)."""
+    shape = Shape((6, 1, 5), (40, 17, 21), 6, 2, 64, 16)
+    batch = make_batch(shape, dtype=cache_dtype, seed=5)
+    query = batch.query.float()
+    meta = dataclasses.replace(batch.meta, prompt_rows=(4, 1, 5))
+    got = torch_attention.paged_attention(query, batch.kv_cache, meta, 0.125)
+    kinds = (
+        [(0, r, r < 4) for r in range(6)] + [(1, 6, True)] + [(2, r, True) for r in range(7, 12)]
+    )
+    for seq, row, prompt in kinds:
+        alone = _one_row(meta, seq, row, prompt)
+        want = torch_attention.paged_attention(query[row : row + 1], batch.kv_cache, alone, 0.125)
+        assert torch.equal(got[row : row + 1], want), (seq, row, prompt)
+    # Each kind within the reference's tolerance of exact attention.
+    exact = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, 0.125)
+    torch.testing.assert_close(got, exact, atol=TOLERANCES[cache_dtype], rtol=0)
 
 
 @pytest.mark.parametrize("pad", [-1, 0, 10**6])
