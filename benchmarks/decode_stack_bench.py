@@ -15,26 +15,17 @@ load average before and after.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from offline_throughput import make_prompts, switched_runs  # noqa: E402
-
-from engine.llm import LLM  # noqa: E402
-from engine.models.loader import GEMMA3_MODEL  # noqa: E402
+from offline_throughput import make_prompts, switched_engine, switched_runs  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=GEMMA3_MODEL)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    args = parser.parse_args()
-    llm = LLM(model=args.model, max_model_len=1024, kv_cache_memory=2**30)
+    args, llm = switched_engine(__doc__)
     model = llm.core.worker.loaded.model
     stack = model.decode_stack
     if stack is None:

@@ -16,7 +16,6 @@ after (2 cores: a foreign busy process slows both alike).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -26,11 +25,10 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from offline_throughput import make_prompts, switched_runs  # noqa: E402
+from offline_throughput import make_prompts, switched_engine, switched_runs  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
 from engine.models.layers import Linear  # noqa: E402
-from engine.models.loader import GEMMA3_MODEL  # noqa: E402
 from kernels.quant import QuantizedWeight  # noqa: E402
 
 
@@ -61,11 +59,7 @@ class JoinedWeights:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    args = parser.parse_args()
-    llm = LLM(model=GEMMA3_MODEL, max_model_len=1024, kv_cache_memory=2**30)
+    args, llm = switched_engine(__doc__)
     joined = JoinedWeights(llm)
     prompts = make_prompts(64, 32, 512, llm.core.info.vocab_size)
     ways = {"joined blocks": True, "float32": False}

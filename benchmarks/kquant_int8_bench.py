@@ -17,7 +17,6 @@ both alike).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import sys
@@ -26,10 +25,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from offline_throughput import make_prompts, switched_runs  # noqa: E402
+from offline_throughput import make_prompts, switched_engine, switched_runs  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
-from engine.models.loader import GEMMA3_MODEL  # noqa: E402
 from kernels.quant import QuantizedWeight  # noqa: E402
 
 
@@ -45,11 +43,7 @@ def set_k_quant_int8(llm: LLM, on: bool) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    args = parser.parse_args()
-    llm = LLM(model=GEMMA3_MODEL, max_model_len=1024, kv_cache_memory=2**30)
+    args, llm = switched_engine(__doc__)
     numerics = llm.core.info.numerics
     print(f"numerics: {numerics.path}, {numerics.activations}, KV {numerics.kv_cache_dtype}")
     prompts = make_prompts(64, 32, 512, llm.core.info.vocab_size)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from engine.llm import LLM
-from engine.models.loader import resolve_model
+from engine.models.loader import GEMMA3_MODEL, resolve_model
 from engine.sampling_params import SamplingParams
 
 
@@ -107,6 +107,18 @@ def interleave(rounds: int, runs: dict[str, Callable[[], float]]) -> dict[str, l
             results[name].append(value)
             print(f"  round {r + 1}: {name:<28} {value:7.1f} output tok/s", flush=True)
     return results
+
+
+def switched_engine(doc: str) -> tuple[argparse.Namespace, LLM]:
+    """The A/B benchmarks' common start (decode_stack_bench, joined_qkv_bench,
+    kquant_int8_bench): ``--model`` (Gemma 3 270M unless told), ``--rounds``
+    and ``--new-tokens``, and one engine on the default settings."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", default=GEMMA3_MODEL)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    return args, LLM(model=args.model, max_model_len=1024, kv_cache_memory=2**30)
 
 
 def switched_runs(
