@@ -9,7 +9,9 @@ activations, a bfloat16 cache) is not batch- or chunk-invariant, so a
 an int8 KV cache instead (float activations): not invariant either, since
 its decode steps take integer arithmetic (a rounded query) where prefill
 chunks and draft verification read the rows as floats (12/16 on
-2026-11-29; every answer complete, none an error).
+2026-11-29; 15/16 once prompt rows take the prefill kernels and output rows
+the decode kernels, AttentionMetadata.prompt_rows; every answer complete,
+none an error). Its float activations are not batch-invariant either.
 
     .venv/bin/python benchmarks/compose_check.py
     .venv/bin/python benchmarks/compose_check.py --kv-cache-dtype int8
