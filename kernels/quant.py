@@ -53,7 +53,9 @@ llama.cpp does: faster, but each input is off by up to absmax(its block of
 32) / 254. With AVX-512 VNNI the integer dot products are vpdpbusd.
 
 Code paths (`ISAS`): "portable" C++, "avx2", "avx512" (AVX2's kernels plus
-VNNI dot products and, where present, AVX512_BF16's). The kernels are built
+VNNI dot products and, where present, AVX512_BF16's), "amx" (avx512's, with
+the int8 path's calls of 16 rows and more on AMX tiles: Intel Xeons from
+Sapphire Rapids, where the OS grants them; quant_linear_amx.cpp). The kernels are built
 for the machine they run on (-march=native); `quant_linear(isa=...)` caps
 the path, so tests run every one the CPU has.
 """
@@ -73,7 +75,9 @@ from kernels import cpu_kernels
 GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q6_k": 14}
 WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "q8_0", "int8", "bf16")
 # The kernels' code paths, plainest first; a build has a prefix of them.
-ISAS = ("portable", "avx2", "avx512")
+ISAS = ("portable", "avx2", "avx512", "amx")
+# The paths float inputs can take ("amx" changes only int8 activations' calls).
+FLOAT_ISAS = ISAS[:3]
 BLOCK = 32
 TILE_ROWS = 8  # output rows per tile (quant_tiles.h's kTile)
 _Q8_0_BLOCK_BYTES = 2 + BLOCK
@@ -244,6 +248,12 @@ def to_bf16(weight: torch.Tensor) -> QuantizedWeight:
 def available_isas() -> tuple[str, ...]:
     """The kernels' code paths this build has, from the plainest (`ISAS`)."""
     return ISAS[: kernels().quant_linear_best_isa() + 1]
+
+
+def cap_isa(isa: str) -> None:
+    """Caps every later call's code path at `isa` (serving's calls too), so a
+    benchmark compares paths inside one process; `ISAS[-1]` lifts the cap."""
+    kernels().quant_linear_cap_isa(_isa_level(isa))
 
 
 def bf16_dot_rows() -> int | None:

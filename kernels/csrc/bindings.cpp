@@ -47,7 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "float32 rows of a packed weight",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_linear_best_isa", &quant_linear_best_isa,
-        "the best SIMD path quant_linear has: 0 portable, 1 AVX2, 2 AVX-512 (VNNI)");
+        "the best SIMD path quant_linear has: 0 portable, 1 AVX2, 2 AVX-512 (VNNI), 3 AMX");
+  m.def("quant_linear_cap_isa", &quant_linear_cap_isa,
+        "cap every later quant_linear call (serving's too) at a path; returns the new best");
   m.def("quant_linear_bf16_dot_rows", &quant_linear_bf16_dot_rows,
         "from how many rows bf16 weights take bfloat16 inputs (AVX512_BF16); -1: never");
   m.def("cache_kv", &cache_kv, "reshape_and_cache for a float32 cache: K/V rows into slots");

@@ -46,7 +46,9 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
 void quant_linear_silu(at::Tensor out, at::Tensor gate_up, at::Tensor packed,
                        const c10::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor dequantize_rows(at::Tensor packed, at::Tensor rows, int64_t in_features);
-int64_t quant_linear_best_isa();  // 0 portable, 1 AVX2, 2 AVX-512 (VNNI)
+int64_t quant_linear_best_isa();  // 0 portable, 1 AVX2, 2 AVX-512 (VNNI), 3 AMX
+// Caps every later call's path at `level` (for A/B benchmarks); the new best.
+int64_t quant_linear_cap_isa(int64_t level);
 // From how many rows BF16 weights multiply bfloat16-rounded inputs
 // (AVX512_BF16, at the avx512 level); -1 where the build has no such path.
 int64_t quant_linear_bf16_dot_rows();

@@ -19,11 +19,13 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
 #include "cpu_ops.h"
 #include "quant_expand.h"
+#include "quant_int8_rows.h"
 
 namespace tandem_quant {
 namespace {
@@ -283,7 +285,7 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
   if (x.size(1) != padded) x = at::constant_pad_nd(x, {0, padded - x.size(1)});
   if (x.size(0) >= gemm_rows(kind_of(packed))) {
 #ifdef TANDEM_QUANT_AVX512_BF16
-    if (kind_of(packed) == Kind::BF16 && isa == Isa::Avx512) {
+    if (kind_of(packed) == Kind::BF16 && isa >= Isa::Avx512) {
       quant_linear_bf16_dot(o, x, packed);
       return;
     }
@@ -311,7 +313,27 @@ void quant_linear_silu(at::Tensor out, at::Tensor gate_up, at::Tensor packed,
   quant_linear_int8_silu(o, gate_up, packed, isa);
 }
 
-int64_t quant_linear_best_isa() { return static_cast<int64_t>(kBestIsa); }
+namespace {
+// quant_linear_cap_isa's cap (benchmarks compare paths inside one process).
+std::atomic<int64_t> isa_cap{static_cast<int64_t>(Isa::Amx)};
+}  // namespace
+
+Isa tandem_quant::best_isa() {
+  Isa best = kBuiltIsa;
+#ifdef TANDEM_QUANT_AMX
+  if (!amx_usable()) best = Isa::Avx512;
+#endif
+  return static_cast<Isa>(std::min(static_cast<int64_t>(best), isa_cap.load()));
+}
+
+int64_t quant_linear_best_isa() { return static_cast<int64_t>(best_isa()); }
+
+int64_t quant_linear_cap_isa(int64_t level) {
+  TORCH_CHECK(level >= 0 && level <= static_cast<int64_t>(Isa::Amx), "isa ", level,
+              " is not one of 0 (portable), 1 (avx2), 2 (avx512), 3 (amx)");
+  isa_cap.store(level);
+  return quant_linear_best_isa();
+}
 
 int64_t quant_linear_bf16_dot_rows() {
 #ifdef TANDEM_QUANT_AVX512_BF16

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <memory>
 
+#include "quant_int8_rows.h"
 #include "quant_tiles.h"
 #include "silu.h"
 
@@ -28,16 +29,6 @@ namespace {
 
 // Rows per pass over a task's tiles (kept in L2 meanwhile).
 constexpr int64_t kRowChunk = 64;
-
-// Each row of x quantized in blocks of 32: q int8 [M, nb * 32] (zero past
-// K), d and s float [M, nb], qsum (sum of a block's q) int32 [M, nb].
-struct QuantizedRows {
-  const int8_t* q;
-  const float *d, *s;
-  const int32_t* qsum;     // per block: sum of its 32 q
-  const int32_t* qsum_lo;  // per block: sum of its first 16 q (Q8H's halves)
-  int64_t nb;
-};
 
 // Room that grows to the largest call and is then reused, its contents
 // left as they are (every element is written before it is read): a decode
@@ -130,7 +121,7 @@ void quantize_row(const RowSource& src, int64_t m, int64_t nb, Isa isa, int8_t* 
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t k0 = b * kBlock, n = std::min(kBlock, src.K - k0);
 #ifdef TANDEM_QUANT_AVX512
-    if (isa == Isa::Avx512 && n == kBlock) {
+    if (isa >= Isa::Avx512 && n == kBlock) {
       quantize_block_avx512(x + k0, q + k0, d[b], s[b], qsum[b], qsum_lo[b]);
       continue;
     }
@@ -142,9 +133,14 @@ void quantize_row(const RowSource& src, int64_t m, int64_t nb, Isa isa, int8_t* 
 
 QuantizedRows quantize_rows(const RowSource& src, int64_t M, int64_t nb, Isa isa) {
   thread_local RowArena arena;
-  int8_t* q = arena.q.take(M * nb * kBlock);
-  float* d = arena.scales.take(2 * M * nb);
-  float* s = d + M * nb;
+  // Whole AMX tiles of rows; the rows past M are zeros.
+  const int64_t padded = (M + kAmxPadRows - 1) / kAmxPadRows * kAmxPadRows;
+  int8_t* q = arena.q.take(padded * nb * kBlock);
+  std::memset(q + M * nb * kBlock, 0, (padded - M) * nb * kBlock);
+  float* d = arena.scales.take(2 * padded * nb);
+  float* s = d + padded * nb;
+  std::fill(d + M * nb, d + padded * nb, 0.f);
+  std::fill(s + M * nb, s + padded * nb, 0.f);
   int32_t* qsum = arena.qsum.take(2 * M * nb);
   int32_t* qsum_lo = qsum + M * nb;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
@@ -474,10 +470,14 @@ void run(const at::Tensor& packed, const QuantizedRows& x, int64_t M, const OutT
          Isa isa) {
   const uint8_t* base = packed.data_ptr<uint8_t>();
   const int64_t nb = packed.size(1);
+#ifdef TANDEM_QUANT_AMX
+  if (isa == Isa::Amx && amx_takes(K) && M >= kAmxMinRows)
+    return amx_int8_linear(K, base, packed.size(0), nb, x, M, o);
+#endif
   const int64_t grain = std::max<int64_t>(4, 64 / std::max<int64_t>(M, 1));
   at::parallel_for(0, packed.size(0), grain, [&](int64_t t0, int64_t t1) {
 #ifdef TANDEM_QUANT_AVX512
-    if (isa == Isa::Avx512) return tiles_simd<K, true>(base, nb, x, t0, t1, M, o);
+    if (isa >= Isa::Avx512) return tiles_simd<K, true>(base, nb, x, t0, t1, M, o);
 #endif
 #ifdef TANDEM_QUANT_AVX2
     if (isa != Isa::Portable) return tiles_simd<K, false>(base, nb, x, t0, t1, M, o);

@@ -40,28 +40,37 @@
 #if defined(__AVX512BF16__)
 #define TANDEM_QUANT_AVX512_BF16 1
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TANDEM_QUANT_AMX 1
+#endif
 #endif
 #endif
 
 namespace tandem_quant {
 
 // Which code a call may use, at most: tests and benchmarks ask for each
-// path this build has; serving takes the best.
-enum class Isa : int64_t { Portable = 0, Avx2 = 1, Avx512 = 2 };
+// path this build has; serving takes the best. Amx is Avx512 plus AMX tiles
+// for the int8 path's many-row calls.
+enum class Isa : int64_t { Portable = 0, Avx2 = 1, Avx512 = 2, Amx = 3 };
 
-#if defined(TANDEM_QUANT_AVX512)
-constexpr Isa kBestIsa = Isa::Avx512;
+#if defined(TANDEM_QUANT_AMX)
+constexpr Isa kBuiltIsa = Isa::Amx;
+#elif defined(TANDEM_QUANT_AVX512)
+constexpr Isa kBuiltIsa = Isa::Avx512;
 #elif defined(TANDEM_QUANT_AVX2)
-constexpr Isa kBestIsa = Isa::Avx2;
+constexpr Isa kBuiltIsa = Isa::Avx2;
 #else
-constexpr Isa kBestIsa = Isa::Portable;
+constexpr Isa kBuiltIsa = Isa::Portable;
 #endif
 
-// `requested` (an Isa's number), capped at what this build has.
+// The best path this build has that the OS allows (AMX needs its leave).
+Isa best_isa();
+
+// `requested` (an Isa's number), capped at what this build and OS allow.
 inline Isa usable_isa(int64_t requested) {
-  TORCH_CHECK(requested >= 0 && requested <= 2, "isa ", requested,
-              " is not one of 0 (portable), 1 (avx2), 2 (avx512)");
-  return static_cast<Isa>(std::min<int64_t>(requested, static_cast<int64_t>(kBestIsa)));
+  TORCH_CHECK(requested >= 0 && requested <= 3, "isa ", requested,
+              " is not one of 0 (portable), 1 (avx2), 2 (avx512), 3 (amx)");
+  return static_cast<Isa>(std::min<int64_t>(requested, static_cast<int64_t>(best_isa())));
 }
 
 constexpr int64_t kTile = 8;    // output rows per tile

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import platform
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,7 @@ from gguf import GGMLQuantizationType, quants
 
 from kernels import cpu_kernels
 from kernels.quant import (
+    FLOAT_ISAS,
     ISAS,
     QuantizedWeight,
     ShardedWeight,
@@ -149,7 +153,7 @@ def _isa(isa: str) -> str:
     return isa
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", FLOAT_ISAS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q8_0", "int8", "bf16"])
 def test_float_activations_match_the_reference(fmt: str, rows: int, isa: str) -> None:
@@ -161,7 +165,7 @@ def test_float_activations_match_the_reference(fmt: str, rows: int, isa: str) ->
     got = quant_linear(x, qw, bias, isa=_isa(isa))
     want = F.linear(x, ref_w, bias)
     dot_rows = bf16_dot_rows()
-    if fmt == "bf16" and isa == "avx512" and dot_rows is not None and rows >= dot_rows:
+    if fmt == "bf16" and isa in ("avx512", "amx") and dot_rows is not None and rows >= dot_rows:
         # AVX512_BF16's dot products take the inputs rounded to bfloat16:
         # each off by at most 2^-9 of itself.
         bound = (x.abs() @ ref_w.abs().T) * 2**-9 * (1 + 1e-3) + 1e-5
@@ -268,7 +272,7 @@ def test_silu_fused_refuses_what_it_cannot_take() -> None:
         quant_linear_silu(torch.randn(3, 2 * IN), _int8_act("q4_1"), None, isa="sse")
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", FLOAT_ISAS)
 def test_bf16_takes_any_width_and_strided_rows(isa: str) -> None:
     """100 inputs (zero-padded to 128), 40 rows 2 x 100 apart: past
     bf16_dot_rows() where the CPU has AVX512_BF16."""
@@ -318,6 +322,15 @@ def test_kernels_report_their_simd_path() -> None:
     if flags:
         vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
         assert ("avx512" in available_isas()) == vnni
+        # AMX also needs the OS's leave (Linux 5.16 on) and TANDEM_AMX != "0".
+        if "amx" in available_isas():
+            assert {"amx_tile", "amx_int8"} <= flags and vnni
+        elif os.environ.get("TANDEM_AMX") != "0" and _kernel_version() >= (5, 16):
+            assert not {"amx_tile", "amx_int8"} <= flags
+
+
+def _kernel_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
 
 
 def _cpu_flags() -> set[str]:
