@@ -8,9 +8,9 @@
 namespace tandem_quant {
 
 // Each row of x quantized in blocks of 32: q int8 [rows, nb * 32] (zero past
-// K), d and s float [rows, nb], where rows = M rounded up to kAmxPadRows and the
-// rows past M are zeros (AMX's 16-row tiles never read past the end); qsum
-// (sum of a block's q) int32 [M, nb].
+// K), d and s float [rows, nb], where rows is M or, for calls the AMX kernel
+// takes, M rounded up to kAmxPadRows with the rows past M zeros (its tiles
+// never read past the end); qsum (sum of a block's q) int32 [M, nb].
 struct QuantizedRows {
   const int8_t* q;
   const float *d, *s;

@@ -133,8 +133,13 @@ void quantize_row(const RowSource& src, int64_t m, int64_t nb, Isa isa, int8_t* 
 
 QuantizedRows quantize_rows(const RowSource& src, int64_t M, int64_t nb, Isa isa) {
   thread_local RowArena arena;
-  // Whole AMX tiles of rows; the rows past M are zeros.
-  const int64_t padded = (M + kAmxPadRows - 1) / kAmxPadRows * kAmxPadRows;
+  // For the AMX kernel, whole tiles of rows, the rows past M zeros (only
+  // there: a decode call of one row would otherwise clear 31 more).
+  int64_t padded = M;
+#ifdef TANDEM_QUANT_AMX
+  if (isa == Isa::Amx && M >= kAmxMinRows)
+    padded = (M + kAmxPadRows - 1) / kAmxPadRows * kAmxPadRows;
+#endif
   int8_t* q = arena.q.take(padded * nb * kBlock);
   std::memset(q + M * nb * kBlock, 0, (padded - M) * nb * kBlock);
   float* d = arena.scales.take(2 * padded * nb);
