@@ -40,7 +40,7 @@ from engine.errors import (
 from engine.frontend import FrontEnd
 from engine.kv_events import KvEventHub, KvEventSubscription
 from engine.lora.request import LoRARequest
-from engine.models.loader import load_tokenizer
+from engine.models.loader import load_tokenizer, resolve_model
 from engine.observer import EngineObserver, GuardedObserver
 from engine.output_processor import OutputKind
 from engine.request import FinishReason, Request
@@ -123,8 +123,12 @@ class AsyncEngine:
         max_waiting_requests: int = 1024,
         observer: EngineObserver | None = None,
     ) -> AsyncEngine:
+        # First: a template that does not render fails before the weights load.
+        model = config.model
+        tokenizer = await asyncio.to_thread(
+            lambda: load_tokenizer(resolve_model(model.model), model.chat_template)
+        )
         thread, core = await EngineThread.launch(lambda: EngineCore(config))
-        tokenizer = await asyncio.to_thread(load_tokenizer, core.info.model_path)
         return cls(
             thread, core, tokenizer, max_waiting_requests=max_waiting_requests, observer=observer
         )

@@ -15,6 +15,16 @@ legitimate content (a question about ChatML, a pasted log or source file)
 that clients send without knowing the model's tokens, and OpenAI's API
 takes it as text; engines that tokenize the rendered prompt with special
 tokens recognized (vLLM's default) let a user forge system turns instead.
+
+A server's template is the checkpoint's own unless ``--chat-template``
+(``ModelConfig.chat_template``) names a file or holds a template, as vLLM's
+flag does: a GGUF carries no template where its converter left it out
+(Gemma 3 270M's), and users swap a template to change a default system
+prompt. ``read_chat_template`` (engine/config.py) resolves the option;
+``check_chat_template`` checks it renders; ``load_tokenizer``
+(engine/models/loader.py) sets it on the tokenizer, the one owner of the
+template a server uses (the gateway's copy is taken from it:
+service/tokenizer_bundle.py).
 """
 
 from __future__ import annotations
@@ -22,12 +32,16 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jinja2
 from jinja2 import nodes
-from transformers import PreTrainedTokenizerBase
 
+from engine.config import ConfigError
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ChatMessage = dict[str, str]
 
@@ -60,7 +74,6 @@ class ChatTemplate:
         self._special_ids = {t.content: i for i, t in added if t.special}
         self.special_tokens = tuple(sorted(self._special_ids, key=lambda t: (-len(t), t)))
         self._special = _any_of(self.special_tokens)
-        self._added_ids = _ids_encode_adds(tokenizer)
         template = tokenizer.chat_template
         self.roles = STANDARD_ROLES | (
             template_roles(template) if isinstance(template, str) else frozenset()
@@ -92,8 +105,14 @@ class ChatTemplate:
         pattern = self._special
         if pattern is None or not any(pattern.search(m["content"]) for m in messages):
             # Nothing to keep apart: the plain tokenization of the text.
-            return RenderedChat(text, list(self.tokenizer.encode(text)))
+            return RenderedChat(text, self._plain(text))
         return RenderedChat(text, self._encode_content_as_text(messages, field, pattern))
+
+    @property
+    def text(self) -> str | None:
+        """The template's source (None: no template, or several named ones)."""
+        template = self.tokenizer.chat_template
+        return template if isinstance(template, str) else None
 
     def _encode_content_as_text(
         self, messages: list[ChatMessage], field: str, pattern: re.Pattern[str]
@@ -103,7 +122,7 @@ class ChatTemplate:
         in the rendered text is the template's own; tokenizes the text
         between those with special tokens split into their characters,
         each placeholder spelled out again. Text without special tokens in
-        content gets ``tokenizer.encode``'s ids exactly."""
+        content gets ``_plain``'s ids exactly."""
         nonce = secrets.token_hex(8)  # content cannot guess it
         marks = {t: f"\ue000{nonce}.{i}\ue001" for i, t in enumerate(self.special_tokens)}
         spelled = {mark: token for token, mark in marks.items()}
@@ -122,8 +141,15 @@ class ChatTemplate:
                 ids += self.tokenizer.encode(
                     text, add_special_tokens=False, split_special_tokens=True
                 )
-        prefix, suffix = self._added_ids
-        return [*prefix, *ids, *suffix]
+        return ids
+
+    def _plain(self, text: str) -> list[int]:
+        """The rendered text's ids, with no BOS or EOS added: a template
+        writes the special tokens it wants (Llama 3's and Gemma's start
+        with ``{{ bos_token }}``), as transformers' ``apply_chat_template``
+        and the gateway (smg) tokenize it; adding them again doubled the
+        BOS."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _check_role(self, field: str, role: str) -> None:
         """Only roles the template knows: a role is pasted into the prompt
@@ -138,20 +164,25 @@ class ChatTemplate:
         )
 
 
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, origin: str) -> None:
+    """Renders a one-message chat with the tokenizer's template, so a broken
+    template (bad syntax, a variable it requires) fails at start-up with the
+    reason, not on every chat request. ``origin`` says where the template
+    came from, for the error."""
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # jinja2's syntax and runtime errors, and the template's raise_exception
+        raise ConfigError(
+            f"chat_template from {origin} is invalid: it does not render a one-message "
+            f"chat: {type(e).__name__}: {e}"
+        ) from None
+
+
 def _any_of(tokens: tuple[str, ...]) -> re.Pattern[str] | None:
     """Matches any of ``tokens`` as a group (None: no tokens)."""
     return re.compile("(" + "|".join(map(re.escape, tokens)) + ")") if tokens else None
-
-
-def _ids_encode_adds(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
-    """The ids ``tokenizer.encode`` puts before and after a text's own
-    (a BOS for Llama-family tokenizers; none for ChatML ones)."""
-    bare = list(tokenizer.encode("a", add_special_tokens=False))
-    full = list(tokenizer.encode("a"))
-    for at in range(len(full) - len(bare) + 1):
-        if full[at : at + len(bare)] == bare:
-            return full[:at], full[at + len(bare) :]
-    return [], []
 
 
 def template_roles(template: str) -> frozenset[str]:

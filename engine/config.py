@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import types
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
@@ -364,6 +365,13 @@ class ModelConfig:
         choices=KV_CACHE_DTYPES,
     )
     seed: int = knob(0, "seed for unseeded sampling")
+    # engine/chat_template.py: a GGUF may carry none (Gemma 3 270M's).
+    chat_template: str | None = knob(
+        None,
+        "a Jinja chat template used instead of the model's: a file's path, or the "
+        "template itself (vLLM's --chat-template); the gateway renders with it too",
+        unset="the model's own",
+    )
     # CUDA graphs for decode steps (engine/worker/cuda_graphs.py); vLLM's names.
     enforce_eager: bool = knob(
         False, "run every step eagerly on CUDA: no CUDA graphs for decode steps"
@@ -403,6 +411,8 @@ class ModelConfig:
             "'auto', 'none', 'gguf', 'int8' or 'bf16'",
         )
         self._check_exact()
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)  # raises ConfigError naming it
         _require(
             self.kv_cache_memory is None or self.kv_cache_memory > 0,
             "kv_cache_memory",
@@ -438,6 +448,33 @@ class ModelConfig:
             self.kv_cache_dtype,
             f"'auto' or the model's dtype {self.dtype!r} with exact=True",
         )
+
+
+# Characters a template has and a file's path (almost) never does: vLLM's
+# test for "the option is the template itself".
+_TEMPLATE_MARKS = ("{{", "{%", "\n")
+
+
+def read_chat_template(option: str) -> str:
+    """The template ``--chat-template`` gives: the file it names, or the
+    option itself where it is a template (holds ``{{``, ``{%`` or a line
+    break) rather than a path. Raises ``ConfigError`` naming the option
+    when neither holds or the file cannot be read; the template is checked
+    further (it must render a one-message chat) once the tokenizer loads
+    (engine/chat_template.py ``check_chat_template``)."""
+    if any(mark in option for mark in _TEMPLATE_MARKS):
+        return option
+    try:
+        text = Path(option).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(
+            f"chat_template={option!r} is invalid: not a template (no '{{{{' or '{{%') "
+            f"and not a readable file ({reason})"
+        ) from None
+    if not text.strip():
+        raise ConfigError(f"chat_template={option!r} is invalid: the file is empty")
+    return text
 
 
 def _json_fields(cls: type, name: str, text: str) -> dict[str, Any]:

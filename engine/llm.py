@@ -42,7 +42,7 @@ from engine.core import EngineCore
 from engine.frontend import FrontEnd
 from engine.input_processor import InputProcessor, ProcessedPrompt
 from engine.lora.request import LoRARequest
-from engine.models.loader import load_tokenizer
+from engine.models.loader import load_tokenizer, resolve_model
 from engine.output_processor import OutputKind, RequestOutput
 from engine.request import FinishReason
 from engine.request_options import RequestOptions
@@ -69,8 +69,9 @@ class LLM:
         format in memory is then ``llm.core.info.weight_format``, the
         numerics that run ``llm.core.info.numerics`` (engine/numerics.py)."""
         config = _apply_overrides(config or EngineConfig(), model, overrides)
-        core = EngineCore(config)
-        self._attach(core, load_tokenizer(core.info.model_path))
+        # First: a template that does not render fails before the weights load.
+        tokenizer = load_tokenizer(resolve_model(config.model.model), config.model.chat_template)
+        self._attach(EngineCore(config), tokenizer)
 
     @classmethod
     def around(cls, core: EngineCore, tokenizer: PreTrainedTokenizerBase) -> LLM:

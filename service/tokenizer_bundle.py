@@ -2,6 +2,18 @@
 gateway (smg) builds its tokenizer and chat template from it, so it needs
 no copy of the model's files.
 
+The chat template in it is the one this server renders with (the
+tokenizer's: the checkpoint's own, or ``--chat-template``'s), written as
+``chat_template.jinja``: smg takes a template file over
+tokenizer_config.json's entry, as transformers does, so the gateway and
+Tandem's own chat input render alike. The directory's own template files
+are left out then (smg reads chat_template.json before .jinja).
+
+A gateway on the pod's host loads the tokenizer from the path GetModelInfo
+reports, not from this archive: with ``--chat-template`` that path is the
+archive unpacked into Tandem's cache (``TokenizerBundle.directory``), so
+both ways give the gateway the server's template.
+
 Built once per process on a worker thread (reading and deflating the files
 takes a few hundred milliseconds the event loop must not spend), then
 served from memory: the model directory does not change while it serves.
@@ -12,10 +24,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import os
+import shutil
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.models.loader import cache_dir
 
 # What a tokenizer and chat template are built from (the names the
 # transformers and tokenizers libraries read), plus the model's config for
@@ -34,6 +51,10 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 
+# The template's file in the archive, and the directory's files it replaces.
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_FILES = ("chat_template.json", TEMPLATE_FILE)
+
 # The gateway reassembles chunks of at most this size (smg's own limit).
 CHUNK_BYTES = 64 * 1024
 
@@ -51,32 +72,64 @@ class Archive:
             yield self.data[start:end], self.sha256 if end >= len(self.data) else ""
 
 
-def build_archive(model_dir: Path) -> Archive:
-    """Raises FileNotFoundError when the directory has no tokenizer file."""
+def build_archive(model_dir: Path, chat_template: str | None = None) -> Archive:
+    """The directory's tokenizer files, with ``chat_template`` (when given)
+    as the archive's only template file. Raises FileNotFoundError when the
+    directory has no tokenizer file."""
     buf = io.BytesIO()
     found = 0
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
         for name in TOKENIZER_FILES:
             path = model_dir / name
-            if path.is_file():
+            if path.is_file() and not (chat_template is not None and name in TEMPLATE_FILES):
                 zf.write(path, name)
                 found += 1
-    if not found:
-        raise FileNotFoundError(f"no tokenizer files in {model_dir}")
+        if not found:
+            raise FileNotFoundError(f"no tokenizer files in {model_dir}")
+        if chat_template is not None:
+            zf.writestr(TEMPLATE_FILE, chat_template)
     data = buf.getvalue()
     return Archive(data, hashlib.sha256(data).hexdigest())
 
 
-class TokenizerBundle:
-    """One model directory's archive, built on first use."""
+def unpack(archive: Archive, root: Path) -> Path:
+    """The archive's files in ``root/<digest>``: written once (into a
+    temporary directory, then renamed, so a reader never sees half of
+    them), shared by every server with the same files."""
+    target = root / archive.sha256[:24]
+    if target.is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".unpacking-"))
+    with zipfile.ZipFile(io.BytesIO(archive.data)) as zf:
+        zf.extractall(staging)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another server unpacked the same files first
+        shutil.rmtree(staging)
+    return target
 
-    def __init__(self, model_dir: Path) -> None:
+
+class TokenizerBundle:
+    """One model directory's archive with the server's chat template
+    (None: none, or the directory's own named templates), built on first
+    use."""
+
+    def __init__(self, model_dir: Path, chat_template: str | None) -> None:
         self.model_dir = model_dir
+        self.chat_template = chat_template
         self._archive: Archive | None = None
         self._lock = asyncio.Lock()
 
     async def archive(self) -> Archive:
         async with self._lock:
             if self._archive is None:
-                self._archive = await asyncio.to_thread(build_archive, self.model_dir)
+                self._archive = await asyncio.to_thread(
+                    build_archive, self.model_dir, self.chat_template
+                )
             return self._archive
+
+    async def directory(self) -> Path:
+        """The archive's files as a directory (``unpack``) under the cache."""
+        archive = await self.archive()
+        return await asyncio.to_thread(unpack, archive, cache_dir() / "tokenizers")

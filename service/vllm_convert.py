@@ -255,6 +255,7 @@ class ModelFacts:
 
     served_model_name: str
     model_path: str
+    tokenizer_path: str  # the model's directory, or one with --chat-template's template
     architecture: str
     model_type: str
     max_model_len: int
@@ -282,7 +283,7 @@ def model_info(facts: ModelFacts) -> vpb.GetModelInfoResponse:
         vocab_size=facts.vocab_size,
         supports_vision=False,
         served_model_name=facts.served_model_name,
-        tokenizer_path=facts.model_path,
+        tokenizer_path=facts.tokenizer_path,
         model_type=facts.model_type,
         architectures=[facts.architecture],
         eos_token_ids=facts.eos_token_ids,

@@ -79,7 +79,10 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
 
     def attach(self, engine: AsyncEngine) -> None:
         super().attach(engine)
-        self._tokenizer = TokenizerBundle(engine.info.model_path)
+        # --chat-template: the archive carries it (the directory's own otherwise).
+        override = engine.config.model.chat_template is not None
+        template = engine.front.inputs.chat.text if override else None
+        self._tokenizer = TokenizerBundle(engine.info.model_path, template)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -206,9 +209,16 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
         info = engine.info
         inputs = engine.front.inputs
         tokenizer = inputs.tokenizer
+        # A gateway on this host reads the tokenizer from this path: the
+        # model's directory, or the archive's files where they differ.
+        tokenizer_path = info.model_path
+        bundle = self._tokenizer
+        if bundle is not None and bundle.chat_template is not None:
+            tokenizer_path = await bundle.directory()
         facts = convert.ModelFacts(
             served_model_name=self.served_model_name or info.model_name,
             model_path=str(info.model_path),
+            tokenizer_path=str(tokenizer_path),
             architecture=info.architecture,
             model_type=convert.model_type(info.model_path),
             max_model_len=info.max_model_len,

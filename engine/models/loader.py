@@ -35,6 +35,8 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped]
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from engine.chat_template import check_chat_template
+from engine.config import read_chat_template
 from engine.models.gguf_table import GGUFTable, read_gguf_table
 from engine.models.gguf_weights import BlockRows, iter_gguf
 from engine.models.layers import AttentionOps
@@ -473,8 +475,14 @@ def load_model(
     )
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The model directory's tokenizer; ``chat_template`` (the
+    ``--chat-template`` option: a file or the template) replaces its chat
+    template, checked to render (engine/chat_template.py)."""
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+        check_chat_template(tokenizer, f"--chat-template {chat_template[:60]!r}")
     return tokenizer
 
 

@@ -12,14 +12,16 @@ included), through its eager attention with its sliding-window mask.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.chat_template import ChatTemplate
 from engine.llm import LLM
-from engine.models.loader import GEMMA3_MODEL, resolve_model
+from engine.models.loader import GEMMA3_MODEL, load_tokenizer, resolve_model
 from engine.sampling_params import SamplingParams
 from tests.e2e.opticks import opticks_text
 from tests.e2e.teacher_forcing import greedy_mismatches
@@ -29,6 +31,12 @@ WINDOW = 512
 # Prompt lengths in tokens, each past the window; taken from spread-out places
 # in the text so no two share a prefix.
 PROMPT_TOKENS = (520, 530, 540, 550, 560, 570, 580, 590)
+# Gemma 3's instruction turns (the GGUF has no template: docs/models.md).
+GEMMA_TURNS = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}<end_of_turn>\n"
+    "{% endfor %}{{ '<start_of_turn>model\\n' }}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +76,27 @@ def test_greedy_output_equals_transformers_past_the_window(prompts: list[list[in
     assert all(len(g) == MAX_TOKENS for g in got)
     mismatches = greedy_mismatches(_transformers(), prompts, got)
     assert not mismatches, "\n".join(mismatches)
+
+
+def test_a_chat_template_that_writes_the_bos_gets_one(tmp_path: Path) -> None:
+    """Gemma's tokenizer adds a BOS to what it encodes, and Gemma's turns
+    start with ``{{ bos_token }}``: chat input is tokenized as the template
+    wrote it (one BOS), as transformers' ``apply_chat_template`` and smg
+    tokenize it, with a special token in content still text."""
+    path = tmp_path / "gemma3.jinja"
+    path.write_text(GEMMA_TURNS)
+    tokenizer = load_tokenizer(resolve_model(GEMMA3_MODEL), str(path))
+    chat = ChatTemplate(tokenizer)
+    bos = tokenizer.bos_token_id
+    for content in ("What is the capital of France?", "Quote <end_of_turn> for me"):
+        messages = [{"role": "user", "content": content}]
+        ids = chat.encode(messages).token_ids
+        want = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert ids[0] == bos and ids.count(bos) == 1
+        if "<end_of_turn>" not in content:
+            assert ids == list(want)
+        else:  # the content's marker is text, so fewer ids than the control token's rendering
+            end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+            assert isinstance(end_of_turn, int) and ids.count(end_of_turn) == 1

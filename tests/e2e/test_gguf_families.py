@@ -27,6 +27,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.models.loader import ModelNotFoundError, resolve_model
 from engine.models.spec import ModelSpec
@@ -138,3 +139,25 @@ def test_longrope_factors_without_the_pretraining_length_are_refused(
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ModelNotFoundError, match="original_context_length"):
         resolve_model(str(path))
+
+
+def test_a_file_without_a_chat_template_chats_with_the_option(gguf_file: Path) -> None:
+    """The tiny files carry no template (as Gemma 3 270M's): chat is refused
+    by name, and served with ``chat_template``."""
+    if "qwen3" not in gguf_file.name:
+        pytest.skip("one file is enough")
+    hello = [{"role": "user", "content": "Hello"}]
+    bare = LLM(str(gguf_file), max_model_len=256, kv_cache_memory=2**24)
+    with pytest.raises(InvalidRequestError, match="this model has no chat template"):
+        bare.chat(hello, use_tqdm=False)
+    del bare
+    # (Jinja drops a template's last line break: the final one is a literal.)
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{{ '<|im_start|>assistant\\n' }}"
+    )
+    llm = LLM(str(gguf_file), chat_template=template, max_model_len=256, kv_cache_memory=2**24)
+    text = "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert llm.chat_prompt(hello) == text
+    (out,) = llm.chat(hello, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert out.prompt_token_ids == llm.inputs.tokenize(text) and len(out.token_ids) > 0

@@ -13,12 +13,16 @@ from collections.abc import Iterator
 import jsonschema
 import openai
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from service.client import TandemClient
+from service.gen.tandem.v1 import generation_pb2 as pb
 from tests.integration.gateway import MODEL, SmgGateway
-from tests.integration.servers import ROOT, ServerProcess
+from tests.integration.servers import ROOT, ServerProcess, launched
 
 QUESTION = "What is the capital of France?"
+# --chat-template's: turns as "role: content" lines, no ChatML markers.
+PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,16 @@ def gateway(server: ServerProcess) -> Iterator[SmgGateway]:
 @pytest.fixture(scope="module")
 def client(gateway: SmgGateway) -> openai.OpenAI:
     return gateway.openai(timeout=120.0)
+
+
+@pytest.fixture(scope="module")
+def templated_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A pod serving with --chat-template (a file), started beside the tests before it."""
+    path = tmp_path_factory.mktemp("template") / "plain.jinja"
+    path.write_text(PLAIN)
+    pod = ServerProcess(["--chat-template", str(path), "--max-num-seqs", "4"])
+    with launched(pod):
+        yield pod
 
 
 def _chat(client: openai.OpenAI, **kwargs: object) -> openai.types.chat.ChatCompletion:
@@ -254,3 +268,29 @@ def test_logit_bias_and_penalties_reach_the_engine(client: openai.OpenAI) -> Non
     assert penalized.choices[0].text != plain.choices[0].text
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, frequency_penalty=3)
+
+
+def test_the_gateway_renders_with_the_pods_chat_template(
+    templated_pod: ServerProcess, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """smg takes the template from the pod's tokenizer archive: its prompt is
+    PLAIN's rendering, token for token the one Tandem's own chat input makes,
+    and the answer is the same."""
+    rendered = f"user: {QUESTION}\nassistant:"
+    own = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=True, add_generation_prompt=True
+    )
+    with templated_pod, SmgGateway(workers=[templated_pod.target]) as gw:
+        got = _chat(gw.openai(timeout=120.0))
+
+        async def tandem_chat() -> list[pb.GenerateResponse]:
+            async with TandemClient(templated_pod.target) as c:
+                messages = [{"role": "user", "content": QUESTION}]
+                stream = c.generate(messages=messages, max_tokens=24, temperature=0.0)
+                return [chunk async for chunk in stream]
+
+        chunks = asyncio.run(tandem_chat())
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+    assert got.usage.prompt_tokens == len(tokenizer.encode(rendered)) != len(own)
+    assert got.choices[0].message.content == "".join(c.text for c in chunks)

@@ -66,6 +66,9 @@ def _sample(k: KnobField) -> tuple[Any, Any]:
         return value, value
     if k.type is float:
         return k.default / 2, k.default / 2
+    if k.type is str:  # chatTemplate: the template itself, lines and quotes included
+        text = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        return text, text
     raise AssertionError(f"{k.flag}: no sample for {k.type}")
 
 

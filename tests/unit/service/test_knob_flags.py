@@ -62,6 +62,8 @@ def _argv(k: KnobField) -> tuple[list[str], Any]:
         return [k.flag, choice], choice
     if k.knob.size:
         return [k.flag, "1G"], 2**30
+    if k.name == "chat_template":  # a file that exists, or the template itself
+        return [k.flag, "{{ messages[0]['content'] }}"], "{{ messages[0]['content'] }}"
     if k.type is str:
         return [k.flag, "/models/m"], "/models/m"
     if k.type is float:
