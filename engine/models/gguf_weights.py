@@ -76,6 +76,9 @@ _IN_LAYER_BY_ARCH = {"gemma3": _IN_GEMMA_LAYER, "phi3": _IN_PHI3_LAYER}
 # the weight, Gemma's by 1 + weight): the reader takes the one off again, as
 # transformers' GGUF loader does, so every source yields HF's values.
 _NORM_OFFSET = {"gemma3": 1.0}
+# Architectures whose llama.cpp converter permutes q/k rows (its LlamaModel
+# and the models derived from it).
+_PERMUTED_QK = ("llama", "granite", "smollm3")
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ def iter_gguf(path: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor |
     for tensor in table.tensors:
         name = hf_name(tensor.name, table.architecture) or tensor.name
         shape = tensor.shape
-        rows = _heads_permutation(name, shape[0], spec) if table.architecture == "llama" else None
+        permuted = table.architecture in _PERMUTED_QK
+        rows = _heads_permutation(name, shape[0], spec) if permuted else None
         fmt = _BLOCK_FORMATS.get(tensor.tensor_type)
         if fmt is not None and len(shape) == 2:
             data = torch.from_numpy(np.array(tensor.data)).view(shape[0], -1)

@@ -32,12 +32,18 @@ from gguf import GGMLQuantizationType
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from engine.chat_template import check_chat_template
 from engine.config import read_chat_template
-from engine.models.gguf_table import GGUFTable, read_gguf_table
+from engine.models.gguf_table import GGUFTable, Scalar, read_gguf_table
 from engine.models.gguf_weights import BlockRows, iter_gguf
 from engine.models.layers import AttentionOps
 from engine.models.llama import LlamaForCausalLM
@@ -75,6 +81,12 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+
+# GGUF architectures transformers' GGUF reader refuses (it knows their HF
+# classes, not their files): Tandem reads their config from the metadata
+# (``_config_from_table``), their tensors with its own reader (iter_gguf)
+# and their tokenizer by its type, as llama.cpp names them.
+_OWN_READER = {"granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -305,7 +317,11 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         config.save_pretrained(out)
         bar.update()
         bar.set_postfix_str(steps[3])
-        tokenizer = AutoTokenizer.from_pretrained(
+        # AutoTokenizer reads the file's config first, which transformers
+        # refuses for _OWN_READER's files; the fast tokenizer needs only the
+        # tokenizer's fields (their type says which builder).
+        auto = spec.architecture not in _OWN_READER.values()
+        tokenizer = (AutoTokenizer if auto else PreTrainedTokenizerFast).from_pretrained(
             gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
         )
         tokenizer.save_pretrained(out)
@@ -313,6 +329,9 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
 
 def _gguf_config(gguf_path: Path) -> PretrainedConfig:
+    table = read_gguf_table(gguf_path)
+    if table.architecture in _OWN_READER:
+        return _config_from_table(gguf_path, table)
     config = AutoConfig.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
     )
@@ -320,12 +339,62 @@ def _gguf_config(gguf_path: Path) -> PretrainedConfig:
     # Fail before the slow tensor pass, with the registry's message.
     model_class(architecture or f"<GGUF model_type {config.model_type!r}>")
     config.architectures = [architecture]
-    table = read_gguf_table(gguf_path)
     if config.model_type == "phi3":
         _read_partial_rotary(table, config)
     _read_longrope(gguf_path, table, config)
     checked: PretrainedConfig = config
     return checked
+
+
+def _config_from_table(gguf_path: Path, table: GGUFTable) -> PretrainedConfig:
+    """The HF config of a Llama-derived GGUF (``_OWN_READER``) from the
+    keys llama.cpp's converter writes: a Llama's shape, plus Granite's four
+    multipliers. SmolLM3's no-RoPE layers are not in the file: llama.cpp
+    fixes them at every 4th layer, as HF's default interval does."""
+    arch = table.architecture
+    where = f"GGUF file {str(gguf_path)!r} ({arch})"
+
+    def get(key: str, default: Scalar | None = None) -> Any:
+        value = table.scalars.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelNotFoundError(f"{where} lacks {arch}.{key}")
+        return value
+
+    embeddings = table.tensor("token_embd.weight")
+    if embeddings is None:
+        raise ModelNotFoundError(f"{where} has no token_embd.weight tensor")
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    fields: dict[str, Any] = dict(
+        vocab_size=embeddings.shape[0],
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=get("attention.key_length", hidden // heads),
+        max_position_embeddings=get("context_length"),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": get("rope.freq_base", 10000.0)},
+        tie_word_embeddings=table.tensor("output.weight") is None,
+        bos_token_id=table.scalars.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=table.scalars.get("tokenizer.ggml.eos_token_id"),
+        # Not the class's default (SmolLM3's is past a small vocabulary).
+        pad_token_id=table.scalars.get("tokenizer.ggml.padding_token_id"),
+    )
+    if arch == "smollm3":
+        fields["no_rope_layer_interval"] = 4  # llama.cpp's constant (no key)
+    if arch == "granite":
+        fields.update(
+            embedding_multiplier=get("embedding_scale"),
+            residual_multiplier=get("residual_scale"),
+            attention_multiplier=get("attention.scale"),
+            logits_scaling=get("logit_scale"),
+        )
+    architecture = _OWN_READER[arch]
+    config = AutoConfig.for_model(arch, **fields)
+    config.architectures = [architecture]
+    return config
 
 
 def _read_partial_rotary(table: GGUFTable, config: PretrainedConfig) -> None:
@@ -401,13 +470,20 @@ def _gguf_tensors(
 ) -> dict[str, torch.Tensor]:
     """Dequantized float32 tensors under HF names (Q/K un-permuted by transformers)."""
     names = tuple(hf_parameter_names(spec))
-    parsed = load_gguf_checkpoint(  # type: ignore[no-untyped-call]
-        str(gguf_path),
-        return_tensors=True,
-        model_to_load=_HFNames(config, names),
-        torch_dtype=torch.float32,
-    )
-    tensors: dict[str, torch.Tensor] = parsed["tensors"]
+    tensors: dict[str, torch.Tensor]
+    if spec.architecture in _OWN_READER.values():
+        tensors = {
+            name: t.to_float() if isinstance(t, BlockRows) else t
+            for name, t in iter_gguf(gguf_path, spec)
+        }
+    else:
+        parsed = load_gguf_checkpoint(  # type: ignore[no-untyped-call]
+            str(gguf_path),
+            return_tensors=True,
+            model_to_load=_HFNames(config, names),
+            torch_dtype=torch.float32,
+        )
+        tensors = parsed["tensors"]
     missing = sorted(set(names) - set(tensors))
     if missing:
         raise ModelNotFoundError(

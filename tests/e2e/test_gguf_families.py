@@ -1,10 +1,14 @@
-"""Qwen3 and Phi-3 from GGUF files: tiny random models written the way
-llama.cpp lays them out (tests/unit/engine/models/tiny_gguf.py: its metadata,
-tensor names, Q8_0 blocks for the 2-d weights, SmolLM2's tokenizer fields),
-loaded by `--model <file>.gguf`, run on the GGUF's blocks, generate what
-transformers generates from the same file (its own GGUF loader dequantizes
-them: the directory Tandem's conversion keeps), greedy, 32 tokens on 4
-prompts. Qwen3 has QK-norm; Phi-3 keeps its
+"""Qwen3, Phi-3, Granite and SmolLM3 from GGUF files: tiny random models
+written the way llama.cpp lays them out (tests/unit/engine/models/tiny_gguf.py:
+its metadata, tensor names, q/k row order, Q8_0 blocks for the 2-d weights,
+SmolLM2's tokenizer fields), loaded by `--model <file>.gguf`, run on the
+GGUF's blocks, generate what transformers generates from the same file (the
+directory Tandem's conversion keeps: transformers' own GGUF loader
+dequantizes Qwen3's and Phi-3's; Granite's and SmolLM3's, which that loader
+refuses, are read by Tandem, so their weights are also checked against the
+model the file was written from), greedy, 32 tokens on 4 prompts. Granite
+has its four multipliers, SmolLM3 a layer without RoPE (every 4th: llama.cpp
+stores no key for it). Qwen3 has QK-norm; Phi-3 keeps its
 fused q/k/v and gate/up in one tensor each (attn_qkv, ffn_up), and this one
 is Phi-4-mini's kind: partial rotary (``rope.dimension_count``) and LongRoPE
 (its factors as tensors, its pretraining length as metadata), which
@@ -22,9 +26,11 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    GraniteConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 from engine.errors import InvalidRequestError
@@ -49,6 +55,18 @@ SHAPE: dict[str, Any] = dict(
 CONFIGS: dict[str, PretrainedConfig] = {
     # Qwen3's GGUF config has no head_dim: transformers takes its default, 128.
     "qwen3": Qwen3Config(**SHAPE, head_dim=128, tie_word_embeddings=True),
+    "granite": GraniteConfig(
+        **SHAPE,
+        embedding_multiplier=6.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+        tie_word_embeddings=True,
+    ),
+    # Four layers: the 4th attends without RoPE.
+    "smollm3": SmolLM3Config(
+        **{**SHAPE, "num_hidden_layers": 4}, pad_token_id=0, tie_word_embeddings=False
+    ),
     # Rotary dim 12 of head dim 16, six LongRoPE pairs. The pretraining
     # length (128) covers prompt and output: transformers switches a whole
     # sequence to the long factors past it, Tandem a position (see
@@ -83,6 +101,7 @@ def gguf_file(
     )
     path = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf"
     write_tiny_gguf(seeded(hf), path, q8_0=True)
+    torch.save(hf.state_dict(), path.with_suffix(".pt"))  # the weights written
     # The conversion's cache, kept out of the user's.
     monkeypatch_module.setenv("TANDEM_CACHE_DIR", str(path.parent / "cache"))
     return path
@@ -106,6 +125,26 @@ def test_greedy_output_equals_transformers_from_the_same_file(gguf_file: Path) -
     # (loading the GGUF again would parse it again, for the same values).
     hf: Any = AutoModelForCausalLM.from_pretrained(resolve_model(str(gguf_file)))
     assert greedy_mismatches(hf.eval(), prompts, outputs) == []
+
+
+def test_the_converted_weights_and_config_are_the_models(gguf_file: Path) -> None:
+    """Each tensor of the conversion is the one the file was written from,
+    within Q8_0's rounding (half a step of 1/127 of a block's largest value:
+    under 0.5% of a tensor's), so names and q/k row order were undone; the
+    config holds the family's settings."""
+    written = torch.load(gguf_file.with_suffix(".pt"))
+    converted: Any = AutoModelForCausalLM.from_pretrained(resolve_model(str(gguf_file)))
+    got = converted.state_dict()
+    for name, want in written.items():
+        if name == "lm_head.weight" and converted.config.tie_word_embeddings:
+            continue
+        error = (got[name] - want).abs().max() / want.abs().max()
+        assert error < 0.005, (name, float(error))
+    family = gguf_file.stem.removeprefix("tiny-")
+    for key in ("embedding_multiplier", "residual_multiplier", "no_rope_layers", "head_dim"):
+        if hasattr(CONFIGS[family], key):
+            want = getattr(CONFIGS[family], key)  # (the file keeps floats in float32)
+            assert getattr(converted.config, key) == pytest.approx(want, rel=1e-6), key
 
 
 def test_phi3_rope_read_from_the_file(gguf_file: Path) -> None:

@@ -2,9 +2,9 @@
 lays one out: its metadata keys, tensor names (the `gguf` package's own map)
 and the default model's tokenizer fields (copied from SmolLM2's GGUF, so the
 vocabulary is its 49,152 tokens). Float tensors are written as F32, 2-d
-weights optionally in Q8_0 blocks. Only for architectures whose converter
-does not permute q/k rows (Qwen3, Phi-3): Llama's is tested on the real
-file."""
+weights optionally in Q8_0 blocks. Granite's and SmolLM3's q/k rows are
+permuted as llama.cpp's converter permutes a Llama's (theirs derive from
+it); Llama's own is tested on the real file."""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ import torch
 
 from engine.models.loader import default_gguf_path
 
-_ARCHS = {"Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3, "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3}
+_ARCHS = {
+    "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+    "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
+    "GraniteForCausalLM": gguf.MODEL_ARCH.GRANITE,
+    "SmolLM3ForCausalLM": gguf.MODEL_ARCH.SMOLLM3,
+}
+# Converters that permute q/k rows (llama.cpp's LlamaModel and its children).
+_PERMUTED = (gguf.MODEL_ARCH.GRANITE, gguf.MODEL_ARCH.SMOLLM3)
 
 
 def write_tiny_gguf(
@@ -46,6 +53,11 @@ def write_tiny_gguf(
     _copy_tokenizer(writer)
     if arch == gguf.MODEL_ARCH.PHI3:
         _write_phi3_rope(writer, config, head_dim)
+    if arch == gguf.MODEL_ARCH.GRANITE:
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for hf_name, tensor in hf.state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
@@ -55,6 +67,9 @@ def write_tiny_gguf(
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         values = tensor.detach().float().numpy()
+        if arch in _PERMUTED and base.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+            heads = config.num_attention_heads if "q_proj" in base else config.num_key_value_heads
+            values = _permute(values, heads)
         if q8_0 and values.ndim == 2:
             qtype = gguf.GGMLQuantizationType.Q8_0
             blocks = gguf.quants.quantize(values, qtype)
@@ -67,6 +82,14 @@ def write_tiny_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: each head's halves interleaved in pairs
+    (its RoPE rotates adjacent dimensions, HF's rotates halves)."""
+    rows = weights.shape[0]
+    shaped = weights.reshape(heads, 2, rows // heads // 2, *weights.shape[1:])
+    return np.ascontiguousarray(shaped.swapaxes(1, 2).reshape(weights.shape))
 
 
 def _write_phi3_rope(writer: gguf.GGUFWriter, config: Any, head_dim: int) -> None:
