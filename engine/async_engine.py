@@ -123,7 +123,8 @@ class AsyncEngine:
         max_waiting_requests: int = 1024,
         observer: EngineObserver | None = None,
     ) -> AsyncEngine:
-        # First: a template that does not render fails before the weights load.
+        # First: a template that does not render fails before the weights
+        # load (a GGUF not converted yet converts first, once).
         model = config.model
         tokenizer = await asyncio.to_thread(
             lambda: load_tokenizer(resolve_model(model.model), model.chat_template)

@@ -92,9 +92,14 @@ class ChatTemplate:
             self._check_role(f"{field}[{i}].role", message["role"])
         if self.tokenizer.chat_template is None:
             raise InvalidRequestError(field, "this model has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except jinja2.TemplateError as e:
+            # A template's raise_exception ("roles must alternate ..."), or
+            # a field it needs that these messages lack: the caller's to fix.
+            raise InvalidRequestError(field, f"the chat template refused them: {e}") from None
         return str(text)
 
     def encode(self, messages: list[ChatMessage], field: str = "messages") -> RenderedChat:

@@ -469,8 +469,8 @@ def read_chat_template(option: str) -> str:
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise ConfigError(
-            f"chat_template={option!r} is invalid: not a template (no '{{{{' or '{{%') "
-            f"and not a readable file ({reason})"
+            f"chat_template={option!r} is invalid: not a template (no '{{{{', '{{%' or line "
+            f"break) and not a readable file ({reason})"
         ) from None
     if not text.strip():
         raise ConfigError(f"chat_template={option!r} is invalid: the file is empty")

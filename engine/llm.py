@@ -69,7 +69,8 @@ class LLM:
         format in memory is then ``llm.core.info.weight_format``, the
         numerics that run ``llm.core.info.numerics`` (engine/numerics.py)."""
         config = _apply_overrides(config or EngineConfig(), model, overrides)
-        # First: a template that does not render fails before the weights load.
+        # First: a template that does not render fails before the weights
+        # load (a GGUF not converted yet converts first, once).
         tokenizer = load_tokenizer(resolve_model(config.model.model), config.model.chat_template)
         self._attach(EngineCore(config), tokenizer)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import logging
 import os
 import shutil
 import tempfile
@@ -31,8 +32,11 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from engine.models.loader import cache_dir
+
+logger = logging.getLogger(__name__)
 
 # What a tokenizer and chat template are built from (the names the
 # transformers and tokenizers libraries read), plus the model's config for
@@ -82,31 +86,45 @@ def build_archive(model_dir: Path, chat_template: str | None = None) -> Archive:
         for name in TOKENIZER_FILES:
             path = model_dir / name
             if path.is_file() and not (chat_template is not None and name in TEMPLATE_FILES):
-                zf.write(path, name)
+                _add(zf, name, path.read_bytes())
                 found += 1
         if not found:
             raise FileNotFoundError(f"no tokenizer files in {model_dir}")
         if chat_template is not None:
-            zf.writestr(TEMPLATE_FILE, chat_template)
+            _add(zf, TEMPLATE_FILE, chat_template.encode())
     data = buf.getvalue()
     return Archive(data, hashlib.sha256(data).hexdigest())
+
+
+def _add(zf: zipfile.ZipFile, name: str, data: bytes) -> None:
+    """One entry with a fixed timestamp: the same files make the same
+    archive (and digest) whenever and wherever it is built."""
+    zf.writestr(zipfile.ZipInfo(name, date_time=_EPOCH), data, zipfile.ZIP_DEFLATED)
+
+
+# zip's earliest date: entries carry no build time.
+_EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
 def unpack(archive: Archive, root: Path) -> Path:
     """The archive's files in ``root/<digest>``: written once (into a
     temporary directory, then renamed, so a reader never sees half of
-    them), shared by every server with the same files."""
+    them), shared by every server with the same files. Raises OSError when
+    ``root`` is not writable."""
     target = root / archive.sha256[:24]
     if target.is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".unpacking-"))
-    with zipfile.ZipFile(io.BytesIO(archive.data)) as zf:
-        zf.extractall(staging)
     try:
+        with zipfile.ZipFile(io.BytesIO(archive.data)) as zf:
+            zf.extractall(staging)
         os.rename(staging, target)
-    except OSError:  # another server unpacked the same files first
-        shutil.rmtree(staging)
+    except OSError:
+        if not target.is_dir():  # not "another server unpacked them first"
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone after a rename
     return target
 
 
@@ -119,6 +137,8 @@ class TokenizerBundle:
         self.model_dir = model_dir
         self.chat_template = chat_template
         self._archive: Archive | None = None
+        # None: not tried yet; False: no writable place.
+        self._directory: Path | Literal[False] | None = None
         self._lock = asyncio.Lock()
 
     async def archive(self) -> Archive:
@@ -129,7 +149,22 @@ class TokenizerBundle:
                 )
             return self._archive
 
-    async def directory(self) -> Path:
-        """The archive's files as a directory (``unpack``) under the cache."""
+    async def directory(self) -> Path | None:
+        """The archive's files as a directory (``unpack``): under the
+        cache, else (a read-only cache, as a pod's model volume) under the
+        temporary directory; None where neither is writable."""
         archive = await self.archive()
-        return await asyncio.to_thread(unpack, archive, cache_dir() / "tokenizers")
+        async with self._lock:
+            if self._directory is None:
+                self._directory = await asyncio.to_thread(_unpack_somewhere, archive)
+            return self._directory or None
+
+
+def _unpack_somewhere(archive: Archive) -> Path | Literal[False]:
+    roots = (cache_dir() / "tokenizers", Path(tempfile.gettempdir()) / "tandem-tokenizers")
+    for root in roots:
+        try:
+            return unpack(archive, root)
+        except OSError as e:
+            logger.warning("cannot unpack the tokenizer archive under %s: %s", root, e)
+    return False

@@ -214,7 +214,9 @@ class VllmEngineServicer(EngineHolder, vpb_grpc.VllmEngineServicer):  # type: ig
         tokenizer_path = info.model_path
         bundle = self._tokenizer
         if bundle is not None and bundle.chat_template is not None:
-            tokenizer_path = await bundle.directory()
+            # None (nowhere writable): the model's; a gateway on another
+            # host fetches the archive anyway.
+            tokenizer_path = await bundle.directory() or info.model_path
         facts = convert.ModelFacts(
             served_model_name=self.served_model_name or info.model_name,
             model_path=str(info.model_path),

@@ -360,6 +360,12 @@ def _config_from_table(gguf_path: Path, table: GGUFTable) -> PretrainedConfig:
             raise ModelNotFoundError(f"{where} lacks {arch}.{key}")
         return value
 
+    scaling = table.scalars.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":  # read by no one here: it would run plain RoPE, silently
+        raise ModelNotFoundError(
+            f"{where} has RoPE scaling {scaling!r} ({arch}.rope.scaling.type), which "
+            "Tandem's reader of this architecture does not take"
+        )
     embeddings = table.tensor("token_embd.weight")
     if embeddings is None:
         raise ModelNotFoundError(f"{where} has no token_embd.weight tensor")
@@ -489,6 +495,12 @@ def _gguf_tensors(
         raise ModelNotFoundError(
             f"GGUF file {str(gguf_path)!r} lacks tensors the config implies: {missing}"
         )
+    unknown = sorted(set(tensors) - set(names))
+    if unknown and spec.architecture in _OWN_READER.values():
+        # (transformers' reader keeps only the names asked; Tandem's yields all)
+        raise ModelNotFoundError(
+            f"GGUF file {str(gguf_path)!r} has tensors its config does not use: {unknown[:8]}"
+        )
     return {name: tensors[name].contiguous() for name in names}
 
 
@@ -558,7 +570,7 @@ def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTo
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
-        check_chat_template(tokenizer, f"--chat-template {chat_template[:60]!r}")
+        check_chat_template(tokenizer, f"chat_template={chat_template[:60]!r}")
     return tokenizer
 
 

@@ -141,10 +141,17 @@ def test_the_converted_weights_and_config_are_the_models(gguf_file: Path) -> Non
         error = (got[name] - want).abs().max() / want.abs().max()
         assert error < 0.005, (name, float(error))
     family = gguf_file.stem.removeprefix("tiny-")
-    for key in ("embedding_multiplier", "residual_multiplier", "no_rope_layers", "head_dim"):
+    keys = [
+        *("embedding_multiplier", "residual_multiplier", "attention_multiplier"),
+        *("logits_scaling", "no_rope_layers", "head_dim", "rms_norm_eps"),
+        *("tie_word_embeddings", "num_key_value_heads"),
+    ]
+    for key in keys:
         if hasattr(CONFIGS[family], key):
             want = getattr(CONFIGS[family], key)  # (the file keeps floats in float32)
             assert getattr(converted.config, key) == pytest.approx(want, rel=1e-6), key
+    theta = converted.config.rope_parameters["rope_theta"]
+    assert theta == CONFIGS[family].rope_parameters["rope_theta"]
 
 
 def test_phi3_rope_read_from_the_file(gguf_file: Path) -> None:
@@ -200,3 +207,27 @@ def test_a_file_without_a_chat_template_chats_with_the_option(gguf_file: Path) -
     assert llm.chat_prompt(hello) == text
     (out,) = llm.chat(hello, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert out.prompt_token_ids == llm.inputs.tokenize(text) and len(out.token_ids) > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "strings", "reason"),
+    [
+        ({}, {"{arch}.rope.scaling.type": "yarn"}, "RoPE scaling 'yarn'"),
+        ({"blk.0.attn_q.bias": np.zeros(64, np.float32)}, {}, "tensors its config does not use"),
+    ],
+    ids=["rope-scaling", "unknown-tensor"],
+)
+def test_what_tandems_own_reader_cannot_take_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: Any, strings: Any, reason: str
+) -> None:
+    """Granite's and SmolLM3's files are read by Tandem's reader: a RoPE
+    scaling it does not take, or a tensor the config has no place for, is
+    refused by name, never run as plain RoPE or dropped."""
+    config = SmolLM3Config(**SHAPE, pad_token_id=0)
+    config.architectures = ["SmolLM3ForCausalLM"]
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    path = tmp_path / "smollm3.gguf"
+    write_tiny_gguf(hf, path, extra=extra, strings=strings)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelNotFoundError, match=reason):
+        resolve_model(str(path))

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.chat_template import ChatTemplate
 from engine.config import ConfigError, ModelConfig, read_chat_template
+from engine.errors import InvalidRequestError
 from engine.models.loader import load_tokenizer
 
 # Turns as "role: content" lines; no special tokens, so its rendering differs
@@ -52,7 +53,8 @@ def test_the_template_replaces_the_models(
     chat = ChatTemplate(load_tokenizer(default_model_path, PLAIN))
     assert chat.text == PLAIN
     assert chat.render(HELLO) == "user: Hello\nassistant:"
-    assert chat.encode(HELLO).token_ids == tokenizer.encode("user: Hello\nassistant:")
+    want = tokenizer.encode("user: Hello\nassistant:", add_special_tokens=False)
+    assert chat.encode(HELLO).token_ids == want
 
 
 @pytest.mark.parametrize(
@@ -67,3 +69,17 @@ def test_a_template_that_does_not_render_is_refused_at_load(
 ) -> None:
     with pytest.raises(ConfigError, match=f"does not render a one-message chat: .*{reason}"):
         load_tokenizer(default_model_path, template)
+
+
+def test_messages_the_template_refuses_are_a_request_error(default_model_path: Path) -> None:
+    """A template's own raise_exception (Llama 2's and Mistral's "roles must
+    alternate") answers that request with its reason; the server goes on."""
+    alternate = (
+        "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+        "{{ messages[0]['content'] }}"
+    )
+    chat = ChatTemplate(load_tokenizer(default_model_path, alternate))
+    two = [*HELLO, {"role": "user", "content": "again"}]
+    with pytest.raises(InvalidRequestError, match="the chat template refused them: one message"):
+        chat.encode(two)
+    assert chat.render(HELLO) == "Hello"

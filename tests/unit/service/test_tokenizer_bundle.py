@@ -5,13 +5,17 @@ take over tokenizer_config.json's."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import os
+import tempfile
 import zipfile
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
-from service.tokenizer_bundle import build_archive, unpack
+from service.tokenizer_bundle import TokenizerBundle, build_archive, unpack
 
 PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -53,3 +57,33 @@ def test_the_archive_unpacks_once_into_a_directory_named_by_its_digest(
     assert (first / "chat_template.jinja").read_text() == PLAIN
     assert unpack(archive, tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no staging left
+
+
+def test_the_same_files_make_the_same_archive(default_model_path: Path, tmp_path: Path) -> None:
+    """Entries carry no file times: a conversion redone, or a restart, gives
+    the gateway the same digest and `unpack` the same directory."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_bytes((default_model_path / name).read_bytes())
+    first = build_archive(model, PLAIN).sha256
+    os.utime(model / "tokenizer.json", (1e9, 1e9))
+    assert build_archive(model, PLAIN).sha256 == first
+
+
+def test_a_read_only_cache_unpacks_under_the_temporary_directory(
+    default_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod's cache on its read-only model volume: GetModelInfo's path is
+    then under the temporary directory, never an error."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(blocker / "cache"))  # cannot be made
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(OSError):
+        unpack(build_archive(default_model_path, PLAIN), blocker / "cache")
+    bundle = TokenizerBundle(default_model_path, PLAIN)
+    where = asyncio.run(bundle.directory())
+    assert where is not None and where.parent == tmp_path / "tmp" / "tandem-tokenizers"
+    assert (where / "chat_template.jinja").read_text() == PLAIN

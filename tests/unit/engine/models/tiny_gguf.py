@@ -30,10 +30,15 @@ _PERMUTED = (gguf.MODEL_ARCH.GRANITE, gguf.MODEL_ARCH.SMOLLM3)
 
 
 def write_tiny_gguf(
-    hf: Any, path: Path, q8_0: bool = False, extra: dict[str, np.ndarray] | None = None
+    hf: Any,
+    path: Path,
+    q8_0: bool = False,
+    extra: dict[str, np.ndarray] | None = None,
+    strings: dict[str, str] | None = None,
 ) -> None:
     """``hf``: a transformers model of an architecture in _ARCHS, with the
-    default model's vocabulary size; ``extra``: more tensors, by GGUF name."""
+    default model's vocabulary size; ``extra``: more tensors, by GGUF name;
+    ``strings``: more metadata ("{arch}" in a key: the architecture's name)."""
     config = hf.config
     arch = _ARCHS[config.architectures[0]]
     name = gguf.MODEL_ARCH_NAMES[arch]
@@ -51,6 +56,8 @@ def write_tiny_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     _copy_tokenizer(writer)
+    for key, value in (strings or {}).items():
+        writer.add_string(key.format(arch=name), value)
     if arch == gguf.MODEL_ARCH.PHI3:
         _write_phi3_rope(writer, config, head_dim)
     if arch == gguf.MODEL_ARCH.GRANITE:
