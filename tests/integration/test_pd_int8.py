@@ -81,6 +81,10 @@ def stacks(colocated: ServerProcess) -> Iterator[dict[str, tuple[str, ...]]]:
         stack.enter_context(serving(*servers))
         for targets in found.values():
             wait_router_sees_pods(targets[0])
+        # Launched first, so its start overlapped these; serving by now on a
+        # quiet machine, not always on a busy one (a fresh clone's run got
+        # "the model is still loading").
+        colocated.wait_started()
         yield found
 
 

@@ -80,6 +80,7 @@ def test_windowed_model_over_shared_memory_matches_colocated(
     windowed_pd: tuple[str, str, str], colocated: ServerProcess
 ) -> None:
     router, _, decode = windowed_pd
+    colocated.wait_started()  # launched beside the stack: not waited for until now
     want: list[pb.GenerateResponse] = asyncio.run(_generate_all(colocated.target, PROMPTS))
     first = asyncio.run(_generate(router, PROMPTS[0]))
     assert first.usage.prompt_tokens > 4 * WINDOW
