@@ -26,7 +26,6 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    GraniteConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen3Config,
@@ -39,7 +38,7 @@ from engine.models.loader import ModelNotFoundError, resolve_model
 from engine.models.spec import ModelSpec
 from engine.sampling_params import SamplingParams
 from tests.e2e.teacher_forcing import greedy_mismatches
-from tests.unit.engine.models.families import LONGROPE_LONG, LONGROPE_SHORT
+from tests.unit.engine.models.families import LONGROPE_LONG, LONGROPE_SHORT, family_configs
 from tests.unit.engine.models.tiny_gguf import seeded, write_tiny_gguf
 
 VOCAB = 49152  # the tokenizer's (SmolLM2's, copied into each file)
@@ -55,15 +54,10 @@ SHAPE: dict[str, Any] = dict(
 CONFIGS: dict[str, PretrainedConfig] = {
     # Qwen3's GGUF config has no head_dim: transformers takes its default, 128.
     "qwen3": Qwen3Config(**SHAPE, head_dim=128, tie_word_embeddings=True),
-    "granite": GraniteConfig(
-        **SHAPE,
-        embedding_multiplier=6.0,
-        residual_multiplier=0.22,
-        attention_multiplier=0.0078125,
-        logits_scaling=8.0,
-        tie_word_embeddings=True,
-    ),
-    # Four layers: the 4th attends without RoPE.
+    # The family tests' Granite (its four multipliers), at this file's shape.
+    "granite": family_configs(SHAPE)["granite-multipliers"],
+    # Four layers: the 4th attends without RoPE (the family tests' SmolLM3
+    # takes another interval, which a GGUF cannot say).
     "smollm3": SmolLM3Config(
         **{**SHAPE, "num_hidden_layers": 4}, pad_token_id=0, tie_word_embeddings=False
     ),
