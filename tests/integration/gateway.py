@@ -20,7 +20,7 @@ from types import TracebackType
 
 import openai
 
-from tests.integration.servers import ROOT, free_port
+from tests.integration.servers import ROOT, free_port, log_dir
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -47,7 +47,9 @@ class SmgGateway:
         self.log_path: Path | None = None
 
     def __enter__(self) -> SmgGateway:
-        with tempfile.NamedTemporaryFile(prefix="smg-", suffix=".log", delete=False) as log:
+        with tempfile.NamedTemporaryFile(
+            prefix="smg-", suffix=".log", dir=log_dir(), delete=False
+        ) as log:
             self.log_path = Path(log.name)
             cmd = [sys.executable, "-m", "service.cli", "gateway", *self.args]
             env = {**os.environ, "NO_COLOR": "1"}

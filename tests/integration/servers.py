@@ -12,17 +12,23 @@ handed over (the default model's fast default, int8 activations and a
 bfloat16 KV cache, may part at a near tie: engine/numerics.py). A stack of pods (prefill,
 decode, router) starts at once with `serving(prefill, decode, router)`; a
 module's single-purpose servers start together with `launched(...)`.
+Each is forked from a process that has imported the server already
+(pod_forks.py: a start in a third of the time), or with TANDEM_TEST_PODS=exec
+is a fresh `python -m service.cli` as a user starts it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +36,8 @@ from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.pod_forks import ForkedPod, forks_enabled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,6 +47,19 @@ _HANDED_OUT: set[int] = set()
 # A serve pod's KV cache unless its test sizes it: ~11k float32 tokens of the
 # default model, more than any test here holds at once.
 DEFAULT_KV_CACHE = "512M"
+
+
+def log_dir() -> Path:
+    """This test process's directory for its servers' logs, removed when
+    it exits (a failing test shows the log's tail in its message)."""
+    global _LOG_DIR
+    if _LOG_DIR is None:
+        _LOG_DIR = Path(tempfile.mkdtemp(prefix="tandem-test-logs-"))
+        atexit.register(shutil.rmtree, _LOG_DIR, ignore_errors=True)
+    return _LOG_DIR
+
+
+_LOG_DIR: Path | None = None
 
 
 def free_port() -> int:
@@ -110,11 +131,14 @@ class ServerProcess:
             self.metrics_port = free_port()
             self.args += ["--metrics-port", str(self.metrics_port)]
         self.env = {**os.environ, **(env or {})}
+        # An environment of its own may change how an interpreter starts
+        # (PYTHONPATH): such a pod is not forked (pod_forks.py).
+        self.own_env = env is not None
         self.ready_timeout = ready_timeout
         self.check_health = check_health
         self.command = command
         self.log_path: Path | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedPod | None = None
         self.killed = False  # by kill(): no drain, so no exit code to check
 
     def __enter__(self) -> ServerProcess:
@@ -126,15 +150,16 @@ class ServerProcess:
 
     def start(self) -> None:
         """Launches the process without waiting for it (see `serving`)."""
-        import tempfile
-
-        cmd = [sys.executable, "-m", "service.cli", self.command, "--port", str(self.port)]
-        cmd += self.args
+        argv = [self.command, "--port", str(self.port), *self.args]
         with tempfile.NamedTemporaryFile(
-            prefix="tandem-serve-", suffix=".log", delete=False
+            prefix="tandem-serve-", suffix=".log", dir=log_dir(), delete=False
         ) as log:
             self.log_path = Path(log.name)  # the child writes it; we only read
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log)
+            if self.own_env or not forks_enabled():
+                cmd = [sys.executable, "-m", "service.cli", *argv]
+                self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log)
+            else:
+                self.proc = ForkedPod(argv, env=self.env, cwd=ROOT, log_path=self.log_path)
 
     def wait_started(self) -> None:
         """wait_serving, killing the process if it never serves: __exit__
