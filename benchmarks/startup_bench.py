@@ -9,6 +9,12 @@ each tree in turn (A, B, A, B, ...: ``--trees`` names checkouts with their
 own ``.venv``, the first the baseline); medians with min/max, and the ratio
 of each tree's medians to the first tree's. The router is pointed at a pod
 address nobody listens on: it only has to start.
+
+    python benchmarks/startup_bench.py --forked --rounds 3
+
+adds pods forked from a process that imported the server already, as the
+integration tests start theirs (tests/integration/pod_forks.py), beside the
+same pods started as `python -m service.cli serve` (this tree only).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -26,6 +33,10 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.integration.pod_forks import ForkedPod
 
 POD_ARGS = ["--kv-cache-memory", "256M", "--max-model-len", "2048"]
 
@@ -52,16 +63,24 @@ def _rss_mb(pid: int) -> int:
     return int(status.split("VmRSS:")[1].split()[0]) // 1024
 
 
-def _launch(tree: Path, args: list[str]) -> tuple[subprocess.Popen[bytes], Path, int]:
+Process = subprocess.Popen[bytes] | ForkedPod
+
+
+def _launch(tree: Path, args: list[str], forked: bool = False) -> tuple[Process, Path, int]:
     port = _free_port()
     log = Path(tempfile.mkstemp(prefix="startup-bench-", suffix=".log")[1])
-    cmd = [str(tree / ".venv/bin/python"), "-m", "service.cli", *args, "--port", str(port)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=tree, stdout=out, stderr=out)
+    argv = [*args, "--port", str(port)]
+    proc: Process
+    if forked:
+        proc = ForkedPod(argv, env=dict(os.environ), cwd=tree, log_path=log)
+    else:
+        with log.open("wb") as out:
+            cmd = [str(tree / ".venv/bin/python"), "-m", "service.cli", *argv]
+            proc = subprocess.Popen(cmd, cwd=tree, stdout=out, stderr=out)
     return proc, log, port
 
 
-def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
+def _stop(proc: Process, log: Path) -> None:
     proc.kill()
     proc.wait()
     log.unlink(missing_ok=True)
@@ -81,10 +100,10 @@ def router_start(tree: Path) -> tuple[float, int]:
         _stop(proc, log)
 
 
-def pods_start(tree: Path, count: int) -> tuple[float, int]:
+def pods_start(tree: Path, count: int, forked: bool = False) -> tuple[float, int]:
     """Seconds until `count` pods started together all serve; the first's RSS."""
     start = time.monotonic()
-    launched = [_launch(tree, ["serve", *POD_ARGS]) for _ in range(count)]
+    launched = [_launch(tree, ["serve", *POD_ARGS], forked) for _ in range(count)]
     try:
         for proc, log, port in launched:
             while not _serving(port):
@@ -105,6 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", default=".", help="comma-separated checkouts; first = baseline")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--forked", action="store_true", help="also pods forked warm (one tree)")
     args = parser.parse_args()
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     cases: dict[str, Callable[[Path], tuple[float, int]]] = {
@@ -112,6 +132,11 @@ def main() -> None:
         "1 pod serves (s)": lambda t: pods_start(t, 1),
         "2 pods serve (s)": lambda t: pods_start(t, 2),
     }
+    if args.forked:
+        if len(trees) != 1:
+            parser.error("--forked times this tree's pods: give no --trees")
+        cases["1 pod serves, forked (s)"] = lambda t: pods_start(t, 1, forked=True)
+        cases["2 pods serve, forked (s)"] = lambda t: pods_start(t, 2, forked=True)
     seconds: dict[tuple[str, Path], list[float]] = defaultdict(list)
     rss: dict[tuple[str, Path], list[float]] = defaultdict(list)
     print(f"load average at start: {os.getloadavg()}")
