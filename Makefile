@@ -61,7 +61,7 @@ typecheck: $(STAMP) protos
 	$(VENV)/bin/mypy
 
 unit: $(STAMP) protos
-	$(VENV)/bin/pytest -q -n 2 --dist loadscope tests/unit
+	$(VENV)/bin/pytest -q -n 2 --dist loadscope --no-loadscope-reorder tests/unit
 
 # The edit loop: lint, types and the unit tests not marked slow (those that
 # take seconds: the real model, the Triton interpreter, child processes).
@@ -95,15 +95,15 @@ redis:
 # worker, so a module's shared servers, engines and Triton-interpreter child
 # start once. Integration and e2e run apart: together their workers peaked
 # at 16.8 GB of 24 GiB (e2e's in-process engines beside a dozen pods), apart
-# at under 9 GB, and took longer (442 s against 272 + 151 s). Integration
-# and e2e hand out modules in collection order, the longest first
-# (tests/conftest.py, LONGEST_FIRST), so none is left for the end.
-PYTEST_2 = $(VENV)/bin/pytest -q -n 2 --dist loadscope
+# at under 9 GB, and took longer (442 s against 272 + 151 s). Modules are
+# handed out in collection order, the longest first (tests/conftest.py,
+# LONGEST_FIRST), so none is left for the end.
+PYTEST_2 = $(VENV)/bin/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
 test: lint typecheck model gemma kernels node redis
 	$(PYTEST_2) tests/unit
-	$(PYTEST_2) --no-loadscope-reorder --durations=15 tests/integration
-	$(PYTEST_2) --no-loadscope-reorder --durations=15 tests/e2e
+	$(PYTEST_2) --durations=15 tests/integration
+	$(PYTEST_2) --durations=15 tests/e2e
 
 # Starts `tandem serve` on the default model, streams a few answers through
 # `tandem generate`, prints a summary and stops the server (service/demo.py).

@@ -81,8 +81,8 @@ _PARTS = ("unit", "integration", "e2e")
 # time on the 2-core machine, 2026-11-29), run before all others: `make
 # test` hands modules to its two workers in collection order
 # (`--no-loadscope-reorder`), and xdist's own order (most tests first)
-# left Gemma's one 47-second test, or the P/D modules, for the end while
-# the other worker sat idle.
+# left Gemma's one 47-second test, the P/D modules or the Triton
+# interpreter's for the end while the other worker sat idle.
 LONGEST_FIRST = (
     "e2e/test_spec_decode.py",  # 71 s
     "e2e/test_quantized_weights.py",  # 68 s
@@ -96,6 +96,14 @@ LONGEST_FIRST = (
     "integration/test_service.py",
     "integration/test_lora.py",
     "integration/test_load.py",
+    "unit/engine/models/test_triton_layers.py",  # 30 s
+    "unit/kernels/test_triton_kernels.py",  # 26 s
+    "unit/test_gpu_check.py",  # 22 s
+    "unit/service/test_vllm_servicer.py",  # 22 s
+    "unit/kernels/test_triton_layer_ops.py",  # 21 s
+    "unit/connectors/test_shm_pool.py",  # 21 s
+    "unit/kernels/test_sliding_window.py",  # 14 s
+    "unit/engine/models/test_loader.py",  # 12 s
 )
 
 
