@@ -10,8 +10,8 @@ transformers' Llama config pulls in (torch.distributed.tensor among it),
 the child then runs `service.cli.main` with the pod's arguments, exactly the
 code a `tandem serve` runs after its imports, in its own process: its own
 pid, signals, exit code, log file, environment and working directory. It
-serves in 3.6-4.5 s against 10.5-13 s for a fresh interpreter, measured side
-by side on a slow hour.
+serves in 2.5 s against 8.2 s for a fresh interpreter (medians of
+`benchmarks/startup_bench.py --forked --rounds 3`, benchmarks/README.md).
 
 What differs from a fresh interpreter: variables read when an interpreter or
 a library starts (PYTHONPATH, OpenMP's settings) come from the test worker
