@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import exponential_race, greedy
+from kernels.sampling import draw, greedy
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def _final_tokens(
     if rows.numel():
         rejected_tokens = drafts[rows, num_accepted[rows]]
         picked[rows.to(device), rejected_tokens.to(device)] = 0.0
-    sampled = exponential_race(picked, generators).cpu()
+    sampled = draw(picked, generators).cpu()
     if greedy_rows is None:
         return sampled
     assert argmax is not None

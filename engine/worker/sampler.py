@@ -4,11 +4,11 @@ First the logit adjustments that greedy rows get too (``logit_bias``, then
 the repetition, frequency and presence penalties: engine/worker/penalties.py).
 Greedy rows then take the argmax. Random rows are scaled by temperature,
 optionally filtered by min-p, top-k and top-p (in that order, as vLLM v1
-does), and sampled with the exponential
-race: ``argmax(probs / q)`` with ``q ~ Exponential(1)`` picks token ``i``
-with probability ``probs[i]``. Drawing ``q`` row by row lets a seeded request
-draw from its own generator while every row is still sampled by one argmax,
-so a seeded request's tokens do not depend on its batch companions.
+does), softmaxed, and drawn (kernels/sampling.py `draw`): on CPU by inverse
+CDF, one uniform a row; on GPUs by the exponential race, ``argmax(probs /
+q)`` with ``q ~ Exponential(1)``. Either picks token ``i`` with probability
+``probs[i]``, and a seeded request draws from its own generator only, so its
+tokens do not depend on its batch companions.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from engine.outputs import LogprobsLists
 from engine.sampling_params import SamplingParams
 from engine.worker.penalties import LogitBiasTensors, PenaltyTensors, TokenHistory
-from kernels.sampling import exponential_race, greedy
+from kernels.sampling import draw, greedy
 
 # Temperatures below this are treated as greedy: dividing by them would
 # overflow float32 logits to inf, and the result is the argmax anyway.
@@ -265,7 +265,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         if t.all_greedy:
             return greedy(logits)
-        random = exponential_race(target_probs(logits, t), t.generators)
+        random = draw(target_probs(logits, t), t.generators)
         if t.greedy_mask is None:
             return random
         return torch.where(t.greedy_mask, greedy(logits), random)

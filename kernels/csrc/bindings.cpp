@@ -34,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place at the given positions");
   m.def("small_linear", &small_linear, "out = x @ weight.T + bias for a few rows of x");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, rows in parallel");
+  m.def("sample_rows", &sample_rows,
+        "one token per row of non-negative weights, by inverse CDF at the row's uniform");
   m.def("pack_gguf_blocks", &pack_gguf_blocks,
         "GGUF Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K rows [N, bytes] -> Tandem's tiles [tiles, blocks, bytes]",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -35,6 +35,7 @@ void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_cache, at::Tensor 
 void small_linear(at::Tensor out, at::Tensor x, at::Tensor weight,
                   const c10::optional<at::Tensor>& bias);
 at::Tensor argmax_rows(at::Tensor x);
+at::Tensor sample_rows(at::Tensor probs, at::Tensor uniforms);
 
 // quant_pack.cpp, quant_linear.cpp (layout: quant_tiles.h)
 at::Tensor pack_gguf_blocks(at::Tensor raw, int64_t ggml_type);
