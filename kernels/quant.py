@@ -52,6 +52,13 @@ to int8 in blocks of 32 as well and does the dot products in integers, as
 llama.cpp does: faster, but each input is off by up to absmax(its block of
 32) / 254. With AVX-512 VNNI the integer dot products are vpdpbusd.
 
+On CPUs with AMX-BF16 (Intel Xeons from Sapphire Rapids), int8-activation
+calls of `amx_bf16_rows()` rows and more (prefill chunks) round the inputs
+to bfloat16 instead and run as one oneDNN bfloat16 GEMM on AMX tiles over
+the weight expanded to bfloat16 for the call, outputs rounded to bfloat16
+(quant_gemm.cpp amx_bf16_gemm): 1.5-2.2x the int8 kernels from 1,024 rows
+on that machine (benchmarks/README.md, "amx_bf16_gemm_bench.py").
+
 Code paths (`ISAS`): "portable" C++, "avx2", "avx512" (AVX2's kernels plus
 VNNI dot products and, where present, AVX512_BF16's), "amx" (avx512's, with
 the int8 path's calls of 16 rows and more on AMX tiles: Intel Xeons from
@@ -262,6 +269,21 @@ def bf16_dot_rows() -> int | None:
     where this build has no such path (float32 inputs at every row count)."""
     rows: int = kernels().quant_linear_bf16_dot_rows()
     return rows if rows >= 0 else None
+
+
+def amx_bf16_rows() -> int | None:
+    """From how many input rows int8-activation calls run as one bfloat16
+    GEMM on AMX tiles (oneDNN, through ATen) instead of the int8 kernels;
+    None where this build or CPU has no AMX-BF16 (or it is turned off)."""
+    rows: int = kernels().quant_linear_amx_bf16_rows()
+    return rows if rows > 0 else None
+
+
+def set_amx_bf16_rows(rows: int) -> int:
+    """Sets `amx_bf16_rows`' threshold for every later call (0: off), so a
+    benchmark compares the paths in one process; returns the previous one."""
+    previous: int = kernels().quant_linear_set_amx_bf16_rows(rows)
+    return previous
 
 
 def _isa_level(isa: str | None) -> int:

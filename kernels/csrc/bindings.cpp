@@ -54,6 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "cap every later quant_linear call (serving's too) at a path; returns the new best");
   m.def("quant_linear_bf16_dot_rows", &quant_linear_bf16_dot_rows,
         "from how many rows bf16 weights take bfloat16 inputs (AVX512_BF16); -1: never");
+  m.def("quant_linear_amx_bf16_rows", &quant_linear_amx_bf16_rows,
+        "from how many rows int8-activation calls take bfloat16 GEMMs on AMX; -1: never, 0: off");
+  m.def("quant_linear_set_amx_bf16_rows", &quant_linear_set_amx_bf16_rows,
+        "set that threshold (0: off); returns the previous one");
   m.def("cache_kv", &cache_kv, "reshape_and_cache for a float32 cache: K/V rows into slots");
   m.def("cache_kv_int8", &cache_kv_int8,
         "reshape_and_cache for an int8 cache: K/V rows quantized into slots (kv_int8.h)");

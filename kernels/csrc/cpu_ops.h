@@ -53,6 +53,11 @@ int64_t quant_linear_cap_isa(int64_t level);
 // From how many rows BF16 weights multiply bfloat16-rounded inputs
 // (AVX512_BF16, at the avx512 level); -1 where the build has no such path.
 int64_t quant_linear_bf16_dot_rows();
+// From how many rows the int8 path's calls take oneDNN's bfloat16 GEMM on
+// AMX tiles (quant_expand.h amx_bf16_gemm); -1 where the build has no AMX-BF16,
+// 0 when turned off. The setter (0: off) returns the previous threshold.
+int64_t quant_linear_amx_bf16_rows();
+int64_t quant_linear_set_amx_bf16_rows(int64_t rows);
 
 // decode_stack.cpp
 void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);

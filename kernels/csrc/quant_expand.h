@@ -97,4 +97,21 @@ inline void expand_block(const uint8_t* blk, float* dst, int64_t ld, Isa isa) {
 void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                 const c10::optional<at::Tensor>& bias, Isa isa);
 
+// The int8-activation path's many-row calls on CPUs with AMX-BF16 (prefill
+// chunks): x rounded to bfloat16 times the weight expanded to bfloat16
+// (exactly where its values fit; within 2^-9 of each where not), one call of
+// oneDNN's bfloat16 GEMM on AMX tiles (float32 sums), outputs rounded to
+// bfloat16. The int8 kernels' many-row calls reach ~0.25 TOP/s on VNNI;
+// oneDNN's bfloat16 GEMM 1.5 TFLOP/s here, which pays for expanding the
+// weight each call from ~1,024 rows on (benchmarks/README.md,
+// "amx_bf16_gemm_bench.py"). Both round the activations; this rounds less.
+constexpr int64_t kAmxBf16GemmRows = 1024;
+// Whether a call of `rows` rows at code path `isa` takes amx_bf16_gemm.
+bool amx_bf16_gemm_takes(int64_t rows, Isa isa);
+void amx_bf16_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                   const c10::optional<at::Tensor>& bias, Isa isa);
+// The threshold in force, and a new one (0: off); set returns the old one.
+int64_t amx_bf16_gemm_rows();
+int64_t set_amx_bf16_gemm_rows(int64_t rows);
+
 }  // namespace tandem_quant

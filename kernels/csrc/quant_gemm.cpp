@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "quant_expand.h"
 
@@ -35,7 +36,68 @@ void expand_panel(const uint8_t* base, int64_t nb, int64_t t0, int64_t t1, float
   });
 }
 
+// The weight's [K, tiles * 8] float32 expansion (k-major), every tile at once.
+at::Tensor expand_all(const at::Tensor& packed, Isa isa) {
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  const int64_t tiles = packed.size(0), nb = packed.size(1), ld = tiles * kTile;
+  at::Tensor w = at::empty({nb * kBlock, ld}, at::kFloat);
+  float* dst = w.data_ptr<float>();
+  switch (kind_of(packed)) {
+    case Kind::Q4: expand_panel<Kind::Q4>(base, nb, 0, tiles, dst, ld, isa); break;
+    case Kind::Q4F: expand_panel<Kind::Q4F>(base, nb, 0, tiles, dst, ld, isa); break;
+    case Kind::Q8: expand_panel<Kind::Q8>(base, nb, 0, tiles, dst, ld, isa); break;
+    case Kind::Q8H: expand_panel<Kind::Q8H>(base, nb, 0, tiles, dst, ld, isa); break;
+    case Kind::BF16: expand_panel<Kind::BF16>(base, nb, 0, tiles, dst, ld, isa); break;
+  }
+  return w;
+}
+
+// Rows amx_bf16_gemm multiplies at once.
+constexpr int64_t kAmxBf16ChunkRows = 2048;
+
+// amx_bf16_gemm's row threshold; 0 turns the path off (set_amx_bf16_gemm_rows).
+std::atomic<int64_t> amx_bf16_rows{kAmxBf16GemmRows};
+
 }  // namespace
+
+int64_t amx_bf16_gemm_rows() { return amx_bf16_rows.load(); }
+
+int64_t set_amx_bf16_gemm_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "rows must be >= 0 (0: off), got ", rows);
+  return amx_bf16_rows.exchange(rows);
+}
+
+bool amx_bf16_gemm_takes(int64_t rows, Isa isa) {
+#ifdef TANDEM_QUANT_AMX_BF16
+  const int64_t from = amx_bf16_rows.load();
+  return isa == Isa::Amx && from > 0 && rows >= from;
+#else
+  (void)rows;
+  (void)isa;
+  return false;
+#endif
+}
+
+void amx_bf16_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                   const c10::optional<at::Tensor>& bias, Isa isa) {
+  const int64_t M = x.size(0), N = out.size(1), padded = packed.size(1) * kBlock;
+  const at::Tensor w = expand_all(packed, isa).narrow(1, 0, N).to(at::kBFloat16);
+  // oneDNN's bfloat16 matmul (AMX tiles) writes bfloat16, widened into out a
+  // chunk of rows at a time: one [8192, 3072] product in bfloat16 was 50 MB
+  // of fresh pages each call, a [2048, N] one stays in cache and is reused.
+  const int64_t chunk = std::min<int64_t>(M, kAmxBf16ChunkRows);
+  at::Tensor product = at::empty({chunk, N}, x.options().dtype(at::kBFloat16));
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t m = std::min(chunk, M - m0);
+    at::Tensor xb = x.narrow(0, m0, m).to(at::kBFloat16);
+    if (xb.size(1) != padded) xb = at::constant_pad_nd(xb, {0, padded - xb.size(1)});
+    at::Tensor part = product.narrow(0, 0, m);
+    at::mm_out(part, xb, w);
+    at::Tensor rows = out.narrow(0, m0, m);
+    rows.copy_(part);
+    if (bias.has_value()) rows.add_(*bias);
+  }
+}
 
 void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                 const c10::optional<at::Tensor>& bias, Isa isa) {

@@ -279,6 +279,8 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
   const Isa isa = usable_isa(isa_level);
   if (x.size(0) == 0) return;
   // BF16 weights are refused there: the flag is for integer blocks.
+  if (int8_activations && amx_bf16_gemm_takes(x.size(0), isa))
+    return amx_bf16_gemm(out, x, packed, bias, isa);
   if (int8_activations)
     return quant_linear_int8(o, x, packed, isa);
   const int64_t padded = packed.size(1) * kBlock;
@@ -310,6 +312,11 @@ void quant_linear_silu(at::Tensor out, at::Tensor gate_up, at::Tensor packed,
   const OutTile o = check_quant_linear(out, gate_up.narrow(1, 0, gate_up.size(1) / 2), packed, bias);
   const Isa isa = usable_isa(isa_level);
   if (gate_up.size(0) == 0) return;
+  if (amx_bf16_gemm_takes(gate_up.size(0), isa)) {
+    at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    silu_mul(act, gate_up.contiguous());
+    return amx_bf16_gemm(out, act, packed, bias, isa);
+  }
   quant_linear_int8_silu(o, gate_up, packed, isa);
 }
 
@@ -342,3 +349,13 @@ int64_t quant_linear_bf16_dot_rows() {
   return -1;
 #endif
 }
+
+int64_t quant_linear_amx_bf16_rows() {
+#ifdef TANDEM_QUANT_AMX_BF16
+  return amx_usable() ? amx_bf16_gemm_rows() : -1;
+#else
+  return -1;
+#endif
+}
+
+int64_t quant_linear_set_amx_bf16_rows(int64_t rows) { return set_amx_bf16_gemm_rows(rows); }

@@ -42,6 +42,9 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define TANDEM_QUANT_AMX 1
+#if defined(__AMX_BF16__)
+#define TANDEM_QUANT_AMX_BF16 1
+#endif
 #endif
 #endif
 #endif
