@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TypedDict
 
 from transformers import PreTrainedTokenizerBase
 
@@ -29,6 +30,22 @@ from engine.lora.registry import LoRARegistry
 from engine.request import Request
 from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's dict form of a token-ids prompt."""
+
+    prompt_token_ids: list[int]
+
+
+class TextPrompt(TypedDict):
+    """vLLM's dict form of a text prompt."""
+
+    prompt: str
+
+
+# What LLM.generate takes as one prompt.
+PromptInput = str | list[int] | TokensPrompt | TextPrompt
 
 
 @dataclass(frozen=True)
@@ -92,11 +109,31 @@ class InputProcessor:
         RPC); see ``ChatTemplate.encode``."""
         return self.chat.encode(messages, field).token_ids
 
-    def process_prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
-        """A prompt as ``LLM.generate`` takes it: text or token ids."""
+    def process_prompt(self, prompt: PromptInput) -> ProcessedPrompt:
+        """A prompt as ``LLM.generate`` takes it: text, token ids, or vLLM's
+        dict forms of either (``{"prompt": text}``, ``{"prompt_token_ids":
+        ids}``)."""
+        if isinstance(prompt, dict):
+            return self._process_dict(dict(prompt))
         if isinstance(prompt, str):
             return self.process_text(prompt)
-        return self.process_token_ids(prompt)
+        if isinstance(prompt, list | tuple):
+            return self.process_token_ids(list(prompt))
+        raise InvalidRequestError(
+            "prompt", f"must be text, token ids or a dict of either, not {type(prompt).__name__}"
+        )
+
+    def _process_dict(self, prompt: dict[str, object]) -> ProcessedPrompt:
+        ids, text = prompt.get("prompt_token_ids"), prompt.get("prompt")
+        if set(prompt) == {"prompt_token_ids"} and isinstance(ids, list | tuple):
+            return self.process_token_ids(list(ids))
+        if set(prompt) == {"prompt"} and isinstance(text, str):
+            return self.process_text(text)
+        raise InvalidRequestError(
+            "prompt",
+            "a dict prompt has one key: 'prompt' (text) or 'prompt_token_ids' (token ids); "
+            f"got {sorted(map(str, prompt))}",
+        )
 
     def process_text(self, text: str, field: str = "prompt") -> ProcessedPrompt:
         """Text as a prompt: refused by its size before it is tokenized

@@ -40,7 +40,7 @@ from engine.config import (
 )
 from engine.core import EngineCore
 from engine.frontend import FrontEnd
-from engine.input_processor import InputProcessor, ProcessedPrompt
+from engine.input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from engine.lora.request import LoRARequest
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output_processor import OutputKind, RequestOutput
@@ -49,7 +49,7 @@ from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 from engine.status import EngineStatus
 
-Prompt = str | list[int]
+Prompt = PromptInput
 
 
 class LLM:
@@ -124,7 +124,8 @@ class LLM:
         lora: str | Sequence[str | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (text or token ids); results are in
+        """Generates for every prompt (text, token ids, or vLLM's dict forms
+        ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``); results are in
         prompt order. ``lora``: a loaded adapter's name for every prompt, or
         one per prompt (None: the base model). Invalid input raises before
         anything is queued."""
@@ -248,7 +249,7 @@ def _apply_overrides(
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | dict):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):

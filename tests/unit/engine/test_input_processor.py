@@ -195,3 +195,27 @@ def test_bad_options_name_their_field(
     with pytest.raises(InvalidRequestError) as info:
         inputs.make_request("r", prompt, SamplingParams(), options)
     assert info.value.field == field
+
+
+def test_vllm_s_dict_prompts_equal_their_plain_forms(inputs: InputProcessor) -> None:
+    text = inputs.process_prompt({"prompt": "Hello there"})
+    assert text == inputs.process_prompt("Hello there")
+    ids = inputs.process_prompt({"prompt_token_ids": [5, 6, 7]})
+    assert ids == inputs.process_prompt([5, 6, 7]) and ids.text is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ({"prompt": "a", "prompt_token_ids": [1]}, r"^prompt: a dict prompt has one key"),
+        ({"token_ids": [1]}, r"got \['token_ids'\]"),
+        ({"prompt": [1, 2]}, r"got \['prompt'\]"),
+        (3.5, r"^prompt: must be text, token ids or a dict of either, not float"),
+        ({"prompt_token_ids": [1, "x"]}, r"^prompt_token_ids\[1\]: token id 'x' is outside"),
+    ],
+)
+def test_a_prompt_of_no_known_form_is_named(
+    inputs: InputProcessor, prompt: object, message: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        inputs.process_prompt(prompt)  # type: ignore[arg-type]

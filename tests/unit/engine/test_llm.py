@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import ConfigError, EngineConfig
-from engine.llm import LLM, _apply_overrides
+from engine.llm import LLM, Prompt, _apply_overrides
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.outputs import EngineCoreOutputs
 from engine.sampling_params import SamplingParams
@@ -37,6 +37,16 @@ def test_generate_returns_each_prompt_s_output_in_order() -> None:
     assert [o.prompt for o in outs] == [None, "Hello"]
     assert all(o.finish_reason == "length" for o in outs)
     assert llm.totals.num_steps == 2
+
+
+def test_vllm_s_dict_prompts_alone_and_in_a_list() -> None:
+    llm = LLM.around(ScriptedCore(), load_tokenizer(resolve_model(None)))  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=1)
+    alone = llm.generate({"prompt_token_ids": [5, 6]}, params, use_tqdm=False)
+    assert len(alone) == 1 and alone[0].prompt_token_ids == [5, 6]
+    prompts: list[Prompt] = [{"prompt": "Hello"}, {"prompt_token_ids": [7]}, "Hi"]
+    listed = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in listed] == ["Hello", None, "Hi"]
 
 
 def test_a_call_after_an_interrupted_one_waits_only_for_its_own() -> None:
