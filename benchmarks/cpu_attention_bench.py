@@ -17,10 +17,11 @@ block size 16, 30 layers, a float32 or bfloat16 cache:
   milliseconds for the 30 layers and the K/V bytes read per second, next to
   a plain read of 512 MB in the same process.
 
-Where the CPU has AVX512_BF16, the prefill kernel takes bfloat16 products
-over a bfloat16 cache; the prefill measurement then also times it with them
-disallowed (`allow_bf16_attention_products(False)`: rows widened to
-float32), interleaved with the default in the same rounds.
+Where the CPU has AVX512_BF16, the prefill kernel can take bfloat16 products
+over a bfloat16 cache (its default except on Intel CPUs); the prefill
+measurement then also times the other setting
+(`allow_bf16_attention_products`), interleaved with the default in the same
+rounds.
 
     .venv/bin/python benchmarks/cpu_attention_bench.py --rounds 5
 
@@ -105,12 +106,16 @@ def prefill(args: argparse.Namespace, dtype: torch.dtype, kernel: ModuleType) ->
     flops = sum(4 * HEADS * DIM * n * (n + 1) / 2 for n in lens) * LAYERS
     compiled = torch_attention._compiled_prefill
     # (how to choose the path, what to set before the round)
+    default = kernel.allow_bf16_attention_products(True)
+    capable = kernel.prefill_attention_bf16_products()
+    kernel.allow_bf16_attention_products(default)
     ways: dict[str, tuple[Callable[..., bool], Callable[[], None]]] = {
-        "compiled kernel": (compiled, _products(kernel, True)),
+        "compiled kernel": (compiled, _products(kernel, default)),
     }
-    if dtype == torch.bfloat16 and kernel.prefill_attention_bf16_products():
-        ways["compiled, float32 arithmetic"] = (compiled, _products(kernel, False))
-    ways["torch (SDPA per sequence)"] = (lambda q, c: False, _products(kernel, True))
+    if dtype == torch.bfloat16 and capable:
+        other = "compiled, float32 arithmetic" if default else "compiled, bfloat16 products"
+        ways[other] = (compiled, _products(kernel, not default))
+    ways["torch (SDPA per sequence)"] = (lambda q, c: False, _products(kernel, default))
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.rounds):
         for name, (choice, setting) in ways.items():
@@ -121,7 +126,7 @@ def prefill(args: argparse.Namespace, dtype: torch.dtype, kernel: ModuleType) ->
             timed_layers(query, caches, dataclasses.replace(meta))  # warm
             times[name].append(timed_layers(query, caches, dataclasses.replace(meta)))
     torch_attention._compiled_prefill = compiled
-    kernel.allow_bf16_attention_products(True)
+    kernel.allow_bf16_attention_products(default)
     print(f"prefill, {dtype} cache: 64 prompts, {sum(lens)} tokens, {LAYERS} layers")
     for name, values in times.items():
         print(

@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_bf16_products", &prefill_attention_bf16_products,
         "whether prefill_attention over a bfloat16 cache multiplies in bfloat16 here");
   m.def("allow_bf16_attention_products", &allow_bf16_attention_products,
-        "let prefill_attention over bfloat16 caches take bfloat16 products (default) or not");
+        "let prefill_attention over bfloat16 caches take bfloat16 products or not; the previous");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32 rows)");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; out = rms_norm(residual) * weight");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate | up]");

@@ -21,7 +21,7 @@ bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_si
 // can unless disallowed (process-wide; allowed by default): benchmarks time
 // the float32 arithmetic against it.
 bool prefill_attention_bf16_products();
-void allow_bf16_attention_products(bool allowed);
+bool allow_bf16_attention_products(bool allowed);  // returns the previous setting
 void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
                        at::Tensor query_lens, double scale, int64_t window = 0);

@@ -23,7 +23,11 @@
 // A bfloat16 cache on a CPU with AVX512_BF16 takes bfloat16 products
 // (run_task_bf16): Q and P rounded to bfloat16, K and V read as they are,
 // sums in float32; 1.14-1.28x the float32 arithmetic's speed on the 64-request
-// prompts (benchmarks/cpu_attention_bench.py).
+// prompts on an AMD Zen 4 (benchmarks/cpu_attention_bench.py), whose vector
+// FMAs issue once a cycle, so a bfloat16 pair-product instruction does twice
+// the work. Intel's cores issue two FMAs a cycle and one of those: no gain,
+// and the rounding costs extra (0.85x on a Sapphire Rapids-class Xeon), so
+// on Intel CPUs the float32 arithmetic is the default.
 //
 // A sliding window (window > 0; 0 is the whole context) starts each task at
 // the chunk of its first token's first in-window key and masks the keys
@@ -52,8 +56,17 @@
 #include "kv_layout.h"
 
 namespace {
+// Whether bfloat16 products are the default here (see the top: not on Intel).
+bool products_by_default() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return !__builtin_cpu_is("intel");
+#else
+  return true;
+#endif
+}
 // allow_bf16_attention_products: process-wide, read once per call.
-std::atomic<bool> bf16_products_allowed{true};
+std::atomic<bool> bf16_products_allowed{products_by_default()};
 }  // namespace
 
 #if defined(__AVX512F__)
@@ -532,7 +545,7 @@ bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_si
 #endif
 }
 
-void allow_bf16_attention_products(bool allowed) { bf16_products_allowed = allowed; }
+bool allow_bf16_attention_products(bool allowed) { return bf16_products_allowed.exchange(allowed); }
 
 bool prefill_attention_bf16_products() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

@@ -7,6 +7,7 @@ import dataclasses
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -251,10 +252,24 @@ def _prefill_call(
     return rows
 
 
+@pytest.fixture(params=["default", "bf16 products", "float32 arithmetic"])
+def products_setting(request: pytest.FixtureRequest, prefill_kernel) -> Iterator[None]:
+    """The prefill kernel as this CPU runs it by default, then with bfloat16
+    products forced on and off (each is some CPU's default)."""
+    if request.param == "default":
+        yield
+        return
+    previous = prefill_kernel.allow_bf16_attention_products(request.param == "bf16 products")
+    try:
+        yield
+    finally:
+        prefill_kernel.allow_bf16_attention_products(previous)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: s.label)
 def test_prefill_kernel_matches_reference(
-    prefill_kernel, shape: Shape, cache_dtype: torch.dtype
+    prefill_kernel, products_setting: None, shape: Shape, cache_dtype: torch.dtype
 ) -> None:
     """Each chunk attends causally over its cached prefix and itself; rows of
     other sequences (decodes) are left as they were."""
@@ -292,23 +307,30 @@ def test_prefill_kernel_refuses_what_it_cannot_do(prefill_kernel) -> None:
 
 
 def test_bfloat16_products_where_the_cpu_has_them(prefill_kernel) -> None:
-    """The prefill kernel takes bfloat16 products exactly where the CPU has
-    AVX512_BF16."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    assert prefill_kernel.prefill_attention_bf16_products() == (" avx512_bf16" in flags)
+    """The prefill kernel takes bfloat16 products by default exactly where
+    the CPU has AVX512_BF16 and is not Intel's (whose two FMA ports make
+    them no faster); allowed, wherever it has AVX512_BF16."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    capable, intel = " avx512_bf16" in info, "GenuineIntel" in info
+    assert prefill_kernel.prefill_attention_bf16_products() == (capable and not intel)
+    previous = prefill_kernel.allow_bf16_attention_products(True)
+    try:
+        assert prefill_kernel.prefill_attention_bf16_products() == capable
+    finally:
+        prefill_kernel.allow_bf16_attention_products(previous)
 
 
 def test_bfloat16_products_can_be_disallowed(prefill_kernel) -> None:
-    """The benchmarks' switch: disallowed, a bfloat16 cache's rows are widened
-    to float32 again (exact to 2e-5)."""
+    """The switch: disallowed, a bfloat16 cache's rows are widened to
+    float32 (exact to 2e-5)."""
     batch = make_batch(PREFILL_SHAPES[-4], dtype=torch.bfloat16, seed=5)
     query, scale = batch.query.float(), 0.125
     want = reference.paged_attention(query, batch.kv_cache.float(), batch.meta, scale)
-    prefill_kernel.allow_bf16_attention_products(False)
+    previous = prefill_kernel.allow_bf16_attention_products(False)
     try:
         assert not prefill_kernel.prefill_attention_bf16_products()
         got = torch.full_like(query, 7.0)
         for lo, hi in _prefill_call(prefill_kernel, batch, query, got, scale):
             torch.testing.assert_close(got[lo:hi], want[lo:hi], atol=2e-5, rtol=0)
     finally:
-        prefill_kernel.allow_bf16_attention_products(True)
+        prefill_kernel.allow_bf16_attention_products(previous)
