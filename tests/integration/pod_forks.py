@@ -23,6 +23,7 @@ pod when TANDEM_TEST_PODS=exec.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -112,7 +113,11 @@ class ForkedPod:
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            # The forkserver, the pod's parent, reaps it before its exit
+            # status reaches us: a pod gone in between is not an error, as
+            # Popen.send_signal ignores one too.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
