@@ -86,12 +86,23 @@ def test_regex_choice_and_grammar(llm: LLM) -> None:
         phone, choice, expr = llm.generate(prompts, params, use_tqdm=False)
         assert re.fullmatch(PHONE, phone.text), phone.text
         assert choice.text in CHOICES
-        if expr.finish_reason == "stop":  # a sampled expression may run to the limit
-            assert isinstance(ast.parse(expr.text, mode="eval").body, ast.BinOp | ast.Constant)
-        else:
-            assert seed is not None, expr.text
+        # The grammar allows expressions of any length, and greedy as well as
+        # sampled ones may run to the limit (the model repeating "10*2+"):
+        # a cut one must still be the start of a sentence of the grammar.
+        text = expr.text if expr.finish_reason == "stop" else _completed(expr.text)
+        assert isinstance(ast.parse(text, mode="eval").body, ast.BinOp | ast.Constant), expr.text
+        assert all(re.fullmatch(r"[1-9][0-9]?", n) for n in re.findall(r"[0-9]+", text)), text
         for out in (phone, choice):
             assert out.finish_reason == "stop"
+
+
+def _completed(prefix: str) -> str:
+    """An arithmetic expression cut short, completed: a factor after a
+    trailing operator or "(", then the parentheses it left open."""
+    assert re.fullmatch(r"[0-9+\-*/()]+", prefix), prefix
+    if prefix[-1] in "+-*/(":
+        prefix += "1"
+    return prefix + ")" * (prefix.count("(") - prefix.count(")"))
 
 
 def test_free_requests_are_untouched_by_constrained_neighbours(exact_llm: LLM) -> None:
