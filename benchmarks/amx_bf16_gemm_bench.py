@@ -25,8 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -35,22 +33,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from offline_throughput import make_prompts, switched_runs  # noqa: E402
+from offline_throughput import make_prompts, median_ms, switched_runs  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
 from kernels import quant  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-
-
-def _ms(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def _q4_1(out_features: int, in_features: int) -> quant.QuantizedWeight:
@@ -73,7 +61,7 @@ def kernels(rounds: int, rows: list[int], default: int) -> None:
             for _ in range(rounds):
                 for way, threshold in (("int8", 0), ("bf16 AMX", 1)):
                     quant.set_amx_bf16_rows(threshold)
-                    times[way].append(_ms(partial(quant.quant_linear, x, weight, None)))
+                    times[way].append(median_ms(partial(quant.quant_linear, x, weight, None)))
                     out = quant.quant_linear(x, weight, None).double()
                     errors[way] = float((out - ref).abs().max() / ref.abs().max())
             quant.set_amx_bf16_rows(default)

@@ -93,6 +93,18 @@ def decode_step_times(llm: LLM, steps: int = 64) -> list[float]:
     return times
 
 
+def median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+    """The median of `repeats` timed calls of fn, in milliseconds, after one
+    untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def summary(values: list[float]) -> str:
     return (
         f"median {statistics.median(values):7.2f}  (min {min(values):.2f}, max {max(values):.2f})"

@@ -25,18 +25,20 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from kernels import sampling
+from offline_throughput import median_ms  # noqa: E402
+
+from kernels import sampling  # noqa: E402
 
 
-def _ms(fn: Callable[[], object], repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def _print_medians(table: dict[str, list[float]], unit: str, digits: int) -> None:
+    for name, values in table.items():
+        print(
+            f"  {name:<20} {statistics.median(values):8.{digits}f} {unit}"
+            f"(min {min(values):.{digits}f}, max {max(values):.{digits}f})"
+        )
 
 
 def _ops(probs: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -64,14 +66,9 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in ways}
             for _ in range(args.rounds):
                 for name, fn in ways.items():
-                    fn()
-                    times[name].append(_ms(fn))
+                    times[name].append(median_ms(fn))
             print(f"{rows} rows x {vocab}:")
-            for name, values in times.items():
-                print(
-                    f"  {name:<20} {statistics.median(values):8.3f} ms "
-                    f"(min {min(values):.3f}, max {max(values):.3f})"
-                )
+            _print_medians(times, "ms ", 3)
             ratios = [
                 a / b
                 for a, b in zip(times["exponential race"], times["inverse CDF kernel"], strict=True)
@@ -108,11 +105,7 @@ def _engine(rounds: int) -> None:
     setattr(sampler, "draw", sampling.draw)  # noqa: B010
     for label, table in rates.items():
         print(f"default model, temperature 1.0, {label}, output tok/s:")
-        for name, values in table.items():
-            print(
-                f"  {name:<20} {statistics.median(values):8.1f} "
-                f"(min {min(values):.1f}, max {max(values):.1f})"
-            )
+        _print_medians(table, "", 1)
         ratios = [
             b / a
             for a, b in zip(table["exponential race"], table["inverse CDF kernel"], strict=True)

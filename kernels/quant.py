@@ -56,8 +56,8 @@ On CPUs with AMX-BF16 (Intel Xeons from Sapphire Rapids), int8-activation
 calls of `amx_bf16_rows()` rows and more (prefill chunks) round the inputs
 to bfloat16 instead and run as one oneDNN bfloat16 GEMM on AMX tiles over
 the weight expanded to bfloat16 for the call, outputs rounded to bfloat16
-(quant_gemm.cpp amx_bf16_gemm): 1.5-2.2x the int8 kernels from 1,024 rows
-on that machine (benchmarks/README.md, "amx_bf16_gemm_bench.py").
+(quant_gemm.cpp amx_bf16_gemm): 1.0-1.5x the int8 kernels at 1,024 rows and
+1.5-2.3x from 2,048 on that machine (benchmarks/README.md, "amx_bf16_gemm_bench.py").
 
 Code paths (`ISAS`): "portable" C++, "avx2", "avx512" (AVX2's kernels plus
 VNNI dot products and, where present, AVX512_BF16's), "amx" (avx512's, with
