@@ -16,6 +16,8 @@ Sources live in `kernels/csrc/`:
   keys past a query's position skipped (torch's CPU flash attention, the
   fallback, computes them and masks them out at prompt lengths under 512);
   under a sliding window, the keys before each tile's window too.
+  `prefill_attention_amx.cpp` runs the same attention over a bfloat16
+  cache on AMX tiles (oneDNN's brgemm through ATen) where the CPU has them.
 * `fused_ops.cpp`: RMSNorm (with the residual add folded in), SiLU-and-mul
   and RoPE, each one pass instead of a chain of torch kernels (see
   `kernels.elementwise`).
@@ -32,13 +34,15 @@ Sources live in `kernels/csrc/`:
   in the same pass (xxHash's single header, vendored under
   `csrc/third_party/xxhash/`, BSD-2-Clause).
 * `quant_pack.cpp`, `quant_linear.cpp`, `quant_gemm.cpp`,
-  `quant_linear_int8.cpp`, `quant_linear_bf16.cpp`: linear layers over GGUF
+  `quant_linear_int8.cpp`, `quant_linear_bf16.cpp`, `quant_linear_amx.cpp`,
+  `amx_mlp.cpp`: linear layers over GGUF
   Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks,
   int8 and bfloat16 weights in tiles of 8 output rows
   (`quant_tiles.h`; see `kernels.quant`), with float32 or (opted in) int8
   activations; AVX2 paths (with AVX-512 VNNI's integer dot products and
-  AVX512_BF16's bfloat16 ones where the CPU has them) and a portable
-  fallback.
+  AVX512_BF16's bfloat16 ones where the CPU has them), AMX tiles for
+  prefill-sized calls (and a gated MLP's whole pass) where it has those, and
+  a portable fallback.
 * `shm_index.cpp`: the slot index of the shared-memory KV pool (lookup,
   LRU touches, victim choice, publishing), which `connectors.shm_pool`
   otherwise runs in numpy.
@@ -46,9 +50,10 @@ Sources live in `kernels/csrc/`:
 Compute is float32 except where a weight format opts out (`kernels.quant`: int8
 activations, bfloat16 dot products) and in prefill attention over a
 bfloat16 KV cache on CPUs with AVX512_BF16 (bfloat16 products, float32
-sums: `prefill_attention.cpp`). The extension is built with torch's C++ extension
-tooling (a compiler and ninja are needed; about a minute, then cached under
-torch's extension directory, keyed by the sources). If it cannot be built,
+sums: `prefill_attention.cpp`, on AMX tiles `prefill_attention_amx.cpp`).
+The extension is built with torch's C++ extension tooling (a compiler and
+ninja are needed; about a minute, then cached under torch's extension
+directory, keyed by the sources). If it cannot be built,
 `load()` returns None once, logs why, and the torch paths run as before.
 ``TANDEM_CPU_KERNELS=0`` turns it off.
 """
@@ -75,8 +80,10 @@ _SOURCES = (
     "kv_copy.cpp",
     "kv_int8.cpp",
     "prefill_attention.cpp",
+    "prefill_attention_amx.cpp",
     "quant_linear.cpp",
     "quant_gemm.cpp",
+    "amx_mlp.cpp",
     "quant_linear_int8.cpp",
     "quant_linear_amx.cpp",
     "quant_linear_bf16.cpp",
@@ -91,6 +98,7 @@ _HEADERS = (
     "kv_int8.h",
     "kv_layout.h",
     "quant_expand.h",
+    "silu.h",
     "quant_int8_rows.h",
     "quant_tiles.h",
     "shm_index.h",

@@ -348,6 +348,63 @@ def quant_linear_silu(
     return out
 
 
+MLP_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def amx_mlp_applies(rows: int, gate_up: BlockWeight, down: BlockWeight) -> bool:
+    """Whether `amx_mlp` takes a call of `rows` rows with these weights: a
+    CPU with AMX-BF16 (not turned off), rows at least `amx_bf16_rows()`,
+    both weights whole (not sharded) integer blocks with int8 activations."""
+    threshold = amx_bf16_rows()
+    return (
+        threshold is not None
+        and rows >= threshold
+        and all(
+            isinstance(w, QuantizedWeight) and w.int8_activations and w.format != "bf16"
+            for w in (gate_up, down)
+        )
+    )
+
+
+def amx_mlp(
+    x: torch.Tensor,
+    gate_up: QuantizedWeight,
+    down: QuantizedWeight,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    """A gated MLP, act(gate) * up @ down.T (+ biases), in one pass on AMX
+    tiles for prefill-sized calls (`amx_mlp_applies`): each block of rows goes
+    through gate_up, the activation and down while in cache, and each weight
+    is expanded to bfloat16 once a call. x and the activation are rounded to
+    bfloat16 (as the int8 path's AMX GEMMs round them); sums in float32.
+    `activation`: "silu" or "gelu_tanh" (torch's approximate="tanh")."""
+    if activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(MLP_ACTIVATIONS)}, got {activation!r}")
+    if gate_up.out_features != 2 * down.in_features or x.shape[-1] != gate_up.in_features:
+        raise ValueError(
+            f"x [rows, {x.shape[-1]}], gate_up [{gate_up.out_features}, {gate_up.in_features}] "
+            f"and down [{down.out_features}, {down.in_features}] do not chain"
+        )
+    if not amx_mlp_applies(x.shape[0], gate_up, down):
+        raise ValueError(f"amx_mlp does not take {x.shape[0]} rows of these weights here")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = x.new_empty(x.shape[0], down.out_features)
+    kernels().quant_mlp_amx(
+        out,
+        x,
+        gate_up.packed,
+        down.packed,
+        down.in_features,
+        gate_up_bias,
+        down_bias,
+        MLP_ACTIVATIONS[activation],
+    )
+    return out
+
+
 def format_summary(weights: Sequence[BlockWeight | torch.Tensor]) -> str:
     """The formats of a model's weights, largest share of parameters first,
     e.g. 'q4_1+q8_0' or 'float32' (a sharded weight's shards count apart)."""

@@ -24,7 +24,7 @@ from kernels.layer_ops import (
 )
 from kernels.lora import LoRALayer
 from kernels.metadata import AttentionMetadata
-from kernels.quant import BlockWeight, QuantizedWeight, quant_linear_silu
+from kernels.quant import BlockWeight, QuantizedWeight, amx_mlp, amx_mlp_applies, quant_linear_silu
 
 
 class AttentionOps(Protocol):
@@ -325,8 +325,22 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         # LoRA segments are rows of the whole step: a chunk would misplace them.
-        lora = self.down_proj.lora
-        adapted = lora is not None and lora.state.batch is not None
+        adapted = any(
+            p.lora is not None and p.lora.state.batch is not None
+            for p in (self.gate_up_proj, self.down_proj)
+        )
+        gate_up, down = self.gate_up_proj.packed, self.down_proj.packed
+        if (
+            x.device.type == "cpu"
+            and not adapted
+            and isinstance(gate_up, QuantizedWeight)
+            and isinstance(down, QuantizedWeight)
+            and amx_mlp_applies(rows, gate_up, down)
+        ):
+            # One pass a block of rows (kernels/csrc/amx_mlp.cpp): what the
+            # chunks below do, without their trips through memory.
+            bias1, bias2 = self.gate_up_proj.bias, self.down_proj.bias
+            return amx_mlp(x, gate_up, down, bias1, bias2, self.hidden_act)
         if rows <= self.CHUNK_ROWS or x.device.type != "cpu" or adapted:
             return self._forward(x)
         out = x.new_empty(rows, self.down_proj.weight.shape[0])

@@ -26,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether prefill_attention has a kernel for (head_dim, group, block_size) here");
   m.def("prefill_attention_bf16_products", &prefill_attention_bf16_products,
         "whether prefill_attention over a bfloat16 cache multiplies in bfloat16 here");
+  m.def("allow_amx_attention", &allow_amx_attention,
+        "let prefill_attention's bfloat16 products run on AMX tiles or not; the previous");
   m.def("allow_bf16_attention_products", &allow_bf16_attention_products,
         "let prefill_attention over bfloat16 caches take bfloat16 products or not; the previous");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32 rows)");
@@ -58,6 +60,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "from how many rows int8-activation calls take bfloat16 GEMMs on AMX; -1: never, 0: off");
   m.def("quant_linear_set_amx_bf16_rows", &quant_linear_set_amx_bf16_rows,
         "set that threshold (0: off); returns the previous one");
+  m.def("quant_mlp_amx", &quant_mlp_amx,
+        "out = act(gate) * up @ down^T in one pass on AMX tiles (act 0 SiLU, 1 GELU tanh)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("cache_kv", &cache_kv, "reshape_and_cache for a float32 cache: K/V rows into slots");
   m.def("cache_kv_int8", &cache_kv_int8,
         "reshape_and_cache for an int8 cache: K/V rows quantized into slots (kv_int8.h)");

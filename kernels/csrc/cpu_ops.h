@@ -25,6 +25,15 @@ bool allow_bf16_attention_products(bool allowed);  // returns the previous setti
 void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
                        at::Tensor query_lens, double scale, int64_t window = 0);
+// prefill_attention_amx.cpp: the bfloat16 products on AMX tiles, which
+// prefill_attention takes over a bfloat16 cache where the CPU has AMX-BF16
+// and bfloat16 products are allowed; allow_amx_attention(false) keeps it on
+// the vector kernels (returns the previous setting).
+bool prefill_attention_amx_applies(int64_t head_dim, const at::Tensor& kv_cache);
+bool allow_amx_attention(bool allowed);
+void prefill_attention_amx(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                           at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
+                           at::Tensor query_lens, double scale, int64_t window);
 
 // fused_ops.cpp
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
@@ -58,6 +67,12 @@ int64_t quant_linear_bf16_dot_rows();
 // 0 when turned off. The setter (0: off) returns the previous threshold.
 int64_t quant_linear_amx_bf16_rows();
 int64_t quant_linear_set_amx_bf16_rows(int64_t rows);
+// A gated MLP in one call on AMX tiles (quant_expand.h amx_bf16_mlp): out =
+// act(gate) * up @ down^T for calls of at least quant_linear_amx_bf16_rows()
+// rows; act 0 = SiLU, 1 = GELU (tanh). Refused where that path is not taken.
+void quant_mlp_amx(at::Tensor out, at::Tensor x, at::Tensor gate_up, at::Tensor down,
+                   int64_t intermediate, const c10::optional<at::Tensor>& gate_up_bias,
+                   const c10::optional<at::Tensor>& down_bias, int64_t act);
 
 // decode_stack.cpp
 void cache_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);

@@ -27,7 +27,9 @@
 // FMAs issue once a cycle, so a bfloat16 pair-product instruction does twice
 // the work. Intel's cores issue two FMAs a cycle and one of those: no gain,
 // and the rounding costs extra (0.85x on a Sapphire Rapids-class Xeon), so
-// on Intel CPUs the float32 arithmetic is the default.
+// on Intel CPUs the float32 arithmetic is the default, unless they have AMX
+// tiles: there the same products run on the tiles (prefill_attention_amx.cpp,
+// 1.9x the float32 arithmetic) and are the default.
 //
 // A sliding window (window > 0; 0 is the whole context) starts each task at
 // the chunk of its first token's first in-window key and masks the keys
@@ -54,10 +56,15 @@
 #include "cpu_ops.h"
 #include "kv_int8.h"
 #include "kv_layout.h"
+#include "quant_int8_rows.h"
 
 namespace {
-// Whether bfloat16 products are the default here (see the top: not on Intel).
+// Whether bfloat16 products are the default here (see the top: not on
+// Intel, unless it has AMX tiles: prefill_attention_amx.cpp).
 bool products_by_default() {
+#if defined(TANDEM_QUANT_AMX_BF16)
+  if (tandem_quant::amx_usable()) return true;
+#endif
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
   return !__builtin_cpu_is("intel");
@@ -599,6 +606,9 @@ void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
   TORCH_CHECK(prefill_attention_applies(query.size(2), H / HKV, kv_cache.size(2)),
               "prefill_attention: no kernel for head_dim ", query.size(2), ", group ", H / HKV,
               ", block size ", kv_cache.size(2), " on this build");
+  if (prefill_attention_bf16_products() && prefill_attention_amx_applies(query.size(2), kv_cache))
+    return prefill_attention_amx(out, query, kv_cache, block_table, seq_lens, query_starts,
+                                 query_lens, scale, window);
 #if defined(__AVX512F__)
   const auto dtype = kv_cache.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar,

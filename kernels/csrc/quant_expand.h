@@ -99,11 +99,11 @@ void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
 
 // The int8-activation path's many-row calls on CPUs with AMX-BF16 (prefill
 // chunks): x rounded to bfloat16 times the weight expanded to bfloat16
-// (exactly where its values fit; within 2^-9 of each where not), one call of
-// oneDNN's bfloat16 GEMM on AMX tiles (float32 sums), outputs rounded to
-// bfloat16. The int8 kernels' many-row calls reach ~0.25 TOP/s on VNNI;
-// oneDNN's bfloat16 GEMM 1.5 TFLOP/s here, which pays for expanding the
-// weight each call from ~1,024 rows on (benchmarks/README.md,
+// (exactly where its values fit; within 2^-9 of each where not), on AMX
+// tiles through oneDNN's brgemm micro-kernel, float32 sums written straight
+// into the output. The int8 kernels' many-row calls reach ~0.25 TOP/s on
+// VNNI; the tiles 1.4-1.8 TFLOP/s here, which pays for expanding the weight
+// each call from ~1,024 rows on (benchmarks/README.md,
 // "amx_bf16_gemm_bench.py"). Both round the activations; this rounds less.
 constexpr int64_t kAmxBf16GemmRows = 1024;
 // Whether a call of `rows` rows at code path `isa` takes amx_bf16_gemm.
@@ -113,5 +113,39 @@ void amx_bf16_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
 // The threshold in force, and a new one (0: off); set returns the old one.
 int64_t amx_bf16_gemm_rows();
 int64_t set_amx_bf16_gemm_rows(int64_t rows);
+
+// The weight's [K, tiles * 8] float32 expansion (k-major), every tile at once.
+at::Tensor expand_all(const at::Tensor& packed, Isa isa);
+
+#ifdef TANDEM_QUANT_AMX_BF16
+// The AMX bfloat16 GEMMs' blocking (quant_gemm.cpp, amx_mlp.cpp): each
+// thread takes kAmxRowBlock rows of the bfloat16 input (at most
+// 256 x 2,048 x 2 bytes: in L2) and multiplies them by every column panel
+// of the packed weight in turn (the whole weight, 1-4 MB in bfloat16 for
+// these models, comes from L3); one brgemm call (oneDNN's micro-kernel,
+// through ATen's cpublas) computes kAmxRowBlock x kAmxPanel float32 sums.
+constexpr int64_t kAmxRowBlock = 256;
+constexpr int64_t kAmxPanel = 64;
+// Columns col0 .. col0 + N - 1 of expand_all's [Kp, ld] float32 expansion
+// as bfloat16 panels of kAmxPanel columns in the layout AMX's bfloat16
+// tiles read (pairs of k interleaved: [panels][Kp / 2][kAmxPanel][2]),
+// rounded to nearest even as Tensor.to(bfloat16) rounds; the last panel
+// zero-padded to the full width.
+at::Tensor pack_vnni_panels(const at::Tensor& expanded, int64_t col0, int64_t N);
+#endif
+
+// amx_mlp.cpp: a gated MLP's many-row calls in one pass on AMX tiles.
+// out = act(x @ gate^T + b_gate) * (x @ up^T + b_up) @ down^T + b_down for a
+// gate_up weight [2 * I, K] (gate rows, then up rows) and down [H, I], both
+// taking int8 activations; act 0 = SiLU, 1 = GELU (tanh). Each block of
+// rows goes through gate_up, the activation and down while it is in cache:
+// no [rows, 2 * I] product, no activation tensor, and each weight expanded
+// once a call (the chunked path expanded both once per 1,024 rows).
+// x and the activation are rounded to bfloat16, as amx_bf16_gemm rounds
+// them; sums in float32.
+void amx_bf16_mlp(const at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
+                  const at::Tensor& down, int64_t intermediate,
+                  const c10::optional<at::Tensor>& gate_up_bias,
+                  const c10::optional<at::Tensor>& down_bias, int64_t act, Isa isa);
 
 }  // namespace tandem_quant

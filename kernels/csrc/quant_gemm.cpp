@@ -10,6 +10,7 @@
 // floats, so only the order of the additions differs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <atomic>
@@ -36,6 +37,8 @@ void expand_panel(const uint8_t* base, int64_t nb, int64_t t0, int64_t t1, float
   });
 }
 
+}  // namespace
+
 // The weight's [K, tiles * 8] float32 expansion (k-major), every tile at once.
 at::Tensor expand_all(const at::Tensor& packed, Isa isa) {
   const uint8_t* base = packed.data_ptr<uint8_t>();
@@ -52,8 +55,39 @@ at::Tensor expand_all(const at::Tensor& packed, Isa isa) {
   return w;
 }
 
-// Rows amx_bf16_gemm multiplies at once.
-constexpr int64_t kAmxBf16ChunkRows = 2048;
+#ifdef TANDEM_QUANT_AMX_BF16
+at::Tensor pack_vnni_panels(const at::Tensor& expanded, int64_t col0, int64_t N) {
+  const int64_t Kp = expanded.size(0), ld = expanded.size(1);
+  const int64_t panels = (N + kAmxPanel - 1) / kAmxPanel;
+  at::Tensor packed = at::zeros({panels, Kp / 2, kAmxPanel, 2}, at::kBFloat16);
+  const float* src = expanded.data_ptr<float>();
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  // 32 bfloat16 of [row 2i: 0..15 | row 2i + 1: 0..15] -> pairs (2i, 2i + 1).
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                              24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                              16, 0);
+  at::parallel_for(0, panels * (Kp / 2), 64, [&](int64_t a, int64_t b) {
+    for (int64_t task = a; task < b; ++task) {
+      const int64_t p = task / (Kp / 2), i = task % (Kp / 2);
+      const int64_t n0 = p * kAmxPanel, width = std::min(kAmxPanel, N - n0);
+      const float* r0 = src + 2 * i * ld + col0 + n0;
+      const float* r1 = r0 + ld;
+      uint16_t* out = dst + (p * (Kp / 2) + i) * kAmxPanel * 2;
+      for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 live = static_cast<__mmask16>(
+            width - j >= 16 ? 0xFFFF : (1u << (width - j)) - 1);
+        const __m512 lo = _mm512_maskz_loadu_ps(live, r0 + j);
+        const __m512 hi = _mm512_maskz_loadu_ps(live, r1 + j);
+        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(out + 2 * j, _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+  });
+  return packed;
+}
+#endif
+
+namespace {
 
 // amx_bf16_gemm's row threshold; 0 turns the path off (set_amx_bf16_gemm_rows).
 std::atomic<int64_t> amx_bf16_rows{kAmxBf16GemmRows};
@@ -80,23 +114,37 @@ bool amx_bf16_gemm_takes(int64_t rows, Isa isa) {
 
 void amx_bf16_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                    const c10::optional<at::Tensor>& bias, Isa isa) {
-  const int64_t M = x.size(0), N = out.size(1), padded = packed.size(1) * kBlock;
-  const at::Tensor w = expand_all(packed, isa).narrow(1, 0, N).to(at::kBFloat16);
-  // oneDNN's bfloat16 matmul (AMX tiles) writes bfloat16, widened into out a
-  // chunk of rows at a time: one [8192, 3072] product in bfloat16 was 50 MB
-  // of fresh pages each call, a [2048, N] one stays in cache and is reused.
-  const int64_t chunk = std::min<int64_t>(M, kAmxBf16ChunkRows);
-  at::Tensor product = at::empty({chunk, N}, x.options().dtype(at::kBFloat16));
-  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t m = std::min(chunk, M - m0);
-    at::Tensor xb = x.narrow(0, m0, m).to(at::kBFloat16);
-    if (xb.size(1) != padded) xb = at::constant_pad_nd(xb, {0, padded - xb.size(1)});
-    at::Tensor part = product.narrow(0, 0, m);
-    at::mm_out(part, xb, w);
-    at::Tensor rows = out.narrow(0, m0, m);
-    rows.copy_(part);
-    if (bias.has_value()) rows.add_(*bias);
-  }
+#ifdef TANDEM_QUANT_AMX_BF16
+  const int64_t M = x.size(0), N = out.size(1), Kp = packed.size(1) * kBlock;
+  const at::Tensor w = pack_vnni_panels(expand_all(packed, isa), 0, N);
+  at::Tensor xb = x.to(at::kBFloat16);
+  if (xb.size(1) != Kp) xb = at::constant_pad_nd(xb, {0, Kp - xb.size(1)});
+  xb = xb.contiguous();
+  const auto* a_base = reinterpret_cast<const at::BFloat16*>(xb.data_ptr());
+  const auto* b_base = reinterpret_cast<const at::BFloat16*>(w.data_ptr());
+  float* c_base = out.data_ptr<float>();
+  const int64_t ldc = out.stride(0), panels = w.size(0);
+  const float* bias_ptr = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t row_blocks = (M + kAmxRowBlock - 1) / kAmxRowBlock;
+  at::parallel_for(0, row_blocks, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t m0 = r * kAmxRowBlock, m = std::min(kAmxRowBlock, M - m0);
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n0 = p * kAmxPanel, n = std::min(kAmxPanel, N - n0);
+        float* c = c_base + m0 * ldc + n0;
+        at::native::cpublas::brgemm(m, n, Kp, Kp, kAmxPanel, ldc, /*add_C=*/false,
+                                    a_base + m0 * Kp, b_base + p * Kp * kAmxPanel, c);
+        if (bias_ptr != nullptr)
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) c[i * ldc + j] += bias_ptr[n0 + j];
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+#else
+  (void)out, (void)x, (void)packed, (void)bias, (void)isa;
+  TORCH_CHECK(false, "amx_bf16_gemm: this build has no AMX-BF16");
+#endif
 }
 
 void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,

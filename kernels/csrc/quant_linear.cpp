@@ -359,3 +359,27 @@ int64_t quant_linear_amx_bf16_rows() {
 }
 
 int64_t quant_linear_set_amx_bf16_rows(int64_t rows) { return set_amx_bf16_gemm_rows(rows); }
+
+void quant_mlp_amx(at::Tensor out, at::Tensor x, at::Tensor gate_up, at::Tensor down,
+                   int64_t intermediate, const c10::optional<at::Tensor>& gate_up_bias,
+                   const c10::optional<at::Tensor>& down_bias, int64_t act) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be [rows, in] float32 with contiguous rows");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0),
+              "out must be [rows, hidden] float32 with contiguous rows, one per x row");
+  for (const auto* w : {&gate_up, &down})
+    TORCH_CHECK(w->dim() == 3 && w->scalar_type() == at::kByte && kind_of(*w) != Kind::BF16,
+                "gate_up and down must be packed integer blocks");
+  for (const auto* b : {&gate_up_bias, &down_bias})
+    TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous()),
+                "biases must be contiguous float32");
+  TORCH_CHECK(!gate_up_bias.has_value() || gate_up_bias->numel() == 2 * intermediate,
+              "gate_up_bias must have 2 * intermediate values");
+  TORCH_CHECK(!down_bias.has_value() || down_bias->numel() == out.size(1),
+              "down_bias must have one value per output");
+  const Isa isa = best_isa();
+  TORCH_CHECK(amx_bf16_gemm_takes(x.size(0), isa), "quant_mlp_amx: ", x.size(0),
+              " rows do not take the AMX bfloat16 path here (quant_linear_amx_bf16_rows)");
+  amx_bf16_mlp(out, x, gate_up, down, intermediate, gate_up_bias, down_bias, act, isa);
+}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import threading
@@ -252,18 +253,21 @@ def _prefill_call(
     return rows
 
 
-@pytest.fixture(params=["default", "bf16 products", "float32 arithmetic"])
+@pytest.fixture(params=["default", "bf16 products", "bf16 vector products", "float32 arithmetic"])
 def products_setting(request: pytest.FixtureRequest, prefill_kernel) -> Iterator[None]:
     """The prefill kernel as this CPU runs it by default, then with bfloat16
-    products forced on and off (each is some CPU's default)."""
+    products forced on (on AMX tiles where the CPU has them, and on the
+    vector units) and off: each is some CPU's default."""
     if request.param == "default":
         yield
         return
-    previous = prefill_kernel.allow_bf16_attention_products(request.param == "bf16 products")
+    previous = prefill_kernel.allow_bf16_attention_products(request.param != "float32 arithmetic")
+    amx = prefill_kernel.allow_amx_attention(request.param != "bf16 vector products")
     try:
         yield
     finally:
         prefill_kernel.allow_bf16_attention_products(previous)
+        prefill_kernel.allow_amx_attention(amx)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -309,10 +313,13 @@ def test_prefill_kernel_refuses_what_it_cannot_do(prefill_kernel) -> None:
 def test_bfloat16_products_where_the_cpu_has_them(prefill_kernel) -> None:
     """The prefill kernel takes bfloat16 products by default exactly where
     the CPU has AVX512_BF16 and is not Intel's (whose two FMA ports make
-    them no faster); allowed, wherever it has AVX512_BF16."""
+    them no faster on the vector units) or has AMX tiles (which make them
+    faster: prefill_attention_amx.cpp); allowed, wherever it has
+    AVX512_BF16."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     capable, intel = " avx512_bf16" in info, "GenuineIntel" in info
-    assert prefill_kernel.prefill_attention_bf16_products() == (capable and not intel)
+    tiles = " amx_bf16" in info and os.environ.get("TANDEM_AMX") != "0"
+    assert prefill_kernel.prefill_attention_bf16_products() == (capable and (tiles or not intel))
     previous = prefill_kernel.allow_bf16_attention_products(True)
     try:
         assert prefill_kernel.prefill_attention_bf16_products() == capable
