@@ -13,9 +13,10 @@ block size 16, 30 layers, a float32 or bfloat16 cache:
 * decode: one token for each of the 64 sequences (contexts 96-544) over
   30 separate per-layer caches of the size serving gives them (2 GiB over
   30 layers, ~68 MiB each, the sequences' blocks scattered over all of it,
-  so reads come from memory as in serving, not from the CPU's caches):
-  milliseconds for the 30 layers and the K/V bytes read per second, next to
-  a plain read of 512 MB in the same process.
+  so reads come from memory as in serving, not from the CPU's caches), on
+  2 MiB pages as serving allocates them and the same bytes on 4 KiB pages,
+  interleaved: milliseconds for the 30 layers and the K/V bytes read per
+  second, next to a plain read of 512 MB in the same process.
 
 Where the CPU has AVX512_BF16, the prefill kernel can take bfloat16 products
 over a bfloat16 cache (its default except on Intel CPUs); the prefill
@@ -49,6 +50,7 @@ import torch
 from offline_throughput import read_bandwidth
 
 from kernels import cpu_kernels, torch_attention
+from kernels.huge_pages import huge_page_buffer
 from kernels.metadata import AttentionMetadata
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -144,23 +146,44 @@ def prefill(args: argparse.Namespace, dtype: torch.dtype, kernel: ModuleType) ->
         )
 
 
+def _on_huge_pages(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of `cache` on 2 MiB pages, as serving allocates it (new_cache)."""
+    buffer = huge_page_buffer(cache.numel() * cache.element_size())
+    copy = buffer.view(cache.dtype).view(cache.shape)
+    copy.copy_(cache)
+    return copy
+
+
 def decode(args: argparse.Namespace, dtype: torch.dtype) -> None:
     rng = random.Random(1)
     lens = [rng.randint(96, 544) for _ in range(64)]
     # Each layer's cache as big as the offline workload's (2 GiB over 30 layers).
     query, caches, meta = paged_batch([1] * 64, lens, dtype, LAYERS, 2 * 2**30 // LAYERS)
     kv_bytes = sum(lens) * KV_HEADS * DIM * 2 * caches[0].element_size() * LAYERS
-    times, reads = [], []
-    timed_layers(query, caches, meta)
+    # Serving's caches are on 2 MiB pages (kernels/kv_layout.py new_cache);
+    # the same bytes on 4 KiB pages, interleaved, show what that buys.
+    ways = {"2 MiB pages (serving's)": [_on_huge_pages(c) for c in caches], "4 KiB pages": caches}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    reads = []
+    for layers in ways.values():
+        timed_layers(query, layers, meta)
     for _ in range(args.rounds):
-        times.append(min(timed_layers(query, caches, meta) for _ in range(3)))
+        for name, layers in ways.items():
+            times[name].append(min(timed_layers(query, layers, meta) for _ in range(3)))
         reads.append(read_bandwidth())
-    step = statistics.median(times)
     print(f"decode, {dtype} cache: 64 sequences, contexts 96-544, {LAYERS} per-layer caches")
+    for name, values in times.items():
+        step = statistics.median(values)
+        print(
+            f"  {name:<24} {step * 1e3:.1f} ms (min {min(values) * 1e3:.1f}, max "
+            f"{max(values) * 1e3:.1f}) = {kv_bytes / step / 1e9:.1f} GB/s of K/V"
+        )
+    first, second = ways
+    ratios = [b / a for a, b in zip(times[first], times[second], strict=True)]
     print(
-        f"  {step * 1e3:.1f} ms (min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}) = "
-        f"{kv_bytes / step / 1e9:.1f} GB/s of K/V; plain read {statistics.median(reads) / 1e9:.1f}"
-        " GB/s"
+        f"  4 KiB / 2 MiB pages per round: {statistics.median(ratios):.2f}x (min "
+        f"{min(ratios):.2f}, max {max(ratios):.2f}); plain read "
+        f"{statistics.median(reads) / 1e9:.1f} GB/s"
     )
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.huge_pages import huge_page_buffer
+
 
 def head_major(dtype: torch.dtype) -> bool:
     """Whether caches of `dtype` are allocated head-major (see above)."""
@@ -41,12 +43,21 @@ def new_cache(
     shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
     """A zeroed cache of `shape` ``[2, blocks, block_size, heads, row]`` in
-    `dtype`'s memory order."""
+    `dtype`'s memory order. On CPU its pages are 2 MiB ones where the OS
+    gives them (kernels/huge_pages.py): a decode step reads a few KB from
+    each of thousands of scattered blocks, and on 4 KiB pages nearly every
+    block cost a TLB miss (decode attention over serving-size caches ran
+    1.10-1.28x faster on huge pages, an Intel Xeon in a VM; 1.10x on an
+    AMD EPYC: benchmarks/README.md, "huge_pages_bench.py")."""
     kv, blocks, block_size, heads, row = shape
-    if head_major(dtype):
-        memory = torch.zeros(kv, blocks, heads, block_size, row, dtype=dtype, device=device)
-        return memory.transpose(2, 3)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    order = (kv, blocks, heads, block_size, row) if head_major(dtype) else shape
+    if torch.device(device).type == "cpu":
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = kv * blocks * heads * block_size * row * itemsize
+        memory = huge_page_buffer(nbytes).view(dtype).view(order)  # zeroed by the OS
+    else:
+        memory = torch.zeros(order, dtype=dtype, device=device)
+    return memory.transpose(2, 3) if head_major(dtype) else memory
 
 
 def _memory(cache: torch.Tensor) -> torch.Tensor | None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_kernels, kv_layout
+from kernels.huge_pages import HUGE_PAGE
 
 SHAPE = (2, 5, 16, 3, 68)
 
@@ -22,6 +23,17 @@ def test_new_cache_is_zeroed_in_its_dtypes_order(dtype: torch.dtype) -> None:
         assert cache.stride() == (5 * 16 * 3 * 68, 16 * 3 * 68, 68, 16 * 68, 1)
     else:
         assert memory is cache
+
+
+def test_a_cpu_cache_starts_on_a_huge_page_boundary() -> None:
+    """On 2 MiB pages where the OS gives them (advised before first touch,
+    so the pages come huge): the buffer starts on a 2 MiB boundary, and a
+    write lands in the cache's own memory, read back through any view."""
+    cache = kv_layout.new_cache(SHAPE, torch.bfloat16, "cpu")
+    assert cache.data_ptr() % HUGE_PAGE == 0
+    cache[1, 4, 15, 2, 67] = 3.0
+    assert kv_layout.in_memory_order(cache).view(-1)[-1].item() == 3.0
+    assert cache.sum().item() == 3.0
 
 
 def test_a_head_major_block_is_each_heads_rows_in_a_run() -> None:
