@@ -26,8 +26,9 @@ DECODE_SHAPES = [
     *[s for s in SHAPES if max(s.q_lens) == 1],
     DEFAULT_MODEL_HEADS,
     Shape((1,) * 4, (31, 32, 33, 129), 8, 8, 128, 32),
-    # Head dim 256: the portable path, even where AVX-512 takes 64 and 128.
+    # Head dim 256 (Gemma 3), two and four query heads a KV head.
     Shape((1,) * 3, (5, 40, 17), 4, 2, 256, 16),
+    Shape((1,) * 4, (3, 16, 47, 300), 4, 1, 256, 16),
 ]
 
 
