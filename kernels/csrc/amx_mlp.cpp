@@ -51,11 +51,6 @@ void activate(const float* gate, const float* up, const float* gate_bias, const 
     }
 }
 
-void add_bias(float* c, int64_t ldc, const float* bias, int64_t m, int64_t n) {
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) c[i * ldc + j] += bias[j];
-}
-
 }  // namespace
 
 void amx_bf16_mlp(const at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
@@ -72,9 +67,7 @@ void amx_bf16_mlp(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const at::Tensor gate_w = pack_vnni_panels(expanded, 0, I);
   const at::Tensor up_w = pack_vnni_panels(expanded, I, I);
   const at::Tensor down_w = pack_vnni_panels(expand_all(down, isa), 0, H);
-  at::Tensor xb = x.to(at::kBFloat16);
-  if (xb.size(1) != Kx) xb = at::constant_pad_nd(xb, {0, Kx - xb.size(1)});
-  xb = xb.contiguous();
+  const at::Tensor xb = bf16_rows(x, Kx);
   const auto* xs = reinterpret_cast<const at::BFloat16*>(xb.data_ptr());
   const auto* gate_p = reinterpret_cast<const at::BFloat16*>(gate_w.data_ptr());
   const auto* up_p = reinterpret_cast<const at::BFloat16*>(up_w.data_ptr());

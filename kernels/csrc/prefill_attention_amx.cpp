@@ -101,12 +101,14 @@ void load_queries(const View& t, Scratch& s) {
 // up to 32, the tiles' depth in bfloat16).
 template <int D>
 void pack_chunk(const View& t, int64_t c0, int64_t n, int64_t width, Scratch& s) {
-  // K^T: word i (dims 2i, 2i + 1) of key j at kt[i][j].
+  // K^T: word i (dims 2i, 2i + 1) of key j at kt[i][j]; a run's 16 keys
+  // are t.row elements (t.row / 2 words) apart.
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int>(t.row / 2)));
   for (int64_t j0 = 0; j0 < width; j0 += kRun) {
     const int64_t live = std::clamp<int64_t>(n - j0, 0, kRun);
     const auto* run = reinterpret_cast<const uint32_t*>(live > 0 ? t.run(c0 + j0) : nullptr);
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int>(t.row / 2)));
     const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
     for (int i = 0; i < D / 2; ++i) {
       const __m512i words =

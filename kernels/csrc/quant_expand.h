@@ -132,6 +132,10 @@ constexpr int64_t kAmxPanel = 64;
 // rounded to nearest even as Tensor.to(bfloat16) rounds; the last panel
 // zero-padded to the full width.
 at::Tensor pack_vnni_panels(const at::Tensor& expanded, int64_t col0, int64_t N);
+// x [M, K] float32 as contiguous bfloat16 rows padded with zeros to Kp.
+at::Tensor bf16_rows(const at::Tensor& x, int64_t Kp);
+// c[i * ldc + j] += bias[j] for an m x n tile of outputs.
+void add_bias(float* c, int64_t ldc, const float* bias, int64_t m, int64_t n);
 #endif
 
 // amx_mlp.cpp: a gated MLP's many-row calls in one pass on AMX tiles.

@@ -85,6 +85,17 @@ at::Tensor pack_vnni_panels(const at::Tensor& expanded, int64_t col0, int64_t N)
   });
   return packed;
 }
+
+at::Tensor bf16_rows(const at::Tensor& x, int64_t Kp) {
+  at::Tensor xb = x.to(at::kBFloat16);
+  if (xb.size(1) != Kp) xb = at::constant_pad_nd(xb, {0, Kp - xb.size(1)});
+  return xb.contiguous();
+}
+
+void add_bias(float* c, int64_t ldc, const float* bias, int64_t m, int64_t n) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) c[i * ldc + j] += bias[j];
+}
 #endif
 
 namespace {
@@ -117,9 +128,7 @@ void amx_bf16_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
 #ifdef TANDEM_QUANT_AMX_BF16
   const int64_t M = x.size(0), N = out.size(1), Kp = packed.size(1) * kBlock;
   const at::Tensor w = pack_vnni_panels(expand_all(packed, isa), 0, N);
-  at::Tensor xb = x.to(at::kBFloat16);
-  if (xb.size(1) != Kp) xb = at::constant_pad_nd(xb, {0, Kp - xb.size(1)});
-  xb = xb.contiguous();
+  const at::Tensor xb = bf16_rows(x, Kp);
   const auto* a_base = reinterpret_cast<const at::BFloat16*>(xb.data_ptr());
   const auto* b_base = reinterpret_cast<const at::BFloat16*>(w.data_ptr());
   float* c_base = out.data_ptr<float>();
@@ -134,9 +143,7 @@ void amx_bf16_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
         float* c = c_base + m0 * ldc + n0;
         at::native::cpublas::brgemm(m, n, Kp, Kp, kAmxPanel, ldc, /*add_C=*/false,
                                     a_base + m0 * Kp, b_base + p * Kp * kAmxPanel, c);
-        if (bias_ptr != nullptr)
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < n; ++j) c[i * ldc + j] += bias_ptr[n0 + j];
+        if (bias_ptr != nullptr) add_bias(c, ldc, bias_ptr + n0, m, n);
       }
     }
     at::native::cpublas::brgemm_release();
