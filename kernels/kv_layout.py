@@ -47,8 +47,9 @@ def new_cache(
     gives them (kernels/huge_pages.py): a decode step reads a few KB from
     each of thousands of scattered blocks, and on 4 KiB pages nearly every
     block cost a TLB miss (decode attention over serving-size caches ran
-    1.10-1.28x faster on huge pages, an Intel Xeon in a VM; 1.10x on an
-    AMD EPYC: benchmarks/README.md, "huge_pages_bench.py")."""
+    1.26x faster on huge pages on an Intel Xeon in a VM: benchmarks/README.md,
+    "amx_mlp_bench.py, cpu_attention_bench.py"; 1.10x on an AMD EPYC:
+    benchmarks/JOURNAL.md)."""
     kv, blocks, block_size, heads, row = shape
     order = (kv, blocks, heads, block_size, row) if head_major(dtype) else shape
     if torch.device(device).type == "cpu":
