@@ -26,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether prefill_attention has a kernel for (head_dim, group, block_size) here");
   m.def("prefill_attention_bf16_products", &prefill_attention_bf16_products,
         "whether prefill_attention over a bfloat16 cache multiplies in bfloat16 here");
+  m.def("prefill_attention_on_tiles", &prefill_attention_on_tiles,
+        "whether prefill_attention over this cache runs on AMX tiles here", arg("head_dim"),
+        arg("kv_cache"));
   m.def("allow_amx_attention", &allow_amx_attention,
         "let prefill_attention's bfloat16 products run on AMX tiles or not; the previous");
   m.def("allow_bf16_attention_products", &allow_bf16_attention_products,

@@ -26,10 +26,12 @@ void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
                        at::Tensor query_lens, double scale, int64_t window = 0);
 // prefill_attention_amx.cpp: the bfloat16 products on AMX tiles, which
-// prefill_attention takes over a bfloat16 cache where the CPU has AMX-BF16
-// and bfloat16 products are allowed; allow_amx_attention(false) keeps it on
-// the vector kernels (returns the previous setting).
+// prefill_attention takes over a bfloat16 or int8 cache where the CPU has
+// AMX-BF16 and bfloat16 products are allowed; allow_amx_attention(false)
+// keeps it on the vector kernels (returns the previous setting).
+// prefill_attention_on_tiles: whether a call over this cache takes them.
 bool prefill_attention_amx_applies(int64_t head_dim, const at::Tensor& kv_cache);
+bool prefill_attention_on_tiles(int64_t head_dim, const at::Tensor& kv_cache);
 bool allow_amx_attention(bool allowed);
 void prefill_attention_amx(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                            at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,

@@ -4,8 +4,9 @@
 // Two implementations: a portable one (online softmax, loops the compiler
 // vectorizes) and, where the build targets AVX-512, one with the GQA group's
 // queries and accumulators held in registers, each K/V row loaded once for
-// the whole group, and a two-pass softmax (all scores of a head, then one
-// exp pass, then the V pass). Scores come 16 keys at a time, their partial
+// the whole group, and a two-pass softmax (all scores of a head with their
+// running maximum kept in a register, then one exp pass of 16 lanes, then
+// the V pass). Scores come 16 keys at a time, their partial
 // sums folded together by shuffles instead of one horizontal sum per key,
 // and blocks are prefetched into L2 four ahead. The AVX-512 path covers
 // group sizes 1-8 and head dims 64/128/256, which spans the Llama/Mistral/
@@ -53,6 +54,7 @@
 
 #include "kv_int8.h"
 #include "kv_layout.h"
+#include "silu.h"
 
 using tandem_kv_int8::row_scale;
 
@@ -380,7 +382,7 @@ inline __m512 int8_partial_dot(const Int8Query<D, G>& q, int g, const int8_t* k)
 // products times the query head's scale and each key's row scale.
 template <int D, int G>
 inline void score_keys_int8(const Int8Query<D, G>& q, const int8_t* first, int64_t row, int n,
-                            float* scores, int64_t len, int64_t at) {
+                            float* scores, int64_t len, int64_t at, __m512 (&top)[G]) {
   __m512 pairs[G][8];
   for (int p = 0; p < 8; ++p) {
     const int8_t* k0 = first + std::min(2 * p, n - 1) * row;
@@ -392,18 +394,22 @@ inline void score_keys_int8(const Int8Query<D, G>& q, const int8_t* first, int64
   for (int i = 0; i < 16; ++i) key_scales[i] = row_scale<D>(first + std::min(i, n - 1) * row);
   const __m512 sv = _mm512_load_ps(key_scales);
   const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-  for (int g = 0; g < G; ++g)
-    _mm512_mask_storeu_ps(scores + g * len + at, live,
-                          _mm512_mul_ps(sixteen_dots(pairs[g]),
-                                        _mm512_mul_ps(sv, _mm512_set1_ps(q.scale[g]))));
+  for (int g = 0; g < G; ++g) {
+    const __m512 dots =
+        _mm512_mul_ps(sixteen_dots(pairs[g]), _mm512_mul_ps(sv, _mm512_set1_ps(q.scale[g])));
+    _mm512_mask_storeu_ps(scores + g * len + at, live, dots);
+    top[g] = _mm512_mask_max_ps(top[g], live, top[g], dots);
+  }
 }
 #endif
 
 // Scores of keys first..first+n-1 (n <= 16, rows `row` apart) for the G heads
-// into scores[g * len + at ...]. Rows past n repeat the last (read, unused).
+// into scores[g * len + at ...], and into top[g] (lane-wise) their running
+// maximum, which the softmax needs. Rows past n repeat the last (read,
+// unused).
 template <int D, int G, typename T>
 inline void score_keys(const __m512 (&q)[G][D / 16], const T* first, int64_t row, int n,
-                       float* scores, int64_t len, int64_t at) {
+                       float* scores, int64_t len, int64_t at, __m512 (&top)[G]) {
   constexpr int C = D / 16;
   __m512 pairs[G][8];
   for (int p = 0; p < 8; ++p) {
@@ -418,12 +424,35 @@ inline void score_keys(const __m512 (&q)[G][D / 16], const T* first, int64_t row
     alignas(64) float key_scales[16];
     for (int i = 0; i < 16; ++i) key_scales[i] = row_scale<D>(first + std::min(i, n - 1) * row);
     const __m512 sv = _mm512_load_ps(key_scales);
-    for (int g = 0; g < G; ++g)
-      _mm512_mask_storeu_ps(scores + g * len + at, live, _mm512_mul_ps(sixteen_dots(pairs[g]), sv));
+    for (int g = 0; g < G; ++g) {
+      const __m512 dots = _mm512_mul_ps(sixteen_dots(pairs[g]), sv);
+      _mm512_mask_storeu_ps(scores + g * len + at, live, dots);
+      top[g] = _mm512_mask_max_ps(top[g], live, top[g], dots);
+    }
   } else {
-    for (int g = 0; g < G; ++g)
-      _mm512_mask_storeu_ps(scores + g * len + at, live, sixteen_dots(pairs[g]));
+    for (int g = 0; g < G; ++g) {
+      const __m512 dots = sixteen_dots(pairs[g]);
+      _mm512_mask_storeu_ps(scores + g * len + at, live, dots);
+      top[g] = _mm512_mask_max_ps(top[g], live, top[g], dots);
+    }
   }
+}
+
+// Softmax numerators in place over one head's n scores, whose maximum is
+// top's largest lane: exp(s - max) 16 at a time (exp_ps, silu.h), the last
+// vector masked. Returns 1 / their sum. (Written out because GCC compiles
+// `omp simd reduction(max)` into a serial scalar loop, a dependency chain
+// that cost 29% of the kernel, and calls libmvec's 8-lane expf.)
+inline float softmax_numerators(float* __restrict sc, int64_t n, __m512 top) {
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + i), m));
+    _mm512_mask_storeu_ps(sc + i, live, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
 }
 
 // The weight of a V row's values: the key's probability, times the row's
@@ -538,6 +567,8 @@ void attend_group(const HeadTask<T>& t, float* __restrict scores) {
 #endif
     for (int g = 0; g < G; ++g) row_order_query<T, D>(t.q + g * t.q_s1, t.scale, qr[g]);
   // Pass 1: every score, 16 keys at a time.
+  __m512 top[G];
+  for (int g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < std::min<int64_t>(kAhead, num_blocks); ++b)
     prefetch_rows<D>(t.k + t.blocks[b] * t.block_elems, BS, t.row);
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -552,28 +583,17 @@ void attend_group(const HeadTask<T>& t, float* __restrict scores) {
       const int count = static_cast<int>(std::min<int64_t>(16, n - i));
 #if defined(__AVX512VNNI__)
       if constexpr (integer_scores) {
-        score_keys_int8<D, G>(q8, kb + i * t.row, t.row, count, scores, keys, start + i - skip);
+        score_keys_int8<D, G>(q8, kb + i * t.row, t.row, count, scores, keys, start + i - skip,
+                              top);
         continue;
       }
 #endif
-      score_keys<D, G, T>(qr, kb + i * t.row, t.row, count, scores, keys, start + i - skip);
+      score_keys<D, G, T>(qr, kb + i * t.row, t.row, count, scores, keys, start + i - skip, top);
     }
   }
-  // Softmax per head over the keys attended (vectorized exp).
+  // Softmax per head over the keys attended.
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* __restrict sc = scores + g * keys;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < keys; ++i) m = std::max(m, sc[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < keys; ++i) {
-      sc[i] = std::exp(sc[i] - m);
-      sum += sc[i];
-    }
-    inv_sum[g] = 1.f / sum;
-  }
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_numerators(scores + g * keys, keys, top[g]);
   // Pass 2: the probability-weighted sum of V rows.
 #if defined(__AVX512VNNI__)
   if constexpr (integer_scores) {

@@ -40,7 +40,9 @@
 // converted and multiplied by their row's scale into the float32 scratch
 // rows the float32 arithmetic reads (as a bfloat16 cache's rows are widened
 // without AVX512_BF16), so the result is attention over the dequantized
-// rows, in float32.
+// rows, in float32. Where the tiles take bfloat16 products, they take an
+// int8 cache too, its rows dequantized and rounded to bfloat16 as they are
+// packed (prefill_attention_amx.cpp).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -554,6 +556,10 @@ bool prefill_attention_applies(int64_t head_dim, int64_t group, int64_t block_si
 
 bool allow_bf16_attention_products(bool allowed) { return bf16_products_allowed.exchange(allowed); }
 
+bool prefill_attention_on_tiles(int64_t head_dim, const at::Tensor& kv_cache) {
+  return prefill_attention_bf16_products() && prefill_attention_amx_applies(head_dim, kv_cache);
+}
+
 bool prefill_attention_bf16_products() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return bf16_products_allowed.load();
@@ -606,7 +612,7 @@ void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
   TORCH_CHECK(prefill_attention_applies(query.size(2), H / HKV, kv_cache.size(2)),
               "prefill_attention: no kernel for head_dim ", query.size(2), ", group ", H / HKV,
               ", block size ", kv_cache.size(2), " on this build");
-  if (prefill_attention_bf16_products() && prefill_attention_amx_applies(query.size(2), kv_cache))
+  if (prefill_attention_on_tiles(query.size(2), kv_cache))
     return prefill_attention_amx(out, query, kv_cache, block_table, seq_lens, query_starts,
                                  query_lens, scale, window);
 #if defined(__AVX512F__)

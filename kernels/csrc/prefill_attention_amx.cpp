@@ -1,8 +1,17 @@
-// Paged causal attention for prefill chunks over a bfloat16 cache on AMX
-// tiles (Intel Xeons from Sapphire Rapids): prefill_attention.cpp's
+// Paged causal attention for prefill chunks over a bfloat16 or int8 cache on
+// AMX tiles (Intel Xeons from Sapphire Rapids): prefill_attention.cpp's
 // "bfloat16 products" (Q and P rounded to bfloat16, float32 sums) with both
 // products as oneDNN brgemm calls (ATen's cpublas), 16 x 16 x 32
-// multiply-adds an instruction where the vector kernels do 16 or 32.
+// multiply-adds an instruction where the vector kernels do 16 or 32. An
+// int8 cache's values are exact in bfloat16, so they are packed as they are
+// (bf16_run) and their row scales applied in float32: K's to the scores
+// (per key, a column of S), V's to the probabilities before those are
+// rounded to bfloat16. No K/V value is rounded, only Q and P, as over a
+// bfloat16 cache; its prefill then runs as fast as a bfloat16 cache's (the
+// float32 arithmetic it took before is 1.7x slower). Rounding the
+// dequantized values to bfloat16 instead parted 4 of tests/e2e/
+// test_kv_cache_dtype.py's 8 greedy prompts from the float32 cache's
+// within 32 tokens.
 //
 // A task is one (sequence, KV head, run of up to kTaskRows query rows:
 // tokens x the GQA group's heads, token-major). Its rows are Q [rows, D] in
@@ -28,9 +37,12 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
+#include "kv_int8.h"
 #include "kv_layout.h"
 #include "quant_int8_rows.h"
 #include "silu.h"
@@ -56,33 +68,40 @@ struct Scratch {
   alignas(64) uint16_t p[kRows * kKeys];              // P, bfloat16 [rows][kKeys]
   alignas(64) uint32_t kt[kMaxD / 2 * kKeys];         // K^T: [D / 2][kKeys] pairs of d
   alignas(64) uint32_t v[kKeys / 2 * kMaxD];          // V: [kKeys / 2][D] pairs of keys
+  alignas(64) uint16_t run[kRun * kMaxD];             // an int8 run's values in bfloat16
+  alignas(64) float k_scale[kKeys], v_scale[kKeys];   // an int8 chunk's row scales (0 past n)
 };
 
 struct Task {
   int64_t seq, head, first_token, tokens, cost;
 };
 
-// What a task reads, pointers at its sequence and KV head.
+template <typename T>
+constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+
+// What a task reads, pointers at its sequence and KV head; T is the cache's
+// element type (c10::BFloat16, or int8_t for an int8 cache: kv_int8.h).
+template <typename T>
 struct View {
   const float* q;
   int64_t q_tok, q_head;
   float* out;
   int64_t o_tok, o_head;
-  const c10::BFloat16* k;  // this KV head's slice of block 0 (V: + v_off)
+  const T* k;  // this KV head's slice of block 0 (V: + v_off)
   int64_t v_off;
   const int32_t* blocks;
   int64_t block_size, row, block_elems;
   int64_t rows, first_pos, window, group;
   float scale;
 
-  const c10::BFloat16* run(int64_t c0) const {  // the 16 rows from position c0
+  const T* run(int64_t c0) const {  // the 16 rows from position c0
     return k + blocks[c0 / block_size] * block_elems + c0 % block_size * row;
   }
   int64_t pos(int64_t r) const { return first_pos + r / group; }
 };
 
-template <int D>
-void load_queries(const View& t, Scratch& s) {
+template <int D, typename T>
+void load_queries(const View<T>& t, Scratch& s) {
   for (int64_t r = 0; r < t.rows; ++r) {
     const float* src = t.q + (r / t.group) * t.q_tok + (r % t.group) * t.q_head;
     const __m512 scale = _mm512_set1_ps(t.scale);
@@ -97,47 +116,77 @@ void load_queries(const View& t, Scratch& s) {
   std::fill_n(s.o, t.rows * D, 0.f);
 }
 
-// Keys c0 .. c0 + n - 1 packed; keys n .. width - 1 zero (width: n rounded
-// up to 32, the tiles' depth in bfloat16).
+// A run's first `live` rows as bfloat16 with their stride in elements: a
+// bfloat16 cache's in place; an int8 cache's int8 values (exact in
+// bfloat16) into `buf`, their row scales into `scales`, which the caller
+// applies in float32 to the products (prefill_attention_amx's top).
 template <int D>
-void pack_chunk(const View& t, int64_t c0, int64_t n, int64_t width, Scratch& s) {
-  // K^T: word i (dims 2i, 2i + 1) of key j at kt[i][j]; a run's 16 keys
-  // are t.row elements (t.row / 2 words) apart.
-  const __m512i rows = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      _mm512_set1_epi32(static_cast<int>(t.row / 2)));
-  for (int64_t j0 = 0; j0 < width; j0 += kRun) {
-    const int64_t live = std::clamp<int64_t>(n - j0, 0, kRun);
-    const auto* run = reinterpret_cast<const uint32_t*>(live > 0 ? t.run(c0 + j0) : nullptr);
-    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
-    for (int i = 0; i < D / 2; ++i) {
-      const __m512i words =
-          live > 0 ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask,
-                                                 _mm512_add_epi32(rows, _mm512_set1_epi32(i)), run, 4)
-                   : _mm512_setzero_si512();
-      _mm512_storeu_si512(s.kt + i * kKeys + j0, words);
+std::pair<const uint16_t*, int64_t> bf16_run(const c10::BFloat16* rows, int64_t /*live*/,
+                                             int64_t stride, uint16_t* /*buf*/,
+                                             float* /*scales*/) {
+  return {reinterpret_cast<const uint16_t*>(rows), stride};
+}
+template <int D>
+std::pair<const uint16_t*, int64_t> bf16_run(const int8_t* rows, int64_t live, int64_t stride,
+                                             uint16_t* buf, float* scales) {
+  for (int64_t r = 0; r < live; ++r) {
+    const int8_t* src = rows + r * stride;
+    scales[r] = tandem_kv_int8::row_scale<D>(src);
+    for (int d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d + 16))));
+      _mm512_storeu_si512(buf + r * D + d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
     }
   }
-  // V: keys 2p and 2p + 1 interleaved, element by element.
+  for (int64_t r = live; r < kRun; ++r) scales[r] = 0.f;
+  return {buf, D};
+}
+
+// Keys c0 .. c0 + n - 1 packed; keys n .. width - 1 zero (width: n rounded
+// up to 32, the tiles' depth in bfloat16). Run by run of 16 keys: K^T by
+// gathers, V by interleaving pairs of keys.
+template <int D, typename T>
+void pack_chunk(const View<T>& t, int64_t c0, int64_t n, int64_t width, Scratch& s) {
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56,
                                       24, 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17,
                                       48, 16);
-  for (int64_t j = 0; j < width; j += 2) {
-    auto row_of = [&](int64_t key) -> const uint16_t* {
-      if (key >= n) return nullptr;
-      return reinterpret_cast<const uint16_t*>(t.run(c0 + key - key % kRun) + t.v_off +
-                                               key % kRun * t.row);
-    };
-    const uint16_t* a = row_of(j);
-    const uint16_t* b = row_of(j + 1);
-    uint32_t* dst = s.v + j / 2 * D;
-    for (int d = 0; d < D; d += 32) {
-      const __m512i x = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
-      const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x, lo, y));
-      _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(x, hi, y));
+  for (int64_t j0 = 0; j0 < width; j0 += kRun) {
+    const int64_t live = std::clamp<int64_t>(n - j0, 0, kRun);
+    if (live == 0) {
+      std::fill_n(s.k_scale + j0, kRun, 0.f);
+      std::fill_n(s.v_scale + j0, kRun, 0.f);
+      for (int i = 0; i < D / 2; ++i) _mm512_storeu_si512(s.kt + i * kKeys + j0, _mm512_setzero_si512());
+      for (int64_t j = j0; j < j0 + kRun; j += 2)
+        for (int d = 0; d < D; d += 16) _mm512_storeu_si512(s.v + j / 2 * D + d, _mm512_setzero_si512());
+      continue;
+    }
+    // K^T: word i (dims 2i, 2i + 1) of key j at kt[i][j].
+    const auto [k_rows, k_stride] = bf16_run<D>(t.run(c0 + j0), live, t.row, s.run, s.k_scale + j0);
+    const auto* words = reinterpret_cast<const uint32_t*>(k_rows);
+    const __m512i offsets = _mm512_mullo_epi32(iota, _mm512_set1_epi32(static_cast<int>(k_stride / 2)));
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+    for (int i = 0; i < D / 2; ++i) {
+      const __m512i w = _mm512_mask_i32gather_epi32(
+          _mm512_setzero_si512(), mask, _mm512_add_epi32(offsets, _mm512_set1_epi32(i)), words, 4);
+      _mm512_storeu_si512(s.kt + i * kKeys + j0, w);
+    }
+    // V: keys 2p and 2p + 1 interleaved, element by element (zero past live).
+    const auto [v_rows, v_stride] = bf16_run<D>(t.run(c0 + j0) + t.v_off, live, t.row, s.run, s.v_scale + j0);
+    for (int64_t j = 0; j < kRun; j += 2) {
+      const uint16_t* a = j < live ? v_rows + j * v_stride : nullptr;
+      const uint16_t* b = j + 1 < live ? v_rows + (j + 1) * v_stride : nullptr;
+      uint32_t* dst = s.v + (j0 + j) / 2 * D;
+      for (int d = 0; d < D; d += 32) {
+        const __m512i x = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
+        const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(x, hi, y));
+      }
     }
   }
 }
@@ -146,8 +195,8 @@ void pack_chunk(const View& t, int64_t c0, int64_t n, int64_t width, Scratch& s)
 // c0 + j, j < n; width packed): S -> P in bfloat16, O rescaled. Only the
 // 16-key vectors holding keys a row sees are computed; the rest of its P is
 // zero (rows before the chunk, keys past the diagonal or before a window).
-template <int D>
-void softmax_rows(const View& t, int64_t r0, int64_t m, int64_t c0, int64_t n, int64_t width,
+template <int D, typename T>
+void softmax_rows(const View<T>& t, int64_t r0, int64_t m, int64_t c0, int64_t n, int64_t width,
                   Scratch& s) {
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i zero = _mm512_setzero_si512();
@@ -163,14 +212,19 @@ void softmax_rows(const View& t, int64_t r0, int64_t m, int64_t c0, int64_t n, i
     }
     // Vectors of 32 keys (two of 16) from c_lo to c_hi hold every seen key.
     const int64_t c_lo = lo / 32 * 32, c_hi = (hi + 31) / 32 * 32;
-    const float* srow = s.s + i * kKeys;
+    float* srow = s.s + i * kKeys;
     const __m512i lo_v = _mm512_set1_epi32(static_cast<int>(lo));
     const __m512i hi_v = _mm512_set1_epi32(static_cast<int>(hi));
     __m512 mx = _mm512_set1_ps(s.m[r]);
     for (int64_t c = c_lo; c < c_hi; c += 16) {
       const __m512i j = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(c)));
       const __mmask16 seen = _mm512_cmplt_epi32_mask(j, hi_v) & _mm512_cmpge_epi32_mask(j, lo_v);
-      mx = _mm512_mask_max_ps(mx, seen, mx, _mm512_loadu_ps(srow + c));
+      __m512 sc = _mm512_loadu_ps(srow + c);
+      if constexpr (kInt8<T>) {  // the keys' row scales, on the integer values' products
+        sc = _mm512_mul_ps(sc, _mm512_load_ps(s.k_scale + c));
+        _mm512_storeu_ps(srow + c, sc);
+      }
+      mx = _mm512_mask_max_ps(mx, seen, mx, sc);
     }
     const float row_max = _mm512_reduce_max_ps(mx);
     const __m512 top = _mm512_set1_ps(row_max);
@@ -189,6 +243,8 @@ void softmax_rows(const View& t, int64_t r0, int64_t m, int64_t c0, int64_t n, i
         const __mmask16 seen = _mm512_cmplt_epi32_mask(j, hi_v) & _mm512_cmpge_epi32_mask(j, lo_v);
         p[h] = _mm512_maskz_mov_ps(seen, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(srow + c + 16 * h), top)));
         sum = _mm512_add_ps(sum, p[h]);
+        // P V over V's integer values: each probability takes its row's scale.
+        if constexpr (kInt8<T>) p[h] = _mm512_mul_ps(p[h], _mm512_load_ps(s.v_scale + c + 16 * h));
       }
       _mm512_storeu_si512(prow + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p[1], p[0])));
     }
@@ -203,8 +259,8 @@ void softmax_rows(const View& t, int64_t r0, int64_t m, int64_t c0, int64_t n, i
   }
 }
 
-template <int D>
-void run_task(const View& t, Scratch& s) {
+template <int D, typename T>
+void run_task(const View<T>& t, Scratch& s) {
   load_queries<D>(t, s);
   const int64_t last = t.pos(t.rows - 1);
   int64_t c0 = 0;
@@ -236,7 +292,7 @@ void run_task(const View& t, Scratch& s) {
   }
 }
 
-template <int D>
+template <int D, typename T>
 void run_all(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_table,
              at::Tensor seq_lens, at::Tensor query_starts, at::Tensor query_lens, double scale,
              int64_t window) {
@@ -258,7 +314,7 @@ void run_all(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor b
   }
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  const auto* cache = static_cast<const c10::BFloat16*>(kv_cache.data_ptr());
+  const auto* cache = static_cast<const T*>(kv_cache.data_ptr());
   const int32_t* bt = block_table.data_ptr<int32_t>();
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
@@ -268,7 +324,7 @@ void run_all(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor b
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const Task& ti = tasks[i];
       const int64_t row0 = starts[ti.seq] + ti.first_token, head0 = ti.head * group;
-      const View view{query.data_ptr<float>() + row0 * query.stride(0) + head0 * query.stride(1),
+      const View<T> view{query.data_ptr<float>() + row0 * query.stride(0) + head0 * query.stride(1),
                       query.stride(0),
                       query.stride(1),
                       out.data_ptr<float>() + row0 * out.stride(0) + head0 * out.stride(1),
@@ -291,11 +347,29 @@ void run_all(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor b
   });
 }
 
+template <typename T>
+void run_for(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_table,
+             at::Tensor seq_lens, at::Tensor query_starts, at::Tensor query_lens, double scale,
+             int64_t window) {
+  switch (query.size(2)) {
+    case 64:
+      return run_all<64, T>(out, query, kv_cache, block_table, seq_lens, query_starts, query_lens,
+                            scale, window);
+    case 128:
+      return run_all<128, T>(out, query, kv_cache, block_table, seq_lens, query_starts,
+                             query_lens, scale, window);
+    default:
+      return run_all<256, T>(out, query, kv_cache, block_table, seq_lens, query_starts,
+                             query_lens, scale, window);
+  }
+}
+
 }  // namespace
 
 bool prefill_attention_amx_applies(int64_t head_dim, const at::Tensor& kv_cache) {
+  const auto dtype = kv_cache.scalar_type();
   return amx_allowed.load() && tandem_quant::amx_usable() &&
-         kv_cache.scalar_type() == at::kBFloat16 &&
+         (dtype == at::kBFloat16 || dtype == at::kChar) &&
          (head_dim == 64 || head_dim == 128 || head_dim == 256) && kv_cache.size(2) % kRun == 0;
 }
 
@@ -304,17 +378,11 @@ bool allow_amx_attention(bool allowed) { return amx_allowed.exchange(allowed); }
 void prefill_attention_amx(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                            at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_starts,
                            at::Tensor query_lens, double scale, int64_t window) {
-  switch (query.size(2)) {
-    case 64:
-      return run_all<64>(out, query, kv_cache, block_table, seq_lens, query_starts, query_lens,
+  if (kv_cache.scalar_type() == at::kChar)
+    return run_for<int8_t>(out, query, kv_cache, block_table, seq_lens, query_starts, query_lens,
+                           scale, window);
+  run_for<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, query_starts, query_lens,
                          scale, window);
-    case 128:
-      return run_all<128>(out, query, kv_cache, block_table, seq_lens, query_starts, query_lens,
-                          scale, window);
-    default:
-      return run_all<256>(out, query, kv_cache, block_table, seq_lens, query_starts, query_lens,
-                          scale, window);
-  }
 }
 
 #else

@@ -31,6 +31,13 @@ Caches are head-major in memory as the engine allocates int8 caches
 (kernels/kv_layout.py); the writers and the compiled kernels are also run
 over token-major ones, which they read through the same strides.
 
+Where the CPU has AMX tiles, the compiled prefill runs on them over an
+int8 cache as over a bfloat16 one (bfloat16 products): the int8 values are
+exact in bfloat16 and the row scales apply in float32 (K's to the scores,
+V's to the probabilities before they are rounded), so those rows'
+reference reads the query rounded as the tiles round it, within the
+bfloat16 probabilities' bound (`batches.over_bfloat16`).
+
 The sliding-window cases poison the blocks a window hides: an int8 row
 cannot hold NaN, but its scale can, and any read of such a row turns the
 output to NaN.
@@ -103,12 +110,29 @@ def _int16_weights_bound(batch: PagedBatch) -> float:
     return kv_int8.row_scales(batch.kv_cache)[1].max().item() * 16 * 127 / 65534
 
 
+def tile_rows(batch: PagedBatch, shape: Shape) -> list[int]:
+    """The query rows of the prefill chunks that the compiled prefill runs
+    on AMX tiles (bfloat16 products: the query and the probabilities
+    rounded, the int8 values exact); none where the CPU has no tiles."""
+    if _KERNEL is None or not _KERNEL.prefill_attention_on_tiles(shape.head_dim, batch.kv_cache):
+        return []
+    if not torch_attention._compiled_prefill(batch.query, batch.kv_cache):
+        return []
+    decodes = set(decode_rows(shape))
+    return [r for r in range(batch.query.shape[0]) if r not in decodes]
+
+
 def row_tolerance(batch: PagedBatch, shape: Shape, compiled: bool) -> torch.Tensor:
     """Per query row: `_SAME_VALUES`, plus the integer V sums' bound on the
-    rows the compiled decode kernel takes with integer arithmetic."""
+    rows the compiled decode kernel takes with integer arithmetic, and on
+    the rows prefilled on AMX tiles the bfloat16 probabilities' bound
+    (`batches.over_bfloat16`)."""
     tol = torch.full((batch.query.shape[0], 1, 1), _SAME_VALUES)
     if compiled and quantizes_query(shape):
         tol[decode_rows(shape)] += _int16_weights_bound(batch)
+    if compiled:
+        v_max = kv_int8.dequantize_cache(batch.kv_cache)[1].abs().max().item()
+        tol[tile_rows(batch, shape)] += 2**-8 * v_max
     return tol
 
 
@@ -242,15 +266,24 @@ def test_write_then_read_round_trip() -> None:
 
 
 def _check_paths(
-    batch: PagedBatch, window: int | None, reads: PagedBatch, tol: torch.Tensor
+    batch: PagedBatch,
+    window: int | None,
+    reads: PagedBatch,
+    tol: torch.Tensor,
+    tiles: list[int] | None = None,
 ) -> None:
     """``reads``: the batch as the path under test reads its queries; `tol`
-    per query row."""
+    per query row; `tiles`: the rows prefilled on AMX tiles, whose
+    reference reads the scaled query rounded to bfloat16, as the tiles do."""
     scale = batch.query.shape[-1] ** -0.5
     dequantized = kv_int8.dequantize_cache(batch.kv_cache)
     want = reference.paged_attention(reads.query, dequantized, batch.meta, scale, window)
     ref = reference.paged_attention(reads.query, batch.kv_cache, batch.meta, scale, window)
     assert torch.equal(ref, want)
+    if tiles:
+        rounded = (reads.query * scale).to(torch.bfloat16).float()
+        on_tiles = reference.paged_attention(rounded, dequantized, batch.meta, 1.0, window)
+        want[tiles] = on_tiles[tiles]
     got = torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, scale, window)
     assert got.dtype == torch.float32 and got.isfinite().all()
     error = (got - want).abs()
@@ -266,7 +299,8 @@ def test_compiled_kernels_over_an_int8_cache(shape: Shape, layout: str) -> None:
         kernel = torch_attention._compiled_decode(batch.query, batch.kv_cache)
         assert (kernel is not None) == (shape.head_dim in cpu_kernels.HEAD_DIMS)
         reads = as_decode_reads(batch, shape, shape.head_dim**-0.5)
-        _check_paths(batch, window, reads, row_tolerance(batch, shape, compiled=True))
+        tol = row_tolerance(batch, shape, compiled=True)
+        _check_paths(batch, window, reads, tol, tile_rows(batch, shape))
 
 
 @pytest.mark.usefixtures("no_kernels")
