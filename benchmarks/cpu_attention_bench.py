@@ -1,7 +1,8 @@
 """The compiled CPU attention kernels on the 64-request workload's shapes.
 
 Two measurements, the default model's heads (9 query, 3 KV, head dim 64),
-block size 16, 30 layers, a float32 or bfloat16 cache:
+block size 16, 30 layers, a float32, bfloat16 or int8 cache (int8: quantized
+rows, head-major in memory, as serving allocates them):
 
 * prefill: 64 prompts of 32-512 tokens (the offline workload's lengths),
   fresh (no cached prefix), all in one batch per layer, through
@@ -22,7 +23,11 @@ Where the CPU has AVX512_BF16, the prefill kernel can take bfloat16 products
 over a bfloat16 cache (its default except on Intel CPUs); the prefill
 measurement then also times the other setting
 (`allow_bf16_attention_products`), interleaved with the default in the same
-rounds.
+rounds. An int8 cache takes bfloat16 products on AMX tiles only (timed
+against its float32 arithmetic there) and has no torch path to compare
+with (the torch path dequantizes gathered rows).
+
+    .venv/bin/python benchmarks/cpu_attention_bench.py --rounds 3 --cache-dtypes bfloat16,int8
 
     .venv/bin/python benchmarks/cpu_attention_bench.py --rounds 5
 
@@ -49,8 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from offline_throughput import read_bandwidth
 
-from kernels import cpu_kernels, torch_attention
-from kernels.huge_pages import huge_page_buffer
+from kernels import cpu_kernels, kv_int8, kv_layout, torch_attention
 from kernels.metadata import AttentionMetadata
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -67,14 +71,13 @@ def paged_batch(
     over each cache, which holds just them or, given `cache_bytes`, as many
     blocks as that many bytes hold (a serving cache's size)."""
     blocks = [-(-n // BLOCK) for n in seq_lens]
-    block_bytes = 2 * BLOCK * KV_HEADS * DIM * torch.empty((), dtype=dtype).element_size()
+    block_bytes = 2 * BLOCK * KV_HEADS * _row_bytes(dtype)
     pool = max(sum(blocks) + 1, cache_bytes // block_bytes)
     order = torch.randperm(pool)[: sum(blocks)].tolist()
     table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
     for i, n in enumerate(blocks):
         table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
-    shape = (2, pool, BLOCK, KV_HEADS, DIM)
-    kv = [torch.randn(shape).to(dtype) for _ in range(caches)]
+    kv = [_random_cache((2, pool, BLOCK, KV_HEADS, DIM), dtype) for _ in range(caches)]
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
@@ -88,6 +91,23 @@ def paged_batch(
         decode_only=max(q_lens) == 1,
     )
     return torch.randn(starts[-1], HEADS, DIM), kv, meta
+
+
+def _row_bytes(dtype: torch.dtype) -> int:
+    """Bytes of one (token, head) K or V row in a `dtype` cache."""
+    if dtype == torch.int8:
+        return kv_int8.int8_row_bytes(DIM)
+    return DIM * torch.empty((), dtype=dtype).element_size()
+
+
+def _random_cache(shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Random K/V rows in `dtype`, in the memory order serving gives that
+    dtype (an int8 cache: quantized rows, head-major; kernels/kv_layout.py),
+    on ordinary pages."""
+    rows = torch.randn(shape)
+    if dtype == torch.int8:
+        return kv_layout.as_head_major(kv_int8.quantize_rows(rows))
+    return rows.to(dtype)
 
 
 def timed_layers(query: torch.Tensor, caches: list[torch.Tensor], meta: AttentionMetadata) -> float:
@@ -110,14 +130,17 @@ def prefill(args: argparse.Namespace, dtype: torch.dtype, kernel: ModuleType) ->
     # (how to choose the path, what to set before the round)
     default = kernel.allow_bf16_attention_products(True)
     capable = kernel.prefill_attention_bf16_products()
+    if dtype == torch.int8:  # bfloat16 products over int8 rows: on AMX tiles only
+        capable = capable and kernel.prefill_attention_on_tiles(DIM, caches[0])
     kernel.allow_bf16_attention_products(default)
     ways: dict[str, tuple[Callable[..., bool], Callable[[], None]]] = {
         "compiled kernel": (compiled, _products(kernel, default)),
     }
-    if dtype == torch.bfloat16 and capable:
+    if dtype in (torch.bfloat16, torch.int8) and capable:
         other = "compiled, float32 arithmetic" if default else "compiled, bfloat16 products"
         ways[other] = (compiled, _products(kernel, not default))
-    ways["torch (SDPA per sequence)"] = (lambda q, c: False, _products(kernel, default))
+    if dtype != torch.int8:  # the torch path gathers and dequantizes int8: not a peer
+        ways["torch (SDPA per sequence)"] = (lambda q, c: False, _products(kernel, default))
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.rounds):
         for name, (choice, setting) in ways.items():
@@ -148,8 +171,8 @@ def prefill(args: argparse.Namespace, dtype: torch.dtype, kernel: ModuleType) ->
 
 def _on_huge_pages(cache: torch.Tensor) -> torch.Tensor:
     """A copy of `cache` on 2 MiB pages, as serving allocates it (new_cache)."""
-    buffer = huge_page_buffer(cache.numel() * cache.element_size())
-    copy = buffer.view(cache.dtype).view(cache.shape)
+    kv, blocks, block_size, heads, row = (int(n) for n in cache.shape)
+    copy = kv_layout.new_cache((kv, blocks, block_size, heads, row), cache.dtype, "cpu")
     copy.copy_(cache)
     return copy
 
@@ -159,7 +182,7 @@ def decode(args: argparse.Namespace, dtype: torch.dtype) -> None:
     lens = [rng.randint(96, 544) for _ in range(64)]
     # Each layer's cache as big as the offline workload's (2 GiB over 30 layers).
     query, caches, meta = paged_batch([1] * 64, lens, dtype, LAYERS, 2 * 2**30 // LAYERS)
-    kv_bytes = sum(lens) * KV_HEADS * DIM * 2 * caches[0].element_size() * LAYERS
+    kv_bytes = sum(lens) * KV_HEADS * _row_bytes(dtype) * 2 * LAYERS
     # Serving's caches are on 2 MiB pages (kernels/kv_layout.py new_cache);
     # the same bytes on 4 KiB pages, interleaved, show what that buys.
     ways = {"2 MiB pages (serving's)": [_on_huge_pages(c) for c in caches], "4 KiB pages": caches}
