@@ -41,8 +41,8 @@
 // rows the float32 arithmetic reads (as a bfloat16 cache's rows are widened
 // without AVX512_BF16), so the result is attention over the dequantized
 // rows, in float32. Where the tiles take bfloat16 products, they take an
-// int8 cache too, its rows dequantized and rounded to bfloat16 as they are
-// packed (prefill_attention_amx.cpp).
+// int8 cache too: its int8 values, exact in bfloat16, with the row scales
+// applied in float32 (prefill_attention_amx.cpp).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>

@@ -157,18 +157,14 @@ void pack_chunk(const View<T>& t, int64_t c0, int64_t n, int64_t width, Scratch&
                                       48, 16);
   for (int64_t j0 = 0; j0 < width; j0 += kRun) {
     const int64_t live = std::clamp<int64_t>(n - j0, 0, kRun);
-    if (live == 0) {
-      std::fill_n(s.k_scale + j0, kRun, 0.f);
-      std::fill_n(s.v_scale + j0, kRun, 0.f);
-      for (int i = 0; i < D / 2; ++i) _mm512_storeu_si512(s.kt + i * kKeys + j0, _mm512_setzero_si512());
-      for (int64_t j = j0; j < j0 + kRun; j += 2)
-        for (int d = 0; d < D; d += 16) _mm512_storeu_si512(s.v + j / 2 * D + d, _mm512_setzero_si512());
-      continue;
-    }
+    // A run past the chunk's keys (live 0) is read nowhere: the gathers'
+    // mask and the V rows' nulls leave zeros, its scales are set to 0.
     // K^T: word i (dims 2i, 2i + 1) of key j at kt[i][j].
-    const auto [k_rows, k_stride] = bf16_run<D>(t.run(c0 + j0), live, t.row, s.run, s.k_scale + j0);
+    const T* run = live > 0 ? t.run(c0 + j0) : nullptr;
+    const auto [k_rows, k_stride] = bf16_run<D>(run, live, t.row, s.run, s.k_scale + j0);
     const auto* words = reinterpret_cast<const uint32_t*>(k_rows);
-    const __m512i offsets = _mm512_mullo_epi32(iota, _mm512_set1_epi32(static_cast<int>(k_stride / 2)));
+    const __m512i offsets =
+        _mm512_mullo_epi32(iota, _mm512_set1_epi32(static_cast<int>(k_stride / 2)));
     const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
     for (int i = 0; i < D / 2; ++i) {
       const __m512i w = _mm512_mask_i32gather_epi32(
@@ -176,7 +172,8 @@ void pack_chunk(const View<T>& t, int64_t c0, int64_t n, int64_t width, Scratch&
       _mm512_storeu_si512(s.kt + i * kKeys + j0, w);
     }
     // V: keys 2p and 2p + 1 interleaved, element by element (zero past live).
-    const auto [v_rows, v_stride] = bf16_run<D>(t.run(c0 + j0) + t.v_off, live, t.row, s.run, s.v_scale + j0);
+    const T* v_run = live > 0 ? run + t.v_off : nullptr;
+    const auto [v_rows, v_stride] = bf16_run<D>(v_run, live, t.row, s.run, s.v_scale + j0);
     for (int64_t j = 0; j < kRun; j += 2) {
       const uint16_t* a = j < live ? v_rows + j * v_stride : nullptr;
       const uint16_t* b = j + 1 < live ? v_rows + (j + 1) * v_stride : nullptr;

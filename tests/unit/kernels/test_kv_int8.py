@@ -64,7 +64,7 @@ _SAME_VALUES = 1e-5
 
 INT8_SHAPES = (
     *SHAPES,
-    # Head dim 256: the compiled decode kernel's portable path.
+    # Head dim 256 (Gemma 3): the compiled kernels' largest head.
     Shape((1, 20, 1), (50, 37, 90), 4, 2, 256, 16),
     # Head dim 32: no compiled kernel; the torch gathers and SDPA.
     Shape((20, 1, 1), (50, 33, 9), 4, 2, 32, 16),
